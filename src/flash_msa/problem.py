@@ -1,0 +1,85 @@
+"""Plain-data descriptions of one call, shared by ``api.py``, ``backends.py`` and every backend.
+
+Two frozen dataclasses and two named tuples, nothing else:
+
+- :class:`Config`: the non-tensor arguments of a call, after validation and defaulting.
+- :class:`Problem`: what a backend needs to know to say whether it can run a call (device,
+  dtype, head counts, head dims, ``Config``), without touching tensor data.
+- :class:`Saved`: what the forward keeps for the backward (see docs/design.md, "Contract").
+- :class:`Grads`: what the backward returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Config:
+    """Non-tensor parameters of one call (validated, defaults filled in).
+
+    ``top_k`` is ``None`` for warmup and for ``sparse_attention`` (given indices);
+    ``proxy_scale`` is ``None`` when the call has no proxy (``sparse_attention``).
+    ``max_seqlen`` is the longest sequence (batch form: ``S``).
+    """
+
+    block_size: int
+    softmax_scale: float
+    max_seqlen: int
+    proxy_scale: float | None = None
+    top_k: int | None = None
+    warmup: bool = False
+    compute_kl: bool = False
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a backend's ``unsupported_reason`` may look at.
+
+    ``capability`` is ``(major, minor)`` for CUDA devices, ``None`` on CPU.
+    ``num_proxy_heads``/``num_proxy_k_heads``/``proxy_head_dim`` are 0 when there is no proxy.
+    ``num_sel_heads`` is the number of heads of the index tensor (``Hp`` for the fused op).
+    """
+
+    device_type: str
+    capability: tuple[int, int] | None
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_sel_heads: int
+    num_proxy_k_heads: int
+    proxy_head_dim: int
+    varlen: bool
+    cfg: Config
+
+
+class Saved(NamedTuple):
+    """Tensors the forward saves for the backward, packed varlen layout (``T`` = total tokens).
+
+    ``indices`` is ``None`` in warmup; ``q_proxy``/``k_proxy``/``proxy_lse`` are ``None`` when the
+    proxy gets no gradient.
+    """
+
+    q: torch.Tensor  # (T, H, D)
+    k: torch.Tensor  # (T, Hkv, D)
+    v: torch.Tensor  # (T, Hkv, D)
+    out: torch.Tensor  # (T, H, D), input dtype
+    lse: torch.Tensor  # (T, H) fp32, natural log, over the selected keys
+    indices: torch.Tensor | None  # (T, Hsel, top_k) int32, sequence-local block numbers
+    q_proxy: torch.Tensor | None  # (T, Hp, Dp)
+    k_proxy: torch.Tensor | None  # (T, Hpk, Dp)
+    proxy_lse: torch.Tensor | None  # (T, Hp) fp32, natural log of sum exp(z) over the kept keys
+
+
+class Grads(NamedTuple):
+    """Gradients returned by a backend's ``bwd``; ``None`` where not requested."""
+
+    dq: torch.Tensor | None
+    dk: torch.Tensor | None
+    dv: torch.Tensor | None
+    dq_proxy: torch.Tensor | None
+    dk_proxy: torch.Tensor | None

@@ -1,0 +1,184 @@
+"""Test utilities shared by the test suite, ``flash-msa check`` and the benchmark's verification.
+
+- :func:`make_inputs`: random or "local" MSA inputs (performance.md's two input kinds).
+- :func:`brute_force`: an independent, loop-based fp64 statement of MSA (per-row Python
+  selection, a dense boolean mask, ``torch.softmax``/``F.kl_div``, autograd gradients). It shares
+  no code with :mod:`flash_msa.reference`, so comparing the two can fail.
+- :func:`selection_mismatch`: compares two selections as sets with the near-tie rule of
+  semantics.md ("Numerics").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def make_inputs(
+    B, S, H, Hkv, Hp, Hpk, D, Dp, *, dtype=torch.bfloat16, device="cpu", kind="random",
+    seed=0, requires_grad=False,
+):
+    """MSA inputs in batch form ``(B, S, heads, dim)``.
+
+    ``kind="random"``: ``torch.randn`` everywhere. ``kind="local"``: the proxy q and k are
+    cumulative sums of Gaussian noise along the sequence, each token rescaled to unit RMS, so that
+    neighbouring queries rank blocks alike; main q, k, v stay random.
+    Returns ``(q_proxy, k_proxy, q, k, v)``.
+    """
+    if kind not in ("random", "local"):
+        raise ValueError(f"kind must be 'random' or 'local', got {kind!r}")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float32)
+
+    def proxy(heads, dim):
+        x = randn(B, S, heads, dim)
+        if kind == "local":
+            x = x.cumsum(dim=1)
+            x = x / x.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
+        return x
+
+    tensors = (proxy(Hp, Dp), proxy(Hpk, Dp), randn(B, S, H, D), randn(B, S, Hkv, D),
+               randn(B, S, Hkv, D))
+    return tuple(t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in tensors)
+
+
+def _segments(cu_seqlens, total):
+    if cu_seqlens is None:
+        return [(0, total)]
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    return [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+
+
+def _packed(x):
+    return x.reshape(-1, *x.shape[2:]) if x.dim() == 4 else x
+
+
+def brute_force_select(q_proxy, k_proxy, top_k, block_size, proxy_scale, cu_seqlens=None):
+    """Selection by Python loops over (sequence, proxy head, query), in fp64.
+
+    Returns a list indexed by packed token, each a list over proxy heads of the sorted list of
+    selected sequence-local block numbers.
+    """
+    qp, kp = _packed(q_proxy).double(), _packed(k_proxy).double()
+    if cu_seqlens is None and q_proxy.dim() == 4:
+        B, S = q_proxy.shape[:2]
+        segs = [(b * S, (b + 1) * S) for b in range(B)]
+    else:
+        segs = _segments(cu_seqlens, qp.shape[0])
+    Hp, Hpk = qp.shape[1], kp.shape[1]
+    chosen = [[[] for _ in range(Hp)] for _ in range(qp.shape[0])]
+    for s0, s1 in segs:
+        for p in range(Hp):
+            keys = kp[s0:s1, p // (Hp // Hpk)]  # [L, Dp]
+            z_all = proxy_scale * (qp[s0:s1, p] @ keys.T)  # [L, L]
+            for i in range(s1 - s0):
+                own = i // block_size
+                scores = {n: z_all[i, n * block_size : min((n + 1) * block_size, i + 1)].max().item()
+                          for n in range(own + 1)}
+                ranked = sorted(scores, key=lambda n: (n != own, -scores[n], n))
+                chosen[s0 + i][p] = sorted(ranked[:top_k])
+    return chosen
+
+
+def indices_to_lists(indices):
+    """``(T, Hsel, top_k)`` (or batch form) int tensor -> nested lists without the -1 padding."""
+    idx = indices.reshape(-1, *indices.shape[-2:]).tolist()
+    return [[[n for n in row if n >= 0] for row in tok] for tok in idx]
+
+
+def brute_force(q_proxy, k_proxy, q, k, v, selection, *, block_size, softmax_scale=None,
+                proxy_scale=None, cu_seqlens=None, warmup=False):
+    """Main attention, LSE and KL over a given selection, with a dense mask, in fp64.
+
+    ``selection`` is the nested list of :func:`brute_force_select` / :func:`indices_to_lists`
+    (ignored when ``warmup``). Inputs may require grad: the result is differentiable (the KL
+    target is detached, as in MSA). Returns a dict with ``out`` (input layout), ``lse``
+    (``(T, H)``), ``kl`` (0-dim), all fp64.
+    """
+    D, Dp = q.shape[-1], q_proxy.shape[-1]
+    softmax_scale = D**-0.5 if softmax_scale is None else softmax_scale
+    proxy_scale = Dp**-0.5 if proxy_scale is None else proxy_scale
+    qp, kp, qq, kk, vv = (_packed(x).double() for x in (q_proxy, k_proxy, q, k, v))
+    T, H, _ = qq.shape
+    Hkv, Hp, Hpk = kk.shape[1], qp.shape[1], kp.shape[1]
+    if cu_seqlens is None and q.dim() == 4:
+        B, S = q.shape[:2]
+        segs = [(b * S, (b + 1) * S) for b in range(B)]
+    else:
+        segs = _segments(cu_seqlens, T)
+    outs, lses, kl_total = [], [], qq.new_zeros(())
+    for s0, s1 in segs:
+        L = s1 - s0
+        mask = torch.zeros(Hp, L, L, dtype=torch.bool)
+        for p in range(Hp):
+            for i in range(L):
+                if warmup:
+                    mask[p, i, : i + 1] = True
+                    continue
+                for n in selection[s0 + i][p]:
+                    mask[p, i, n * block_size : min((n + 1) * block_size, i + 1)] = True
+        mask_h = mask.repeat_interleave(H // Hp, dim=0)
+        kh = kk[s0:s1].transpose(0, 1).repeat_interleave(H // Hkv, dim=0)
+        vh = vv[s0:s1].transpose(0, 1).repeat_interleave(H // Hkv, dim=0)
+        s = softmax_scale * qq[s0:s1].transpose(0, 1) @ kh.transpose(1, 2)
+        s = s.masked_fill(~mask_h, -math.inf)
+        lse = torch.logsumexp(s, -1)
+        prob = torch.softmax(s, -1).nan_to_num(0.0)
+        outs.append((prob @ vh).transpose(0, 1))
+        lses.append(lse.transpose(0, 1))
+        kph = kp[s0:s1].transpose(0, 1).repeat_interleave(Hp // Hpk, dim=0)
+        z = proxy_scale * qp[s0:s1].transpose(0, 1) @ kph.transpose(1, 2)
+        log_q = torch.log_softmax(z.masked_fill(~mask, -math.inf), -1)
+        target = prob.detach().view(Hp, H // Hp, L, L).mean(1)
+        # kl_div(input=log Q, target) = sum target * (log target - log Q); off the mask both the
+        # target and the term are 0, so feed log Q = 0 there to avoid 0 * inf.
+        kl_total = kl_total + F.kl_div(log_q.masked_fill(~mask, 0.0), target, reduction="sum")
+    out = torch.cat(outs).reshape(q.shape[:-1] + (q.shape[-1],))
+    return {"out": out, "lse": torch.cat(lses), "kl": kl_total / (Hp * T)}
+
+
+def selection_mismatch(idx_a, idx_b, q_proxy, k_proxy, block_size, proxy_scale,
+                       cu_seqlens=None, rtol=1e-3):
+    """Number of (token, proxy head) rows whose selections differ beyond near-ties.
+
+    A row passes when the two index sets are equal, or when every block in their symmetric
+    difference has a score (recomputed in fp64) within ``rtol * (1 + |s_k|)`` of the k-th
+    largest selected score ``s_k`` (the own block is excluded from the ranking).
+    """
+    a, b = indices_to_lists(idx_a), indices_to_lists(idx_b)
+    qp, kp = _packed(q_proxy).double(), _packed(k_proxy).double()
+    T, Hp = qp.shape[:2]
+    Hpk = kp.shape[1]
+    if cu_seqlens is None and q_proxy.dim() == 4:
+        S = q_proxy.shape[1]
+        starts = [t - t % S for t in range(T)]
+    else:
+        seg_start = {}
+        for s0, s1 in _segments(cu_seqlens, T):
+            for t in range(s0, s1):
+                seg_start[t] = s0
+        starts = [seg_start[t] for t in range(T)]
+    bad = 0
+    for t in range(T):
+        for p in range(Hp):
+            sa, sb = set(a[t][p]), set(b[t][p])
+            if sa == sb:
+                continue
+            if len(sa) != len(sb):
+                bad += 1
+                continue
+            s0, i = starts[t], t - starts[t]
+            z = proxy_scale * (kp[s0 : t + 1, p // (Hp // Hpk)] @ qp[t, p])
+
+            def score(n, z=z, i=i):
+                return z[n * block_size : min((n + 1) * block_size, i + 1)].max().item()
+
+            own = i // block_size
+            kth = min(score(n) for n in (sa | sb) - {own})
+            if any(abs(score(n) - kth) > rtol * (1 + abs(kth)) for n in sa ^ sb):
+                bad += 1
+    return bad
