@@ -40,8 +40,9 @@ class Problem:
     """Everything a backend's ``unsupported_reason`` may look at.
 
     ``capability`` is ``(major, minor)`` for CUDA devices, ``None`` on CPU.
-    ``num_proxy_heads``/``num_proxy_k_heads``/``proxy_head_dim`` are 0 when there is no proxy.
-    ``num_sel_heads`` is the number of heads of the index tensor (``Hp`` for the fused op).
+    ``num_sel_heads`` is the number of selection heads (``Hp`` for the fused op and
+    ``select_blocks``, the index tensor's heads for ``sparse_attention``). Heads and dims a call
+    does not have are 0: no proxy in ``sparse_attention``, no main tensors in ``select_blocks``.
     """
 
     device_type: str

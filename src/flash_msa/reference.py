@@ -31,8 +31,8 @@ _TILE_BYTES = 1 << 27  # one (heads, rows, keys) fp32 tile stays below 128 MB
 # ---------------------------------------------------------------------------------------------
 # backend surface
 # ---------------------------------------------------------------------------------------------
-def unavailable_reason(device_type: str) -> str | None:
-    """The torch backend runs on any device torch supports."""
+def unavailable_reason() -> str | None:
+    """The torch backend runs wherever torch runs."""
     return None
 
 
@@ -160,7 +160,6 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, *
     cdt = sdt if upcast else q.dtype
     proxy = q_proxy is not None
     Hp = q_proxy.shape[1] if proxy else 0
-    Hsel = indices.shape[1] if indices is not None else (Hp or 1)
     out = torch.zeros_like(q)
     lse = torch.full((T, H), -math.inf, dtype=sdt, device=q.device)
     proxy_lse = torch.full((T, Hp), -math.inf, dtype=sdt, device=q.device) if proxy else None

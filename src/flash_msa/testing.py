@@ -17,8 +17,20 @@ import torch.nn.functional as F
 
 
 def make_inputs(
-    B, S, H, Hkv, Hp, Hpk, D, Dp, *, dtype=torch.bfloat16, device="cpu", kind="random",
-    seed=0, requires_grad=False,
+    B,
+    S,
+    H,
+    Hkv,
+    Hp,
+    Hpk,
+    D,
+    Dp,
+    *,
+    dtype=torch.bfloat16,
+    device="cpu",
+    kind="random",
+    seed=0,
+    requires_grad=False,
 ):
     """MSA inputs in batch form ``(B, S, heads, dim)``.
 
@@ -41,8 +53,13 @@ def make_inputs(
             x = x / x.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
         return x
 
-    tensors = (proxy(Hp, Dp), proxy(Hpk, Dp), randn(B, S, H, D), randn(B, S, Hkv, D),
-               randn(B, S, Hkv, D))
+    tensors = (
+        proxy(Hp, Dp),
+        proxy(Hpk, Dp),
+        randn(B, S, H, D),
+        randn(B, S, Hkv, D),
+        randn(B, S, Hkv, D),
+    )
     return tuple(t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in tensors)
 
 
@@ -77,8 +94,11 @@ def brute_force_select(q_proxy, k_proxy, top_k, block_size, proxy_scale, cu_seql
             z_all = proxy_scale * (qp[s0:s1, p] @ keys.T)  # [L, L]
             for i in range(s1 - s0):
                 own = i // block_size
-                scores = {n: z_all[i, n * block_size : min((n + 1) * block_size, i + 1)].max().item()
-                          for n in range(own + 1)}
+                row = z_all[i]
+                scores = {
+                    n: row[n * block_size : min((n + 1) * block_size, i + 1)].max().item()
+                    for n in range(own + 1)
+                }
                 ranked = sorted(scores, key=lambda n: (n != own, -scores[n], n))
                 chosen[s0 + i][p] = sorted(ranked[:top_k])
     return chosen
@@ -90,8 +110,20 @@ def indices_to_lists(indices):
     return [[[n for n in row if n >= 0] for row in tok] for tok in idx]
 
 
-def brute_force(q_proxy, k_proxy, q, k, v, selection, *, block_size, softmax_scale=None,
-                proxy_scale=None, cu_seqlens=None, warmup=False):
+def brute_force(
+    q_proxy,
+    k_proxy,
+    q,
+    k,
+    v,
+    selection,
+    *,
+    block_size,
+    softmax_scale=None,
+    proxy_scale=None,
+    cu_seqlens=None,
+    warmup=False,
+):
     """Main attention, LSE and KL over a given selection, with a dense mask, in fp64.
 
     ``selection`` is the nested list of :func:`brute_force_select` / :func:`indices_to_lists`
@@ -141,8 +173,9 @@ def brute_force(q_proxy, k_proxy, q, k, v, selection, *, block_size, softmax_sca
     return {"out": out, "lse": torch.cat(lses), "kl": kl_total / (Hp * T)}
 
 
-def selection_mismatch(idx_a, idx_b, q_proxy, k_proxy, block_size, proxy_scale,
-                       cu_seqlens=None, rtol=1e-3):
+def selection_mismatch(
+    idx_a, idx_b, q_proxy, k_proxy, block_size, proxy_scale, cu_seqlens=None, rtol=1e-3
+):
     """Number of (token, proxy head) rows whose selections differ beyond near-ties.
 
     A row passes when the two index sets are equal, or when every block in their symmetric

@@ -1,0 +1,493 @@
+"""Public entry points: validation, layout normalization and the autograd Functions.
+
+Every public call (1) validates its arguments and raises ``TypeError``/``ValueError`` naming the
+argument before anything runs, (2) brings batch-form tensors to the packed varlen layout
+``(T, heads, dim)`` with ``cu_seqlens`` (a view, no copy for contiguous inputs), (3) resolves a
+backend per op once (``backends.resolve``) and (4) runs the ops through one autograd Function.
+The op contract shared by all backends is in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+
+import torch
+
+from . import backends
+from .problem import Config, Problem, Saved
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_BLOCK_SIZES = (64, 128)
+
+
+def _debug() -> bool:
+    return os.environ.get("FLASH_MSA_DEBUG", "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------
+def _check_tensors(tensors: dict, varlen: bool):
+    """Type, rank, dtype, device and leading (batch/token) dims of the named tensors."""
+    for name, x in tensors.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    rank = 3 if varlen else 4
+    form = (
+        "(total_tokens, heads, head_dim) because cu_seqlens is given"
+        if varlen
+        else "(batch, seqlen, heads, head_dim) (pass cu_seqlens for the varlen form)"
+    )
+    first, ref = next(iter(tensors.items()))
+    for name, x in tensors.items():
+        if x.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {form}; got shape {tuple(x.shape)}")
+        if x.dtype not in _DTYPES:
+            raise TypeError(
+                f"{name} has unsupported dtype {x.dtype}; use bfloat16 or float16 "
+                "(float32/float64 for debugging and the reference)"
+            )
+        if x.dtype != ref.dtype:
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but {first} has {ref.dtype}; "
+                "all inputs must share one dtype"
+            )
+        if x.device != ref.device:
+            raise ValueError(f"{name} is on {x.device} but {first} is on {ref.device}")
+        if x.shape[: rank - 2] != ref.shape[: rank - 2]:
+            what = "total_tokens" if varlen else "(batch, seqlen)"
+            raise ValueError(
+                f"{name} has {what} = {tuple(x.shape[: rank - 2])} but {first} has "
+                f"{tuple(ref.shape[: rank - 2])}"
+            )
+        if x.shape[-1] < 1 or x.shape[-2] < 1:
+            raise ValueError(
+                f"{name} must have at least one head and head_dim >= 1; got shape {tuple(x.shape)}"
+            )
+    if ref.shape[: rank - 2].numel() == 0:
+        raise ValueError(f"{first} has no tokens (shape {tuple(ref.shape)})")
+
+
+def _check_heads(H, Hkv, Hsel, sel_name):
+    if H % Hkv:
+        raise ValueError(f"heads of q ({H}) must be a multiple of heads of k/v ({Hkv})")
+    if H % Hsel:
+        raise ValueError(f"heads of q ({H}) must be a multiple of heads of {sel_name} ({Hsel})")
+    if Hsel % Hkv and Hkv % Hsel:
+        raise ValueError(
+            f"heads of {sel_name} ({Hsel}) and of k/v ({Hkv}) must divide one another (a "
+            "selection group lies inside one KV group or is a union of whole KV groups)"
+        )
+
+
+def _check_main(q, k, v):
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"head_dim of k/v ({k.shape[-1]}) must equal head_dim of q ({q.shape[-1]})"
+        )
+
+
+def _check_proxy(q_proxy, k_proxy):
+    Hp, Hpk = q_proxy.shape[-2], k_proxy.shape[-2]
+    if k_proxy.shape[-1] != q_proxy.shape[-1]:
+        raise ValueError(
+            f"head_dim of k_proxy ({k_proxy.shape[-1]}) must equal head_dim of "
+            f"q_proxy ({q_proxy.shape[-1]})"
+        )
+    if Hp % Hpk:
+        raise ValueError(f"heads of q_proxy ({Hp}) must be a multiple of heads of k_proxy ({Hpk})")
+
+
+def _int_arg(name, value, low):
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _scale_arg(name, value, default):
+    if value is None:
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return float(value)
+
+
+def _bool_arg(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _block_size_arg(block_size):
+    block_size = _int_arg("block_size", block_size, 1)
+    if block_size not in _BLOCK_SIZES:
+        raise ValueError(f"block_size must be 64 or 128, got {block_size}")
+    return block_size
+
+
+def _sequences(ref, cu_seqlens, max_seqlen):
+    """``(cu_seqlens, max_seqlen)`` for the packed layout; validates the varlen arguments.
+
+    Batch form builds ``cu_seqlens = [0, S, 2S, ...]`` on the device (no host sync).
+    """
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError(
+                "max_seqlen is only used with cu_seqlens (varlen form); got "
+                f"max_seqlen={max_seqlen!r} without cu_seqlens"
+            )
+        B, S = ref.shape[:2]
+        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=ref.device)
+        return cu, S
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            "cu_seqlens must be 1-D with at least 2 entries [0, ..., total_tokens]; "
+            f"got shape {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.device != ref.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {ref.device}")
+    if max_seqlen is not None:
+        max_seqlen = _int_arg("max_seqlen", max_seqlen, 1)
+    host = cu_seqlens.device.type == "cpu"
+    if max_seqlen is None and not host:
+        raise ValueError(
+            "max_seqlen is required when cu_seqlens is on a GPU (computing it would "
+            "need a host sync)"
+        )
+    if host or _debug():
+        cu = cu_seqlens.tolist()
+        total = ref.shape[0]
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+        if any(b < a for a, b in zip(cu[:-1], cu[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+        if cu[-1] != total:
+            raise ValueError(f"cu_seqlens[-1] ({cu[-1]}) must equal total_tokens ({total})")
+        longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+        if max_seqlen is None:
+            max_seqlen = max(1, longest)
+        elif max_seqlen < longest:
+            raise ValueError(
+                f"max_seqlen ({max_seqlen}) is smaller than the longest sequence "
+                f"in cu_seqlens ({longest})"
+            )
+    return cu_seqlens, max_seqlen
+
+
+def _check_finite(tensors: dict):
+    """Inputs are assumed finite; checked on CPU tensors or with FLASH_MSA_DEBUG=1."""
+    for name, x in tensors.items():
+        if (x.device.type == "cpu" or _debug()) and not torch.isfinite(x).all():
+            raise ValueError(f"{name} contains non-finite values (NaN or inf)")
+
+
+def _check_indices(indices, ref, cu, max_seqlen, block_size, varlen):
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype != torch.int32:
+        raise TypeError(f"indices must be int32, got {indices.dtype}")
+    lead = ref.shape[:1] if varlen else ref.shape[:2]
+    if indices.dim() != len(lead) + 2 or indices.shape[: len(lead)] != lead:
+        form = "(total_tokens, Hsel, top_k)" if varlen else "(batch, seqlen, Hsel, top_k)"
+        raise ValueError(
+            f"indices must be {form} matching q's leading dims {tuple(lead)}; got "
+            f"shape {tuple(indices.shape)}"
+        )
+    if indices.shape[-1] < 1 or indices.shape[-2] < 1:
+        raise ValueError(
+            f"indices needs at least one head and one slot; got shape {tuple(indices.shape)}"
+        )
+    if indices.device != ref.device:
+        raise ValueError(f"indices is on {indices.device} but q is on {ref.device}")
+    if not (indices.device.type == "cpu" or _debug()):
+        return
+    idx = indices.reshape(-1, *indices.shape[-2:])
+    lengths = (cu[1:] - cu[:-1]).long()
+    nblocks = torch.repeat_interleave(-(-lengths // block_size), lengths)  # [T]
+    if (idx < -1).any() or (idx >= nblocks[:, None, None]).any():
+        raise ValueError("indices must hold -1 or block numbers in [0, blocks of the sequence)")
+    valid = idx >= 0
+    if (valid[..., 1:] & ~valid[..., :-1]).any():
+        raise ValueError("indices: -1 entries must only pad the end of a row")
+    if (valid[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any():
+        raise ValueError("indices: the valid entries of a row must be strictly ascending")
+
+
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, *x.shape[-2:]).contiguous()
+
+
+def _problem(ref, H, Hkv, D, Hsel, Hpk, Dp, varlen, cfg) -> Problem:
+    """The call as backends see it (0 for the heads/dims a call does not have)."""
+    cap = torch.cuda.get_device_capability(ref.device) if ref.device.type == "cuda" else None
+    return Problem(ref.device.type, cap, ref.dtype, H, Hkv, D, Hsel, Hpk, Dp, varlen, cfg)
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd
+# ---------------------------------------------------------------------------------------------
+class _MSAFunction(torch.autograd.Function):
+    """select -> fwd (-> bwd): the fused MSA op on the packed layout."""
+
+    @staticmethod
+    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, cfg: Config, ops):
+        ctx.set_materialize_grads(False)
+        select_be, fwd_be, bwd_be = ops
+        indices = None if cfg.warmup else select_be.select(q_proxy, k_proxy, cu_seqlens, cfg)
+        proxy_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        use_proxy = cfg.compute_kl or proxy_grad
+        out, lse, proxy_lse, kl = fwd_be.fwd(
+            q,
+            k,
+            v,
+            indices,
+            cu_seqlens,
+            cfg,
+            q_proxy if use_proxy else None,
+            k_proxy if use_proxy else None,
+        )
+        if kl is None:  # compute_kl=False: the value is 0, the gradient stays exact
+            kl = torch.zeros((), dtype=lse.dtype, device=q.device)
+        ctx.save_for_backward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            indices,
+            q_proxy if proxy_grad else None,
+            k_proxy if proxy_grad else None,
+            proxy_lse if proxy_grad else None,
+            cu_seqlens,
+        )
+        ctx.cfg, ctx.bwd_be = cfg, bwd_be
+        return out, kl
+
+    @staticmethod
+    def backward(ctx, dout, dkl):
+        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if not any(need[2:5]):
+            dout = None
+        if not any(need[0:2]):
+            dkl = None  # the proxy backward is skipped, not multiplied by zero
+        if dout is None and dkl is None:
+            return (None,) * 8
+        saved = Saved(q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse)
+        g = ctx.bwd_be.bwd(None if dout is None else dout.contiguous(), dkl, saved, cu, ctx.cfg)
+        return g.dq_proxy, g.dk_proxy, g.dq, g.dk, g.dv, None, None, None
+
+
+class _SparseFunction(torch.autograd.Function):
+    """fwd (-> bwd) on given indices, no proxy."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, indices, cu_seqlens, cfg: Config, ops):
+        ctx.set_materialize_grads(False)
+        fwd_be, bwd_be = ops
+        out, lse, _, _ = fwd_be.fwd(q, k, v, indices, cu_seqlens, cfg)
+        ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens)
+        ctx.cfg, ctx.bwd_be = cfg, bwd_be
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 7
+        q, k, v, out, lse, indices, cu = ctx.saved_tensors
+        saved = Saved(q, k, v, out, lse, indices, None, None, None)
+        g = ctx.bwd_be.bwd(dout.contiguous(), None, saved, cu, ctx.cfg)
+        return g.dq, g.dk, g.dv, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------
+def msa_attention(
+    q_proxy,
+    k_proxy,
+    q,
+    k,
+    v,
+    top_k,
+    *,
+    block_size=128,
+    softmax_scale=None,
+    proxy_scale=None,
+    cu_seqlens=None,
+    max_seqlen=None,
+    warmup=False,
+    compute_kl=True,
+):
+    """MiniMax Sparse Attention: proxy top-k block selection, sparse GQA attention, proxy KL.
+
+    Shapes (batch form; varlen form drops ``B`` and packs ``(T, heads, dim)`` with
+    ``cu_seqlens``):
+
+    - ``q_proxy``: ``(B, S, Hp, Dp)``, ``k_proxy``: ``(B, S, Hpk, Dp)``
+    - ``q``: ``(B, S, H, D)``, ``k``, ``v``: ``(B, S, Hkv, D)``
+    - head rules: ``H % Hkv == 0``, ``H % Hp == 0``, ``Hp % Hpk == 0`` and ``Hp``, ``Hkv``
+      divide one another.
+
+    Args:
+        top_k: number of key *blocks* each query keeps (its own block included).
+        block_size: 64 or 128 tokens per key block.
+        softmax_scale: main attention scale, default ``D ** -0.5``.
+        proxy_scale: proxy score scale, default ``Dp ** -0.5``.
+        cu_seqlens: int32 ``(N+1,)`` cumulative sequence lengths (varlen form).
+        max_seqlen: longest sequence; required when ``cu_seqlens`` is on a GPU.
+        warmup: dense causal main attention, KL over all visible keys (``top_k`` ignored).
+        compute_kl: compute the KL value (``False`` returns 0 but keeps its exact gradient).
+
+    Returns:
+        ``(out, kl)``: ``out`` like ``q``; ``kl`` a 0-dim fp32 tensor (fp64 for fp64 inputs),
+        the mean over ``Hp * tokens`` rows of ``KL(target || proxy)``. Its gradient reaches only
+        ``q_proxy``/``k_proxy``; no main-loss gradient reaches them.
+    """
+    varlen = cu_seqlens is not None
+    tensors = {"q_proxy": q_proxy, "k_proxy": k_proxy, "q": q, "k": k, "v": v}
+    _check_tensors(tensors, varlen)
+    _check_main(q, k, v)
+    _check_proxy(q_proxy, k_proxy)
+    _check_heads(q.shape[-2], k.shape[-2], q_proxy.shape[-2], "q_proxy")
+    top_k = _int_arg("top_k", top_k, 1)
+    block_size = _block_size_arg(block_size)
+    softmax_scale = _scale_arg("softmax_scale", softmax_scale, q.shape[-1] ** -0.5)
+    proxy_scale = _scale_arg("proxy_scale", proxy_scale, q_proxy.shape[-1] ** -0.5)
+    warmup = _bool_arg("warmup", warmup)
+    compute_kl = _bool_arg("compute_kl", compute_kl)
+    cu, max_seqlen = _sequences(q, cu_seqlens, max_seqlen)
+    _check_finite(tensors)
+    cfg = Config(
+        block_size,
+        softmax_scale,
+        max_seqlen,
+        proxy_scale,
+        None if warmup else top_k,
+        warmup,
+        compute_kl,
+    )
+    problem = _problem(
+        q,
+        q.shape[-2],
+        k.shape[-2],
+        q.shape[-1],
+        q_proxy.shape[-2],
+        k_proxy.shape[-2],
+        q_proxy.shape[-1],
+        varlen,
+        cfg,
+    )
+    select_be = None if warmup else backends.resolve("select", problem)[1]
+    fwd_be = backends.resolve("fwd", problem)[1]
+    bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(*tensors.values()) else None
+    out, kl = _MSAFunction.apply(
+        *(_packed(x) for x in tensors.values()), cu, cfg, (select_be, fwd_be, bwd_be)
+    )
+    return out.view(q.shape), kl
+
+
+def select_blocks(
+    q_proxy, k_proxy, top_k, *, block_size=128, proxy_scale=None, cu_seqlens=None, max_seqlen=None
+):
+    """The proxy's top-k key blocks per (query, proxy head). Not differentiable.
+
+    Args:
+        q_proxy: ``(B, S, Hp, Dp)`` or varlen ``(T, Hp, Dp)``.
+        k_proxy: ``(B, S, Hpk, Dp)`` or varlen ``(T, Hpk, Dp)``; ``Hp % Hpk == 0``.
+        top_k, block_size, proxy_scale, cu_seqlens, max_seqlen: as in :func:`msa_attention`.
+
+    Returns:
+        int32 ``(B, S, Hp, top_k)`` (or ``(T, Hp, top_k)``): sequence-local block numbers,
+        ascending, the own block always present, unused slots ``-1``.
+    """
+    varlen = cu_seqlens is not None
+    tensors = {"q_proxy": q_proxy, "k_proxy": k_proxy}
+    _check_tensors(tensors, varlen)
+    _check_proxy(q_proxy, k_proxy)
+    top_k = _int_arg("top_k", top_k, 1)
+    block_size = _block_size_arg(block_size)
+    proxy_scale = _scale_arg("proxy_scale", proxy_scale, q_proxy.shape[-1] ** -0.5)
+    cu, max_seqlen = _sequences(q_proxy, cu_seqlens, max_seqlen)
+    _check_finite(tensors)
+    cfg = Config(block_size, 1.0, max_seqlen, proxy_scale, top_k)
+    problem = _problem(
+        q_proxy, 0, 0, 0, q_proxy.shape[-2], k_proxy.shape[-2], q_proxy.shape[-1], varlen, cfg
+    )
+    select_be = backends.resolve("select", problem)[1]
+    with torch.no_grad():
+        indices = select_be.select(_packed(q_proxy), _packed(k_proxy), cu, cfg)
+    return indices.view(*q_proxy.shape[:-1], top_k)
+
+
+def sparse_attention(
+    q,
+    k,
+    v,
+    indices,
+    *,
+    block_size=128,
+    softmax_scale=None,
+    cu_seqlens=None,
+    max_seqlen=None,
+    return_lse=False,
+):
+    """Attention over given key blocks (differentiable in ``q``, ``k``, ``v``).
+
+    Args:
+        q: ``(B, S, H, D)``; k, v: ``(B, S, Hkv, D)`` (or varlen ``(T, heads, D)``).
+        indices: int32 ``(B, S, Hsel, top_k)`` (or ``(T, Hsel, top_k)``): the sequence-local
+            blocks each row attends, ascending, ``-1`` padded; main head ``h`` uses index head
+            ``h // (H / Hsel)``. Causality holds inside each block; the own block is *not*
+            implied. Values are checked on CPU or with ``FLASH_MSA_DEBUG=1`` only.
+        block_size, softmax_scale, cu_seqlens, max_seqlen: as in :func:`msa_attention`.
+        return_lse: also return the fp32 natural-log LSE ``(B, S, H)`` (not differentiable).
+
+    Returns:
+        ``out`` like ``q`` (rows with no visible key are 0), or ``(out, lse)``.
+    """
+    varlen = cu_seqlens is not None
+    tensors = {"q": q, "k": k, "v": v}
+    _check_tensors(tensors, varlen)
+    _check_main(q, k, v)
+    block_size = _block_size_arg(block_size)
+    softmax_scale = _scale_arg("softmax_scale", softmax_scale, q.shape[-1] ** -0.5)
+    return_lse = _bool_arg("return_lse", return_lse)
+    cu, max_seqlen = _sequences(q, cu_seqlens, max_seqlen)
+    _check_indices(indices, q, cu, max_seqlen, block_size, varlen)
+    _check_heads(q.shape[-2], k.shape[-2], indices.shape[-2], "indices")
+    _check_finite(tensors)
+    cfg = Config(block_size, softmax_scale, max_seqlen)
+    problem = _problem(
+        q, q.shape[-2], k.shape[-2], q.shape[-1], indices.shape[-2], 0, 0, varlen, cfg
+    )
+    fwd_be = backends.resolve("fwd", problem)[1]
+    bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(q, k, v) else None
+    out, lse = _SparseFunction.apply(
+        _packed(q), _packed(k), _packed(v), _packed(indices), cu, cfg, (fwd_be, bwd_be)
+    )
+    out = out.view(q.shape)
+    return (out, lse.view(q.shape[:-1])) if return_lse else out

@@ -1,0 +1,81 @@
+"""``flash-msa info | check``: the package's command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _cmd_info(args) -> int:
+    from .diagnostics import info
+
+    data = info()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print("versions:")
+    for k, v in data["versions"].items():
+        print(f"  {k:20s} {v}")
+    print("environment:")
+    for k, v in data["environment"].items():
+        print(f"  {k:20s} {v if v is not None else '(unset)'}")
+    print("backends:")
+    for k, v in data["backends"].items():
+        print(f"  {k:20s} {v}")
+    print("op -> backend per device (anchor shape, bf16):")
+    for dev, entry in data["devices"].items():
+        extra = f" ({entry['name']}, {entry['capability']})" if "name" in entry else ""
+        print(f"  {dev}{extra}")
+        for op, choice in entry["ops"].items():
+            print(f"    {op:7s} {choice['backend'] or '-':7s} {choice['why']}")
+    return 0
+
+
+def _cmd_check(args) -> int:
+    from .diagnostics import check
+
+    print("flash-msa check: each backend against an independent fp64 brute-force computation")
+    print("(errors are relative to the largest magnitude of the exact value)\n")
+    header = (
+        f"{'backend':8s} {'device':7s} {'case':20s} {'quantity':26s} {'err':>9s} "
+        f"{'tol':>9s}  result"
+    )
+    print(header)
+    print("-" * len(header))
+    counts = {"PASS": 0, "FAIL": 0, "NOT RUN": 0}
+    said = set()
+    for r in check(seed=args.seed):
+        counts[r["status"]] += 1
+        where = f"{r['backend']:8s} {r['device']:7s}"
+        if r["status"] == "NOT RUN":  # one line per backend and device: the reason
+            if (r["backend"], r["device"]) not in said:
+                said.add((r["backend"], r["device"]))
+                print(f"{where} {'(all cases)':20s} NOT RUN: {r['quantity']}")
+        elif r["err"] is None:  # the backend raised
+            print(f"{where} {r['case']:20s} FAIL: {r['quantity']}")
+        else:
+            print(
+                f"{where} {r['case']:20s} {r['quantity']:26s} {r['err']:9.2e} {r['tol']:9.2e}  "
+                f"{r['status']}"
+            )
+    print(
+        f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['NOT RUN']} not run "
+        "(not run = backend unavailable for that device/case; see the reason)"
+    )
+    if counts["PASS"] == 0:
+        print("nothing was checked: no backend could run")
+        return 1
+    return 1 if counts["FAIL"] else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="flash-msa", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("info", help="versions, devices and the backend each op would use")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_info)
+    p = sub.add_parser("check", help="check every available backend against brute force")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_check)
+    args = parser.parse_args(argv)
+    return args.func(args)
