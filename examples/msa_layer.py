@@ -1,6 +1,6 @@
 """A GQA attention layer with MSA, trained with the proxy KL (runs on CPU in a few seconds).
 
-    python examples/msa_layer.py
+python examples/msa_layer.py
 """
 
 import torch
@@ -31,15 +31,17 @@ class MSAAttention(nn.Module):
         xd = x.detach()
         q_proxy = self.wq_proxy(xd).view(B, S, self.hp, self.proxy_dim)
         k_proxy = self.wk_proxy(xd).view(B, S, 1, self.proxy_dim)
-        out, kl = flash_msa.msa_attention(q_proxy, k_proxy, q, k, v, self.top_k,
-                                          block_size=self.block_size)
+        out, kl = flash_msa.msa_attention(
+            q_proxy, k_proxy, q, k, v, self.top_k, block_size=self.block_size
+        )
         return self.wo(out.reshape(B, S, -1)), kl
 
 
 def main():
     torch.manual_seed(0)
-    layer = MSAAttention(dim=256, n_heads=8, n_kv_heads=2, n_proxy_heads=2, proxy_dim=32,
-                         top_k=2, block_size=64)
+    layer = MSAAttention(
+        dim=256, n_heads=8, n_kv_heads=2, n_proxy_heads=2, proxy_dim=32, top_k=2, block_size=64
+    )
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
     x = torch.randn(2, 384, 256)
     kl_weight = 1.0

@@ -64,11 +64,14 @@ def mutated(fn, varlen, shape, changes):
 
 def case(fns, exc, match, shape=None, varlen=False, **changes):
     """One row of the table, expanded over the space-separated ``fns``."""
-    plain = (int, float, str, bool, type(None))
-    label = [
-        f"{k}={v!r}" if isinstance(v, plain) else k for k, v in {**(shape or {}), **changes}.items()
-    ]
-    label = ",".join(label + ["varlen"] * varlen)
+    plain = (int, float, str, bool, type(None), torch.dtype, np.generic)
+    given = {**(shape or {}), **changes}
+    label = (
+        match.replace("\\", "")[:60]
+        if match
+        else ",".join(f"{k}={v!r}" if isinstance(v, plain) else k for k, v in given.items())
+    )
+    label += " (varlen)" * varlen
     return [
         pytest.param(fn, varlen, shape or {}, changes, exc, match, id=f"{fn}-{label}")
         for fn in fns.split()
@@ -97,89 +100,43 @@ CASES = [
     *case(MAIN, VE, r"k must be 4-D .*got shape \(70, 2, 8\)", k=first("k")),
     *case(PROXY, VE, r"k_proxy must be 4-D .*got shape \(70, 1, 8\)", k_proxy=first("k_proxy")),
     *case(ALL, VE, r"must be 3-D .*because cu_seqlens is given", cu_seqlens=cu(0, 70)),
-    *case(
-        "msa",
-        VE,
-        r"q has \(batch, seqlen\) = \(1, 69\) but q_proxy has \(1, 70\)",
-        q=rand(1, 69, 4, 8),
-    ),
+    *case("msa", VE, r"q has \(batch, seqlen\) = \(1, 69\) but q_proxy has \(1, 70\)",
+          q=rand(1, 69, 4, 8)),
     *case(MAIN, VE, r"v has \(batch, seqlen\) = \(2, 70\)", v=rand(2, 70, 2, 8)),
     *case(PROXY, VE, r"k_proxy has \(batch, seqlen\) = \(1, 71\)", k_proxy=rand(1, 71, 1, 8)),
     *case(MAIN, VE, r"k has total_tokens = \(69,\)", varlen=True, k=rand(69, 2, 8)),
-    *case(
-        MAIN,
-        VE,
-        r"head_dim of k/v \(4\) must equal head_dim of q \(8\)",
-        k=rand(1, 70, 2, 4),
-        v=rand(1, 70, 2, 4),
-    ),
+    *case(MAIN, VE, r"head_dim of k/v \(4\) must equal head_dim of q \(8\)",
+          k=rand(1, 70, 2, 4), v=rand(1, 70, 2, 4)),
     *case(MAIN, VE, r"k and v must have the same shape.*v \(1, 70, 2, 4\)", v=rand(1, 70, 2, 4)),
     *case(MAIN, VE, r"k and v must have the same shape.*v \(1, 70, 1, 8\)", v=rand(1, 70, 1, 8)),
-    *case(
-        PROXY,
-        VE,
-        r"head_dim of k_proxy \(4\) must equal head_dim of q_proxy \(8\)",
-        k_proxy=rand(1, 70, 1, 4),
-    ),
+    *case(PROXY, VE, r"head_dim of k_proxy \(4\) must equal head_dim of q_proxy \(8\)",
+          k_proxy=rand(1, 70, 1, 4)),
     *case(PROXY, VE, r"k_proxy must have at least one head", k_proxy=rand(1, 70, 0, 8)),
     *case(MAIN, VE, r"q must have at least one head and head_dim >= 1", q=rand(1, 70, 4, 0)),
     *case(MAIN, TE, r"q has unsupported dtype torch.int32", q=cast("q", torch.int32)),
-    *case(
-        PROXY,
-        TE,
-        r"k_proxy has unsupported dtype torch.float8_e4m3fn",
-        k_proxy=cast("k_proxy", torch.float8_e4m3fn),
-    ),
-    *case(
-        MAIN,
-        TE,
-        r"v has dtype torch.float64 but q(_proxy)? has torch.float32",
-        v=cast("v", torch.float64),
-    ),
-    *case(
-        "msa",
-        TE,
-        r"q has dtype torch.float16 but q_proxy has torch.float32",
-        q=cast("q", torch.float16),
-    ),
+    *case(PROXY, TE, r"k_proxy has unsupported dtype torch.float8_e4m3fn",
+          k_proxy=cast("k_proxy", torch.float8_e4m3fn)),
+    *case(MAIN, TE, r"v has dtype torch.float64 but q(_proxy)? has torch.float32",
+          v=cast("v", torch.float64)),
+    *case("msa", TE, r"q has dtype torch.float16 but q_proxy has torch.float32",
+          q=cast("q", torch.float16)),
     *case(MAIN, VE, r"k is on meta but q(_proxy)? is on cpu", k=cast("k", "meta")),
     *case(PROXY, VE, r"k_proxy is on meta but q_proxy is on cpu", k_proxy=cast("k_proxy", "meta")),
     *case(ALL, VE, r"(q_proxy|q) has no tokens", shape=dict(S=0)),
     *case(ALL, VE, r"(q_proxy|q) has no tokens", shape=dict(S=0), varlen=True),
     # head ratios
-    *case(
-        MAIN, VE, r"heads of q \(4\) must be a multiple of heads of k/v \(3\)", shape=dict(Hkv=3)
-    ),
-    *case(
-        "msa",
-        VE,
-        r"heads of q \(4\) must be a multiple of heads of q_proxy \(3\)",
-        shape=dict(Hp=3),
-    ),
-    *case(
-        PROXY,
-        VE,
-        r"heads of q_proxy \(2\) must be a multiple of heads of k_proxy \(3\)",
-        shape=dict(Hpk=3),
-    ),
-    *case(
-        "msa",
-        VE,
-        r"heads of q_proxy \(6\) and of k/v \(4\) must divide one another",
-        shape=dict(H=12, Hkv=4, Hp=6),
-    ),
-    *case(
-        "sparse",
-        VE,
-        r"heads of q \(4\) must be a multiple of heads of indices \(3\)",
-        shape=dict(Hp=3),
-    ),
-    *case(
-        "sparse",
-        VE,
-        r"heads of indices \(6\) and of k/v \(4\) must divide one another",
-        shape=dict(H=12, Hkv=4, Hp=6),
-    ),
+    *case(MAIN, VE, r"heads of q \(4\) must be a multiple of heads of k/v \(3\)",
+          shape=dict(Hkv=3)),
+    *case("msa", VE, r"heads of q \(4\) must be a multiple of heads of q_proxy \(3\)",
+          shape=dict(Hp=3)),
+    *case(PROXY, VE, r"heads of q_proxy \(2\) must be a multiple of heads of k_proxy \(3\)",
+          shape=dict(Hpk=3)),
+    *case("msa", VE, r"heads of q_proxy \(6\) and of k/v \(4\) must divide one another",
+          shape=dict(H=12, Hkv=4, Hp=6)),
+    *case("sparse", VE, r"heads of q \(4\) must be a multiple of heads of indices \(3\)",
+          shape=dict(Hp=3)),
+    *case("sparse", VE, r"heads of indices \(6\) and of k/v \(4\) must divide one another",
+          shape=dict(H=12, Hkv=4, Hp=6)),
     # scalars
     *case(PROXY, VE, r"top_k must be >= 1, got 0", top_k=0),
     *case(PROXY, VE, r"top_k must be >= 1, got -3", top_k=-3),
@@ -197,6 +154,7 @@ CASES = [
     *case(MAIN, VE, r"softmax_scale must be finite and > 0, got inf", softmax_scale=INF),
     *case(MAIN, VE, r"softmax_scale must be finite and > 0, got nan", softmax_scale=NAN),
     *case(MAIN, TE, r"softmax_scale must be a float, got str '0.1'", softmax_scale="0.1"),
+    *case(MAIN, VE, r"softmax_scale must be finite and > 0, got 1000", softmax_scale=10**400),
     *case(PROXY, VE, r"proxy_scale must be finite and > 0, got 0.0", proxy_scale=0.0),
     *case(PROXY, VE, r"proxy_scale must be finite and > 0, got -inf", proxy_scale=-INF),
     *case(PROXY, VE, r"proxy_scale must be finite and > 0, got nan", proxy_scale=NAN),
@@ -206,122 +164,54 @@ CASES = [
     *case("sparse", TE, r"return_lse must be a bool, got str 'yes'", return_lse="yes"),
     # cu_seqlens / max_seqlen
     *case(ALL, VE, r"max_seqlen is only used with cu_seqlens.*max_seqlen=70", max_seqlen=70),
-    *case(
-        ALL, TE, r"cu_seqlens must be a torch.Tensor, got list", varlen=True, cu_seqlens=[0, 30, 70]
-    ),
-    *case(
-        ALL,
-        TE,
-        r"cu_seqlens must be int32, got torch.int64",
-        varlen=True,
-        cu_seqlens=cu(0, 30, 70, dtype=torch.int64),
-    ),
-    *case(
-        ALL,
-        VE,
-        r"cu_seqlens must be 1-D .*got shape \(1, 3\)",
-        varlen=True,
-        cu_seqlens=cu([0, 30, 70]),
-    ),
-    *case(
-        ALL,
-        VE,
-        r"cu_seqlens must be 1-D with at least 2 entries.*got shape \(1,\)",
-        varlen=True,
-        cu_seqlens=cu(70),
-    ),
-    *case(
-        ALL,
-        VE,
-        r"cu_seqlens is on meta but the inputs are on cpu",
-        varlen=True,
-        cu_seqlens=cast("cu_seqlens", "meta"),
-    ),
+    *case(ALL, TE, r"cu_seqlens must be a torch.Tensor, got list", varlen=True,
+          cu_seqlens=[0, 30, 70]),
+    *case(ALL, TE, r"cu_seqlens must be int32, got torch.int64", varlen=True,
+          cu_seqlens=cu(0, 30, 70, dtype=torch.int64)),
+    *case(ALL, VE, r"cu_seqlens must be 1-D .*got shape \(1, 3\)", varlen=True,
+          cu_seqlens=cu([0, 30, 70])),
+    *case(ALL, VE, r"cu_seqlens must be 1-D with at least 2 entries.*got shape \(1,\)",
+          varlen=True, cu_seqlens=cu(70)),
+    *case(ALL, VE, r"cu_seqlens is on meta but the inputs are on cpu", varlen=True,
+          cu_seqlens=cast("cu_seqlens", "meta")),
     *case(ALL, VE, r"cu_seqlens must start at 0, got 5", varlen=True, cu_seqlens=cu(5, 30, 70)),
-    *case(
-        ALL,
-        VE,
-        r"cu_seqlens must be non-decreasing, got \[0, 50, 40, 70\]",
-        varlen=True,
-        cu_seqlens=cu(0, 50, 40, 70),
-    ),
-    *case(
-        ALL,
-        VE,
-        r"cu_seqlens\[-1\] \(60\) must equal total_tokens \(70\)",
-        varlen=True,
-        cu_seqlens=cu(0, 30, 60),
-    ),
-    *case(
-        ALL,
-        VE,
-        r"max_seqlen \(39\) is smaller than the longest sequence .*\(40\)",
-        varlen=True,
-        max_seqlen=39,
-    ),
+    *case(ALL, VE, r"cu_seqlens must be non-decreasing, got \[0, 50, 40, 70\]", varlen=True,
+          cu_seqlens=cu(0, 50, 40, 70)),
+    *case(ALL, VE, r"cu_seqlens\[-1\] \(60\) must equal total_tokens \(70\)", varlen=True,
+          cu_seqlens=cu(0, 30, 60)),
+    *case(ALL, VE, r"max_seqlen \(39\) is smaller than the longest sequence .*\(40\)",
+          varlen=True, max_seqlen=39),
     *case(ALL, VE, r"max_seqlen must be >= 1, got 0", varlen=True, max_seqlen=0),
     *case(ALL, TE, r"max_seqlen must be an int, got float 40.0", varlen=True, max_seqlen=40.0),
     # sparse_attention indices
     *case("sparse", TE, r"indices must be a torch.Tensor, got list", indices=[[0]]),
-    *case(
-        "sparse",
-        TE,
-        r"indices must be int32, got torch.int64",
-        indices=cast("indices", torch.int64),
-    ),
-    *case(
-        "sparse",
-        VE,
-        r"indices must be \(batch, seqlen, Hsel, top_k\) .*\(1, 70\); "
-        r"got shape \(1, 69, 2, 1\)",
-        indices=idx(0, lead=(1, 69)),
-    ),
-    *case(
-        "sparse",
-        VE,
-        r"indices must be \(total_tokens, Hsel, top_k\) .*\(70,\); "
-        r"got shape \(1, 70, 2, 1\)",
-        varlen=True,
-        indices=idx(0),
-    ),
-    *case(
-        "sparse",
-        VE,
-        r"indices needs at least one head and one slot",
-        indices=lambda kw: kw["indices"][..., :0],
-    ),
+    *case("sparse", TE, r"indices must be int32, got torch.int64",
+          indices=cast("indices", torch.int64)),
+    *case("sparse", VE, r"indices must be \(batch, seqlen, Hsel, top_k\) .*\(1, 70\); "
+          r"got shape \(1, 69, 2, 1\)", indices=idx(0, lead=(1, 69))),
+    *case("sparse", VE, r"indices must be \(total_tokens, Hsel, top_k\) .*\(70,\); "
+          r"got shape \(1, 70, 2, 1\)", varlen=True, indices=idx(0)),
+    *case("sparse", VE, r"indices needs at least one head and one slot",
+          indices=lambda kw: kw["indices"][..., :0]),
     *case("sparse", VE, r"indices is on meta but q is on cpu", indices=cast("indices", "meta")),
-    *case("sparse", VE, r"indices must hold -1 or block numbers", indices=idx(-2)),
+    *case("sparse", VE, r"indices must hold -1 or block numbers .*token 0, head 0: \[-2\]",
+          indices=idx(-2)),
     *case("sparse", VE, r"indices must hold -1 or block numbers", indices=idx(0, 1)),
     # [0, 30, 70] at block 64: 1 block per sequence although the packed tensor spans 2
-    *case(
-        "sparse",
-        VE,
-        r"indices must hold -1 or block numbers",
-        varlen=True,
-        block_size=64,
-        indices=idx(1, lead=(70,)),
-    ),
-    *case("sparse", VE, r"indices: -1 entries must only pad the end", indices=idx(-1, 0)),
-    *case(
-        "sparse",
-        VE,
-        r"indices: the valid entries of a row must be strictly ascending",
-        indices=idx(0, 0),
-    ),
-    *case(
-        "sparse",
-        VE,
-        r"indices: the valid entries .* strictly ascending",
-        block_size=64,
-        indices=idx(1, 0),
-    ),
+    *case("sparse", VE, r"indices must hold -1 or block numbers", varlen=True, block_size=64,
+          indices=idx(1, lead=(70,))),
+    *case("sparse", VE, r"indices may use -1 only to pad the end .*\[-1, 0\]",
+          indices=idx(-1, 0)),
+    *case("sparse", VE, r"indices must list each row's blocks strictly ascending.*\[0, 0\]",
+          indices=idx(0, 0)),
+    *case("sparse", VE, r"indices must list .* strictly ascending.*\[1, 0\]", block_size=64,
+          indices=idx(1, 0)),
     # non-finite inputs (checked on CPU tensors)
     *case(PROXY, VE, r"q_proxy contains non-finite values", q_proxy=poison("q_proxy", NAN)),
     *case(PROXY, VE, r"k_proxy contains non-finite values", k_proxy=poison("k_proxy", -INF)),
     *case(MAIN, VE, r"k contains non-finite values", k=poison("k", INF)),
     *case(MAIN, VE, r"v contains non-finite values", varlen=True, v=poison("v", NAN)),
-]
+]  # fmt: skip
 
 
 @pytest.fixture
@@ -350,7 +240,7 @@ def test_bad_input_raises_before_anything_runs(calls, fn, varlen, shape, changes
     assert calls == [], "a backend was resolved or an op ran before validation finished"
 
 
-@pytest.mark.parametrize("debug", [None, "1"])
+@pytest.mark.parametrize("debug", [None, "0", "1"])
 def test_cu_seqlens_values_checked_on_cpu_with_or_without_debug(monkeypatch, calls, debug):
     if debug is not None:
         monkeypatch.setenv("FLASH_MSA_DEBUG", debug)
@@ -392,12 +282,16 @@ def test_forced_backend_not_available(monkeypatch, fn, op, name, why):
         FNS[fn](**inputs(fn))
 
 
-def test_forced_torch_runs_forward_and_backward(monkeypatch):
+@pytest.mark.parametrize(
+    "fn, grads", [("msa", ("q_proxy", "k_proxy", "q", "k", "v")), ("select", ()), ("sparse", "qkv")]
+)
+def test_forced_torch_runs(monkeypatch, fn, grads):
     monkeypatch.setenv("FLASH_MSA_BACKEND", "torch")
-    kw = {k: v.requires_grad_() if k in ("q", "k", "v") else v for k, v in inputs("msa").items()}
-    out, kl = flash_msa.msa_attention(**kw)
-    (out.sum() + kl).backward()
-    assert torch.isfinite(kl) and all(torch.isfinite(kw[n].grad).all() for n in ("q", "k", "v"))
+    kw = {k: v.requires_grad_() if k in grads else v for k, v in inputs(fn).items()}
+    result = FNS[fn](**kw)
+    if grads:
+        sum(r.sum() for r in (result if fn == "msa" else [result])).backward()
+    assert all(torch.isfinite(kw[n].grad).all() for n in grads)
 
 
 def problem(device_type, capability=None):
@@ -444,6 +338,7 @@ VALID = [
     *case(PROXY, None, None, top_k=np.int64(2)),
     *case(MAIN, None, None, softmax_scale=1),
     *case(PROXY, None, None, proxy_scale=np.float64(0.5)),
+    *case(MAIN, None, None, softmax_scale=np.float32(0.3)),
     *case(ALL, None, None, varlen=True, max_seqlen=128),
     *case("msa", None, None, warmup=True, compute_kl=False),
     *case("sparse", None, None, block_size=64, indices=idx(0, 1)),
@@ -461,3 +356,5 @@ def test_valid_edge_inputs(fn, varlen, shape, changes, exc, match):
     else:
         out = result[0] if fn == "msa" else result
         assert out.shape == kw["q"].shape and torch.isfinite(out).all()
+        if fn == "sparse" and (kw["indices"] < 0).all():
+            assert (out == 0).all()

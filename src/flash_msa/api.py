@@ -10,6 +10,7 @@ The op contract shared by all backends is in docs/design.md.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import os
 
@@ -119,11 +120,15 @@ def _int_arg(name, value, low):
 def _scale_arg(name, value, default):
     if value is None:
         return float(default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}") from None
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-    return float(value)
+    return value
 
 
 def _bool_arg(name, value):
@@ -222,13 +227,24 @@ def _check_indices(indices, ref, cu, max_seqlen, block_size, varlen):
     idx = indices.reshape(-1, *indices.shape[-2:])
     lengths = (cu[1:] - cu[:-1]).long()
     nblocks = torch.repeat_interleave(-(-lengths // block_size), lengths)  # [T]
-    if (idx < -1).any() or (idx >= nblocks[:, None, None]).any():
-        raise ValueError("indices must hold -1 or block numbers in [0, blocks of the sequence)")
+
+    def fail(bad, what):
+        t, h = (int(x) for x in bad.nonzero()[0][:2])
+        raise ValueError(
+            f"indices {what}; first bad row: token {t}, head {h}: "
+            f"{idx[t, h].tolist()} (the sequence has {int(nblocks[t])} blocks)"
+        )
+
+    bad = (idx < -1) | (idx >= nblocks[:, None, None])
+    if bad.any():
+        fail(bad, "must hold -1 or block numbers in [0, blocks of the sequence)")
     valid = idx >= 0
-    if (valid[..., 1:] & ~valid[..., :-1]).any():
-        raise ValueError("indices: -1 entries must only pad the end of a row")
-    if (valid[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any():
-        raise ValueError("indices: the valid entries of a row must be strictly ascending")
+    bad = valid[..., 1:] & ~valid[..., :-1]
+    if bad.any():
+        fail(bad, "may use -1 only to pad the end of a row")
+    bad = valid[..., 1:] & (idx[..., 1:] <= idx[..., :-1])
+    if bad.any():
+        fail(bad, "must list each row's blocks strictly ascending")
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:
@@ -353,7 +369,8 @@ def msa_attention(
       divide one another.
 
     Args:
-        top_k: number of key *blocks* each query keeps (its own block included).
+        top_k: number of key *blocks* each query keeps (its own block included); validated
+            (an int >= 1) but unused when ``warmup=True``.
         block_size: 64 or 128 tokens per key block.
         softmax_scale: main attention scale, default ``D ** -0.5``.
         proxy_scale: proxy score scale, default ``Dp ** -0.5``.
