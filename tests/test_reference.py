@@ -19,6 +19,12 @@ from flash_msa.testing import brute_force, brute_force_select, indices_to_lists,
 F64 = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def _torch_backend(monkeypatch):
+    """These tests are about the reference: run every op on the torch backend."""
+    monkeypatch.setenv("FLASH_MSA_BACKEND", "torch")
+
+
 def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 

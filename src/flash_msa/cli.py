@@ -50,7 +50,7 @@ def _cmd_check(args) -> int:
         if r["status"] == "NOT RUN":  # one line per backend and device: the reason
             if (r["backend"], r["device"]) not in said:
                 said.add((r["backend"], r["device"]))
-                print(f"{where} {'(all cases)':20s} NOT RUN: {r['quantity']}")
+                print(f"{where} {'(not run)':20s} NOT RUN: {r['quantity']}")
         elif r["err"] is None:  # the backend raised
             print(f"{where} {r['case']:20s} FAIL: {r['quantity']}")
         else:

@@ -1,0 +1,84 @@
+"""Compile every Triton kernel of the package for sm_90a without a GPU and report resources.
+
+Run as ``python -m flash_msa.triton_ref.compile_check`` in a process *without*
+``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit`` functions). Prints one JSON line
+per kernel configuration: name, registers, spill (local) bytes, whether the PTX uses wgmma.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def _resources(cubin: bytes) -> dict:
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run(
+            [os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    line = next(x for x in out.splitlines() if "REG:" in x)
+    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
+    return {"registers": int(fields["REG"]), "spill_bytes": int(fields["LOCAL"])}
+
+
+def compile_kernel(
+    fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int = 90
+) -> dict:
+    """Compile ``fn`` for ``sm_{arch}a``; returns resource usage and whether wgmma is used."""
+    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    k = triton.compile(
+        src,
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    return dict(_resources(k.asm["cubin"]), wgmma="wgmma" in k.asm["ptx"])
+
+
+def configurations():
+    """(name, fn, signature, constexprs, num_warps, num_stages) of every shipped kernel config."""
+    from . import selection
+
+    for dtype in ("bf16",):  # fp16 compiles to the same code with other MMA types
+        for Dp in (64, 128):
+            for block in (64, 128):
+                for top_k in (16, 64):
+                    for G in (1, 4):
+                        cfg = selection.launch_config(G, Dp, block, top_k, dtype)
+                        yield (
+                            f"select {dtype} Dp={Dp} b={block} k={top_k} G={G}",
+                            selection._select_kernel,
+                            selection.SIGNATURE(dtype),
+                            *cfg,
+                        )
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET to compile", file=sys.stderr)
+        return 2
+    bad = 0
+    for name, fn, sig, consts, warps, stages in configurations():
+        res = compile_kernel(fn, sig, consts, warps, stages)
+        bad += res["spill_bytes"] > 0
+        print(json.dumps(dict(kernel=name, **res)), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""Proxy block selection: causal proxy scores, block max-pool, streaming top-k, indices only.
+
+One program owns (sequence, proxy key head, tile of BT query tokens). Its BM = BT * G rows are
+the G = Hp/Hpk proxy heads that share the key head, for each token (row r = token r // G, head
+r % G), so every key tile is loaded once for all of them. It walks the key blocks 0..last of the
+tile in ascending order; per block it computes the [BM, BLOCK] score tile, masks causally,
+max-pools it to one score per row and offers that score to a per-row top-k kept in registers.
+Nothing but the final block numbers is written: no S x S or S x num_blocks buffer exists.
+
+Top-k rule (matches the reference exactly): a new block enters only if its score is strictly
+greater than the current minimum (blocks arrive in ascending order, so ties keep the lower
+block); the own block enters with score +inf and is never evicted; blocks with no visible key
+score -inf and never enter. The evicted slot is the minimum one, the highest block among equal
+minima. At the end the kept blocks are sorted ascending, empty slots become -1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..problem import Config
+
+
+@triton.jit
+def _select_kernel(
+    QP,
+    KP,
+    CU,
+    IDX,  # q_proxy [T, Hp, Dp], k_proxy [T, Hpk, Dp], cu [N+1], indices [T, Hp, K]
+    scale,
+    Hp: tl.constexpr,
+    Hpk: tl.constexpr,
+    G: tl.constexpr,
+    Dp: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TOPK: tl.constexpr,
+    KP2: tl.constexpr,
+    BM: tl.constexpr,
+    BT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # longest (last) tiles first: they walk the most key blocks
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    pk = tl.program_id(2)
+    s0 = tl.load(CU + seq)
+    L = tl.load(CU + seq + 1) - s0
+    t0 = tile * BT
+    if t0 >= L:
+        return
+    o_r = tl.arange(0, BM)
+    o_d = tl.arange(0, Dp)
+    o_k = tl.arange(0, BLOCK)
+    slot = tl.arange(0, KP2)
+    tok = t0 + o_r // G  # [BM] sequence-local query position
+    head = pk * G + o_r % G  # [BM] proxy head
+    m_r = (o_r < BT * G) & (tok < L)
+    p_q = QP + ((s0 + tok).to(tl.int64) * Hp + head)[:, None] * Dp + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)  # [BM, Dp]
+    own = tok // BLOCK
+
+    # per-row top-k state; padding slots (>= TOPK) hold +inf so they are never evicted
+    b_val = tl.where(slot[None, :] < TOPK, float("-inf"), float("inf")) + tl.zeros(
+        [BM, KP2], tl.float32
+    )
+    b_id = tl.full([BM, KP2], -1, tl.int32)
+
+    last = tl.minimum(t0 + BT, L) - 1
+    for n in range(0, last // BLOCK + 1):
+        kpos = n * BLOCK + o_k  # [BLOCK]
+        p_k = KP + ((s0 + kpos).to(tl.int64) * Hpk + pk)[:, None] * Dp + o_d[None, :]
+        b_k = tl.load(p_k, mask=(kpos < L)[:, None], other=0.0)  # [BLOCK, Dp]
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BM, BLOCK] fp32
+        b_s = tl.where(kpos[None, :] <= tok[:, None], b_s, float("-inf"))  # causal (=> < L)
+        b_score = tl.max(b_s, axis=1) * scale  # [BM]
+        b_score = tl.where(own == n, float("inf"), b_score)
+        # offer the block: replace the minimum slot (highest block among equal minima)
+        b_min = tl.min(b_val, axis=1)  # [BM]
+        e_key = tl.where(b_val == b_min[:, None], b_id * KP2 + slot[None, :], -(1 << 30))
+        e_max = tl.max(e_key, axis=1)
+        hit = (e_key == e_max[:, None]) & (b_score > b_min)[:, None]
+        b_val = tl.where(hit, b_score[:, None], b_val)
+        b_id = tl.where(hit, n, b_id)
+
+    b_key = tl.where(b_id >= 0, b_id, 1 << 30)
+    b_key = tl.sort(b_key, dim=1)  # ascending, empty slots last
+    b_out = tl.where(b_key == (1 << 30), -1, b_key)
+    p_o = IDX + ((s0 + tok).to(tl.int64) * Hp + head)[:, None] * TOPK + slot[None, :]
+    tl.store(p_o, b_out, mask=m_r[:, None] & (slot[None, :] < TOPK))
+
+
+def SIGNATURE(dtype: str) -> dict:
+    """Runtime-argument types of ``_select_kernel`` (for compile checks without a GPU)."""
+    return {"QP": f"*{dtype}", "KP": f"*{dtype}", "CU": "*i32", "IDX": "*i32", "scale": "fp32"}
+
+
+def launch_config(G: int, Dp: int, block: int, top_k: int, dtype: str):
+    """``(constexprs, num_warps, num_stages)`` for one problem: the fixed tile table."""
+    BM = 128 if G <= 128 else triton.next_power_of_2(G)
+    consts = dict(
+        Hp=G, Hpk=1, G=G, Dp=Dp, BLOCK=block, TOPK=top_k,
+        KP2=max(2, triton.next_power_of_2(top_k)), BM=BM, BT=BM // G,
+        PREC="ieee" if dtype == "fp32" else "tf32",
+    )  # fmt: skip
+    return consts, (8 if BM * block >= 128 * 128 else 4), 2
+
+
+def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config):
+    """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written)."""
+    T, Hp, Dp = q_proxy.shape
+    Hpk = k_proxy.shape[1]
+    dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[q_proxy.dtype]
+    consts, num_warps, num_stages = launch_config(Hp // Hpk, Dp, cfg.block_size, cfg.top_k, dtype)
+    consts.update(Hp=Hp, Hpk=Hpk)
+    grid = (triton.cdiv(cfg.max_seqlen, consts["BT"]), cu_seqlens.numel() - 1, Hpk)
+    _select_kernel[grid](
+        q_proxy, k_proxy, cu_seqlens, indices, cfg.proxy_scale,
+        num_warps=num_warps, num_stages=num_stages, **consts,
+    )  # fmt: skip
+    return indices
+
+
+def select(q_proxy, k_proxy, cu_seqlens, cfg: Config):
+    """Backend op ``select`` (contract in docs/design.md): ``(T, Hp, top_k)`` int32 indices."""
+    T, Hp, _ = q_proxy.shape
+    out = torch.empty((T, Hp, cfg.top_k), dtype=torch.int32, device=q_proxy.device)
+    return select_into(out, q_proxy, k_proxy, cu_seqlens, cfg)
