@@ -68,6 +68,12 @@ def _cmd_check(args) -> int:
     return 1 if counts["FAIL"] else 0
 
 
+def _cmd_bench(args) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="flash-msa", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -77,5 +83,19 @@ def main(argv=None) -> int:
     p = sub.add_parser("check", help="check every available backend against brute force")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_check)
+    p = sub.add_parser("bench", help="time the backends next to dense attention (GPU)")
+    p.add_argument("--shape", nargs="+", default=["anchor"], choices=["anchor", "paper", "long"])
+    p.add_argument("--seqlen", nargs="+", type=int, help="override the shape's lengths")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        choices=["cute", "triton"],
+        help="default: every GPU backend that runs here",
+    )
+    p.add_argument("--inputs", nargs="+", default=["random", "local"], choices=["random", "local"])
+    p.add_argument("--iters", type=int, default=5, help="timed iterations (median)")
+    p.add_argument("--json", help="write results and environment to this JSON file")
+    p.add_argument("--plot", help="write a log-log PNG of time vs length (needs matplotlib)")
+    p.set_defaults(func=_cmd_bench)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,8 +1,8 @@
 """Triton backend: readable kernels, the oracle of the CuTe backend and the portable fallback.
 
-Ops (contract in docs/design.md): ``select`` is implemented (``selection.py``); ``fwd`` and ``bwd``
-land in the next steps of the Triton-backend issue and are reported as unsupported until then,
-so that ``auto`` runs them on another backend and a forced ``triton`` raises naming the op.
+Ops (contract in docs/design.md): ``select`` (``selection.py``), ``fwd`` (``sparse_fwd.py``) and
+``bwd`` (``sparse_bwd.py``) over the reverse index of ``worklist.py``. Not yet: warmup (dense)
+attention, reported as unsupported so that a forced ``triton`` raises naming it.
 On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 triton is first imported).
 """
@@ -40,16 +40,24 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
         return "Triton kernels need compute capability 8.0 or newer"
     if problem.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {problem.dtype} is not supported (float64 runs on the torch backend)"
+    cfg = problem.cfg
+    if cfg.top_k is not None and cfg.top_k > MAX_TOP_K:
+        return f"top_k {cfg.top_k} > {MAX_TOP_K}"
+    has_proxy = problem.proxy_head_dim > 0
+    if has_proxy and problem.proxy_head_dim not in _DIMS:
+        return f"proxy head_dim {problem.proxy_head_dim} is not one of {_DIMS}"
     if op == "select":
-        cfg = problem.cfg
-        if problem.proxy_head_dim not in _DIMS:
-            return f"proxy head_dim {problem.proxy_head_dim} is not one of {_DIMS}"
-        if cfg.top_k is not None and cfg.top_k > MAX_TOP_K:
-            return f"top_k {cfg.top_k} > {MAX_TOP_K}"
         if problem.num_sel_heads // problem.num_proxy_k_heads > 128:
             return "more than 128 proxy heads share one proxy key head"
         return None
-    return f"op {op!r} is not implemented yet in the Triton backend"
+    if cfg.warmup:
+        return "warmup (dense causal) attention is not implemented yet in the Triton backend"
+    if problem.head_dim not in _DIMS:
+        return f"head_dim {problem.head_dim} is not one of {_DIMS}"
+    g2 = problem.num_heads // max(problem.num_sel_heads, problem.num_kv_heads)
+    if g2 > 16 or g2 & (g2 - 1):
+        return f"{g2} main heads per (selection head, KV head): must be a power of two <= 16"
+    return None
 
 
 def select(q_proxy, k_proxy, cu_seqlens, cfg):
@@ -57,3 +65,17 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg):
     from .selection import select as _select
 
     return _select(q_proxy, k_proxy, cu_seqlens, cfg)
+
+
+def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None):
+    """Backend op ``fwd``: see :func:`flash_msa.triton_ref.sparse_fwd.fwd`."""
+    from .sparse_fwd import fwd as _fwd
+
+    return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy)
+
+
+def bwd(dout, dkl, saved, cu_seqlens, cfg):
+    """Backend op ``bwd``: see :func:`flash_msa.triton_ref.sparse_bwd.bwd`."""
+    from .sparse_bwd import bwd as _bwd
+
+    return _bwd(dout, dkl, saved, cu_seqlens, cfg)

@@ -1,6 +1,6 @@
 """Compile every Triton kernel of the package for sm_90a without a GPU and report resources.
 
-Run as ``python -m flash_msa.triton_ref.compile_check`` in a process *without*
+Run as ``python -m flash_msa.triton_ref.compile_check [prefix]`` in a process *without*
 ``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit`` functions). Prints one JSON line
 per kernel configuration: name, registers, spill (local) bytes, whether the PTX uses wgmma.
 """
@@ -52,28 +52,79 @@ def compile_kernel(
 
 def configurations():
     """(name, fn, signature, constexprs, num_warps, num_stages) of every shipped kernel config."""
-    from . import selection
+    from . import selection, sparse_bwd, sparse_fwd
 
-    for dtype in ("bf16",):  # fp16 compiles to the same code with other MMA types
-        for Dp in (64, 128):
+    for Dp in (64, 128):
+        for block in (64, 128):
+            for top_k in (16, 64):
+                for G in (1, 4):
+                    cfg = selection.launch_config(G, Dp, block, top_k, "bf16")
+                    yield (
+                        f"select bf16 Dp={Dp} b={block} k={top_k} G={G}",
+                        selection._select_kernel,
+                        selection.SIGNATURE("bf16"),
+                        *cfg,
+                    )
+    # (name, H, Hkv, Hs, Hpk): the anchor and paper shapes, and a selection spanning 2 KV heads
+    shapes = [("anchor", 16, 2, 4, 1), ("paper", 64, 4, 4, 1), ("Hs<Hkv", 8, 4, 2, 1)]
+    for name, H, Hkv, Hs, Hpk in shapes:
+        for D in (64, 128):
             for block in (64, 128):
-                for top_k in (16, 64):
-                    for G in (1, 4):
-                        cfg = selection.launch_config(G, Dp, block, top_k, dtype)
-                        yield (
-                            f"select {dtype} Dp={Dp} b={block} k={top_k} G={G}",
-                            selection._select_kernel,
-                            selection.SIGNATURE(dtype),
-                            *cfg,
-                        )
+                G, G2, R = sparse_fwd.head_groups(H, Hkv, Hs)
+                BT, _ = sparse_fwd.tiles(G2, D)
+                consts = dict(
+                    H=H,
+                    Hkv=Hkv,
+                    Hs=Hs,
+                    Hpk=Hpk,
+                    K=16,
+                    D=D,
+                    Dp=D,
+                    G=G,
+                    G2=G2,
+                    R=R,
+                    BLOCK=block,
+                    BT=BT,
+                    NB=1024,
+                    PREC="tf32",
+                )
+                tag = f"{name} D={D} b={block}"
+                yield (
+                    f"fwd {tag}",
+                    sparse_fwd._fwd_kernel,
+                    sparse_fwd.SIGNATURE["fwd"],
+                    dict(consts, HAS_PROXY=True),
+                    8,
+                    2,
+                )
+                yield (f"kl {tag}", sparse_fwd._kl_kernel, sparse_fwd.SIGNATURE["kl"], consts, 8, 2)
+                yield (
+                    f"bwd {tag}",
+                    sparse_bwd._bwd_kernel,
+                    sparse_bwd.SIGNATURE,
+                    dict(consts, MAIN=True, PROXY=True),
+                    8,
+                    2,
+                )
+    yield (
+        "combine K=16 D=128",
+        sparse_fwd._combine_kernel,
+        sparse_fwd.SIGNATURE["combine"],
+        dict(H=16, Hs=4, K=16, KP2=16, D=128, G=4, HAS_O=True),
+        4,
+        1,
+    )
 
 
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET to compile", file=sys.stderr)
         return 2
+    only = sys.argv[1] if len(sys.argv) > 1 else ""  # a kernel-name prefix, e.g. "bwd"
     bad = 0
     for name, fn, sig, consts, warps, stages in configurations():
+        if not name.startswith(only):
+            continue
         res = compile_kernel(fn, sig, consts, warps, stages)
         bad += res["spill_bytes"] > 0
         print(json.dumps(dict(kernel=name, **res)), flush=True)

@@ -1,0 +1,390 @@
+"""``flash-msa bench``: MSA backends next to dense attention, in one run, on the same inputs.
+
+For each shape, sequence length and input kind, and each provider (our GPU backends, dense
+causal GQA by SDPA and, when importable, FlashAttention-4), it verifies the provider on a small
+case, then times with CUDA events (median after warm-up): selection alone, forward, backward,
+forward+backward with the KL in the loss; and the step's peak memory. TFLOP/s follow the MiniMax
+conventions of docs/performance.md:
+
+    sparse = selected visible (query, key) pairs, summed over rows, averaged over proxy heads
+    SELECT = 2*Dp*Hp*causal      FWD = 4*D*H*sparse      BWD = 10*D*H*sparse
+    KL     = 2*(D*H + 3*Dp*Hp)*sparse
+    fwd counts SELECT + FWD + KL, bwd counts BWD, fwd+bwd counts all four; dense providers
+    count 4*D*H*causal (fwd) and 14*D*H*causal (fwd+bwd).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+SHAPES = {  # B, H, Hkv, Hp, Hpk, D, Dp, default seqlens
+    "anchor": (1, 16, 2, 4, 1, 128, 128, (16384, 32768)),
+    "paper": (1, 64, 4, 4, 1, 128, 128, (32768, 131072)),
+    "long": (1, 16, 2, 4, 1, 128, 128, (131072, 262144, 524288, 1048576)),
+}
+BLOCK, TOP_K, PEAK_TFLOPS = 128, 16, 989.0
+
+
+def _log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _time(fn, warmup=2, iters=5):
+    """Median milliseconds of ``fn`` by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def sparse_pairs(indices, S, block_size):
+    """Selected visible (query, key) pairs, summed over queries, averaged over heads (batch
+    form ``(B, S, Hp, K)``, equal lengths)."""
+    i = torch.arange(S, device=indices.device)[None, :, None, None]
+    n = indices.long()
+    blk_len = torch.clamp(S - n * block_size, max=block_size)
+    vis = torch.clamp(torch.minimum(i - n * block_size + 1, blk_len), min=0)
+    vis = torch.where(n >= 0, vis, 0)
+    return vis.sum().item() / indices.shape[2]
+
+
+def _flops(shape, S, pairs):
+    B, H, Hkv, Hp, Hpk, D, Dp, _ = shape
+    causal = B * S * (S + 1) / 2
+    sel = 2 * Dp * Hp * causal
+    fwd = 4 * D * H * pairs
+    bwd = 10 * D * H * pairs
+    kl = 2 * (D * H + 3 * Dp * Hp) * pairs
+    return dict(
+        select=sel,
+        fwd=sel + fwd + kl,
+        bwd=bwd,
+        step=sel + fwd + bwd + kl,
+        dense_fwd=4 * D * H * causal,
+        dense_step=14 * D * H * causal,
+    )
+
+
+def _fa4():
+    try:
+        from flash_attn.cute import flash_attn_func  # FlashAttention-4
+
+        return flash_attn_func
+    except Exception:  # not installed, or not for this GPU
+        return None
+
+
+def _dense_providers():
+    import torch.nn.functional as F
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        ).transpose(1, 2)
+
+    prov = {"sdpa": sdpa}
+    fa4 = _fa4()
+    if fa4 is not None:
+
+        def fa4_fn(q, k, v):
+            out = fa4(q, k, v, causal=True)
+            return out[0] if isinstance(out, tuple) else out
+
+        prov["fa4"] = fa4_fn
+    return prov
+
+
+def _verify_msa(backend, shape):
+    """The backend against the fp32 reference on a small case (selection sets, out, kl)."""
+    from . import testing
+    from .api import msa_attention, select_blocks
+
+    B, H, Hkv, Hp, Hpk, D, Dp, _ = shape
+    S = 1024
+    xs = testing.make_inputs(
+        1, S, H, Hkv, Hp, Hpk, D, Dp, dtype=torch.bfloat16, device="cuda", seed=123
+    )
+    os.environ["FLASH_MSA_BACKEND"] = backend
+    try:
+        idx = select_blocks(xs[0], xs[1], TOP_K)
+        out, kl = msa_attention(*xs, TOP_K)
+    finally:
+        os.environ["FLASH_MSA_BACKEND"] = "auto"
+    from . import reference
+    from .problem import Config
+
+    cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+    cfg = Config(BLOCK, D**-0.5, S, Dp**-0.5, TOP_K, False, True)
+    flat = [x[0] for x in xs]
+    ref_idx = reference.select(flat[0], flat[1], cu, cfg)
+    bad = testing.selection_mismatch(
+        idx.cpu(), ref_idx.cpu().view(idx.shape), xs[0].cpu(), xs[1].cpu(), BLOCK, Dp**-0.5
+    )
+    ro, _, _, rkl = reference.fwd(
+        *(x.float() for x in flat[2:]), idx[0], cu, cfg, flat[0].float(), flat[1].float()
+    )
+    err = (out[0].float() - ro).abs().max().item()
+    ok = bad == 0 and err < 0.05 and abs(kl.item() - rkl.item()) < 1e-2 * (1 + rkl.item())
+    return (
+        ok,
+        f"selection rows differing {bad}, max |out err| {err:.2e}, "
+        f"kl {kl.item():.5f} vs {rkl.item():.5f}",
+    )
+
+
+def _verify_dense(fn, shape):
+    B, H, Hkv, Hp, Hpk, D, Dp, _ = shape
+    q = torch.randn(1, 512, H, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 512, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    g = H // Hkv
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), k.float().repeat_interleave(g, 2)) * D**-0.5
+    s = s.masked_fill(torch.ones(512, 512, device="cuda").triu(1).bool(), -math.inf)
+    ref = torch.einsum("bhij,bjhd->bihd", s.softmax(-1), v.float().repeat_interleave(g, 2))
+    err = (fn(q, k, v).float() - ref).abs().max().item()
+    return err < 0.05, f"max |out err| {err:.2e}"
+
+
+def run(shapes, seqlens, backends, inputs, iters=5):
+    """Yield one result dict per (shape, S, input kind, provider)."""
+    from . import testing
+    from .api import select_blocks
+
+    dense = _dense_providers()
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        B, H, Hkv, Hp, Hpk, D, Dp, default = shape
+        verified = {}
+        for prov in [*backends, *dense]:
+            ok, msg = (
+                _verify_msa(prov, shape) if prov in backends else _verify_dense(dense[prov], shape)
+            )
+            verified[prov] = ok
+            _log(f"[verify] {shape_name} {prov}: {'ok' if ok else 'FAILED'} ({msg})")
+        for S in seqlens or default:
+            for kind in inputs:
+                xs = testing.make_inputs(
+                    B,
+                    S,
+                    H,
+                    Hkv,
+                    Hp,
+                    Hpk,
+                    D,
+                    Dp,
+                    dtype=torch.bfloat16,
+                    device="cuda",
+                    kind=kind,
+                    seed=0,
+                )
+                base = dict(
+                    shape=shape_name,
+                    S=S,
+                    inputs=kind,
+                    B=B,
+                    H=H,
+                    Hkv=Hkv,
+                    Hp=Hp,
+                    Hpk=Hpk,
+                    D=D,
+                    Dp=Dp,
+                    block_size=BLOCK,
+                    top_k=TOP_K,
+                )
+                pairs = None
+                for prov in [*backends, *dense]:
+                    if not verified[prov]:
+                        yield dict(base, provider=prov, error="verification failed")
+                        continue
+                    if prov in dense and kind == "local":
+                        continue  # dense attention does not depend on the proxy inputs
+                    _log(f"[run] {shape_name} S={S} {kind} {prov} ...")
+                    t0 = time.time()
+                    try:
+                        res = _measure(prov, xs, dense, iters)
+                    except torch.cuda.OutOfMemoryError as e:
+                        res = dict(error=f"out of memory: {str(e).splitlines()[0]}")
+                    torch.cuda.empty_cache()
+                    if prov in backends and "error" not in res:
+                        os.environ["FLASH_MSA_BACKEND"] = prov
+                        with torch.no_grad():
+                            idx = select_blocks(xs[0], xs[1], TOP_K)
+                        os.environ["FLASH_MSA_BACKEND"] = "auto"
+                        pairs = sparse_pairs(idx, S, BLOCK)
+                        del idx
+                    fl = _flops(shape, S, pairs or 0)
+                    for key, fkey in (
+                        ("select_ms", "select"),
+                        ("fwd_ms", "fwd"),
+                        ("bwd_ms", "bwd"),
+                        ("step_ms", "step"),
+                    ):
+                        if prov in dense:
+                            fkey = {"fwd_ms": "dense_fwd", "step_ms": "dense_step"}.get(key)
+                        if res.get(key) and fkey:
+                            res[key.replace("_ms", "_tflops")] = fl[fkey] / res[key] / 1e9
+                    _log(f"      done in {time.time() - t0:.1f}s: {res}")
+                    yield dict(base, provider=prov, sparse_pairs=pairs, **res)
+                del xs
+                torch.cuda.empty_cache()
+
+
+def _measure(prov, xs, dense, iters):
+    from .api import msa_attention, select_blocks
+
+    leaves = [x.detach().requires_grad_() for x in xs]
+    res = {}
+    if prov in dense:
+        q, k, v = leaves[2:]
+        dout = torch.randn_like(q)
+        fn = dense[prov]
+        res["fwd_ms"] = _time(lambda: fn(q, k, v), iters=iters)
+
+        def step():
+            fn(q, k, v).backward(dout)
+    else:
+        os.environ["FLASH_MSA_BACKEND"] = prov
+        dout = torch.randn_like(leaves[2])
+        with torch.no_grad():
+            res["select_ms"] = _time(
+                lambda: select_blocks(leaves[0], leaves[1], TOP_K), iters=iters
+            )
+            res["fwd_ms"] = _time(lambda: msa_attention(*leaves, TOP_K), iters=iters)
+
+        def step():
+            out, kl = msa_attention(*leaves, TOP_K)
+            torch.autograd.backward([out, kl], [dout, torch.ones_like(kl)])
+
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        res["step_ms"] = _time(step, iters=iters)
+        res["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        res["bwd_ms"] = res["step_ms"] - res["fwd_ms"]
+    finally:
+        os.environ["FLASH_MSA_BACKEND"] = "auto"
+    return res
+
+
+def environment():
+    from .diagnostics import _version
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(__file__),
+        ).stdout.strip()
+    except OSError:
+        commit = None
+    return dict(
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        torch=torch.__version__,
+        triton=_version("triton"),
+        cutlass=_version("nvidia-cutlass-dsl"),
+        flash_attn_4=_fa4() is not None,
+        python=platform.python_version(),
+        commit=commit,
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+
+
+def table(rows):
+    cols = [
+        ("shape", "{}"),
+        ("S", "{}"),
+        ("inputs", "{}"),
+        ("provider", "{}"),
+        ("select_ms", "{:.3f}"),
+        ("select_tflops", "{:.0f}"),
+        ("fwd_ms", "{:.3f}"),
+        ("fwd_tflops", "{:.0f}"),
+        ("bwd_ms", "{:.3f}"),
+        ("step_ms", "{:.3f}"),
+        ("step_tflops", "{:.0f}"),
+        ("peak_gib", "{:.2f}"),
+        ("speedup_vs_sdpa", "{:.2f}x"),
+    ]
+    sdpa = {(r["shape"], r["S"]): r.get("step_ms") for r in rows if r["provider"] == "sdpa"}
+    for r in rows:
+        ref = sdpa.get((r["shape"], r["S"]))
+        if ref and r.get("step_ms"):
+            r["speedup_vs_sdpa"] = ref / r["step_ms"]
+
+    def cell(r, c, fmt):
+        if c == "provider" and "error" in r:
+            return f"{r[c]} (ERROR: {r['error'][:40]})"
+        return fmt.format(r[c]) if r.get(c) is not None else "-"
+
+    cells = [[c for c, _ in cols]] + [[cell(r, c, fmt) for c, fmt in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    return "\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in cells)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for key in sorted({(r["shape"], r["inputs"], r["provider"]) for r in rows}):
+        pts = sorted(
+            (r["S"], r["step_ms"])
+            for r in rows
+            if (r["shape"], r["inputs"], r["provider"]) == key and r.get("step_ms")
+        )
+        if pts:
+            ax.loglog(*zip(*pts), marker="o", label=" ".join(map(str, key)))
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("forward+backward (ms)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def main(args) -> int:
+    if not torch.cuda.is_available():
+        print(
+            "flash-msa bench: no CUDA GPU here; timings on CPU mean nothing. Running a tiny "
+            "correctness pass of the available backends instead (flash-msa check)."
+        )
+        from .cli import main as cli_main
+
+        return cli_main(["check"])
+    from . import backends
+    from .diagnostics import _sample_problem
+
+    names = args.backends or [
+        n
+        for n in ("cute", "triton")
+        if backends.reason_not(n, "fwd", _sample_problem("cuda")) is None
+    ]
+    rows = list(run(args.shape, args.seqlen, names, args.inputs, args.iters))
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=environment(), results=rows), f, indent=1)
+    if args.plot:
+        try:
+            plot(rows, args.plot)
+        except ImportError:
+            _log("matplotlib is not installed: no plot")
+    return 1 if any("error" in r and "memory" not in r["error"] for r in rows) else 0

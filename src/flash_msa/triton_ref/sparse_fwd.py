@@ -1,0 +1,355 @@
+"""Sparse main forward (key-outer), proxy LSE and the KL value.
+
+Layout (see worklist.py): one program per work item = (selection head p, key block, up to TW
+query tokens that kept the block). The program loads the key block's K/V tile once per KV head
+and streams its tokens BT at a time; the G2 main heads of a token that share a KV head are
+packed into the MMA's M dimension (BM = BT * G2 rows, row r = token r // G2, head r % G2).
+
+Because a query's keys are split over its K kept blocks, the forward writes one partial
+(normalized o, lse) per (token, head, slot) and a combine kernel merges the K partials by their
+LSE. The proxy LSE over the kept keys is built the same way. The KL value needs the final LSEs,
+so it is a second pass over the same work items (recomputing the scores, no stored P).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..problem import Config
+from . import worklist
+
+
+@triton.jit
+def _item_rows(PERM, c, e1, HsK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, G2: tl.constexpr):
+    """Token and slot of each of the BT*G2 rows of sub-chunk ``c`` (row = token-major)."""
+    o_r = tl.arange(0, BT * G2)
+    e = c + o_r // G2
+    m_r = e < e1
+    flat = tl.load(PERM + e, mask=m_r, other=0)
+    return (flat // HsK).to(tl.int64), flat % K, o_r % G2, m_r
+
+
+@triton.jit
+def _fwd_kernel(
+    Q,
+    Kt,
+    V,
+    QP,
+    KP,  # q [T,H,D], k/v [T,Hkv,D], q_proxy [T,Hs,Dp], k_proxy [T,Hpk,Dp]
+    PERM,
+    ITEM_LIST,
+    ITEM_START,
+    ITEM_END,
+    BLK_START,
+    BLK_END,  # work list
+    O_PART,
+    L_PART,
+    PL_PART,  # [T,H,K,D] f32, [T,H,K] f32, [T,Hs,K] f32
+    scale,
+    pscale,
+    H: tl.constexpr,
+    Hkv: tl.constexpr,
+    Hs: tl.constexpr,
+    Hpk: tl.constexpr,
+    K: tl.constexpr,
+    D: tl.constexpr,
+    Dp: tl.constexpr,
+    G: tl.constexpr,
+    G2: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BT: tl.constexpr,
+    NB: tl.constexpr,
+    HAS_PROXY: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    w = tl.program_id(0)
+    e0 = tl.load(ITEM_START + w)
+    e1 = tl.load(ITEM_END + w)
+    if e0 >= e1:
+        return
+    lst = tl.load(ITEM_LIST + w)
+    p = lst // NB
+    gb = lst % NB
+    k0 = tl.load(BLK_START + gb)
+    k1 = tl.load(BLK_END + gb)
+    o_k = tl.arange(0, BLOCK)
+    o_d = tl.arange(0, D)
+    kpos = (k0 + o_k).to(tl.int64)  # [BLOCK] packed key positions
+    m_k = kpos < k1
+    for r in tl.static_range(R):
+        h0 = p * G + r * G2  # first main head of this KV sub-group
+        kvh = h0 // (H // Hkv)
+        p_kv = (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
+        b_k = tl.load(Kt + p_kv, mask=m_k[:, None], other=0.0)  # [BLOCK, D]
+        b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
+        for c in range(e0, e1, BT):
+            t, slot, hj, m_r = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
+            row = t * H + h0 + hj  # [BM] (token, head)
+            b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BM, BLOCK]
+            keep = m_k[None, :] & (kpos[None, :] <= t[:, None])
+            b_s = tl.where(keep, b_s, float("-inf"))
+            b_m = tl.max(b_s, axis=1)
+            b_m = tl.where(b_m == float("-inf"), 0.0, b_m)  # a row with no visible key
+            b_p = tl.exp(b_s - b_m[:, None])
+            b_l = tl.sum(b_p, axis=1)
+            b_o = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [BM, D]
+            b_o = b_o / tl.where(b_l > 0, b_l, 1.0)[:, None]
+            b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+            part = row * K + slot
+            tl.store(O_PART + part[:, None] * D + o_d[None, :], b_o, mask=m_r[:, None])
+            tl.store(L_PART + part, b_lse, mask=m_r)
+    if HAS_PROXY:
+        o_dp = tl.arange(0, Dp)
+        pk = p // (Hs // Hpk)
+        b_kp = tl.load(
+            KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :], mask=m_k[:, None], other=0.0
+        )  # [BLOCK, Dp]
+        for c in range(e0, e1, BT):
+            t, slot, _, m_t = _item_rows(PERM, c, e1, Hs * K, K, BT, 1)
+            b_qp = tl.load(
+                QP + (t * Hs + p)[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0
+            )  # [BT, Dp]
+            b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale
+            b_z = tl.where(m_k[None, :] & (kpos[None, :] <= t[:, None]), b_z, float("-inf"))
+            b_m = tl.max(b_z, axis=1)
+            b_m = tl.where(b_m == float("-inf"), 0.0, b_m)
+            b_l = tl.sum(tl.exp(b_z - b_m[:, None]), axis=1)
+            b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+            tl.store(PL_PART + (t * Hs + p) * K + slot, b_lse, mask=m_t)
+
+
+@triton.jit
+def _combine_kernel(
+    O_PART,
+    L_PART,
+    IDX,
+    OUT,
+    LSE,  # partials, indices [T,Hs,K], out [T,H,D], lse [T,H]
+    H: tl.constexpr,
+    Hs: tl.constexpr,
+    K: tl.constexpr,
+    KP2: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    HAS_O: tl.constexpr,
+):
+    """Merge the K partials of one (token, head) by their LSE (also used for the proxy LSE)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    o_s = tl.arange(0, KP2)
+    ids = tl.load(IDX + (t * Hs + h // G) * K + o_s, mask=o_s < K, other=-1)
+    valid = ids >= 0
+    b_lse = tl.load(L_PART + (t * H + h) * K + o_s, mask=valid, other=float("-inf"))
+    b_m = tl.max(b_lse, axis=0)
+    b_m = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_w = tl.exp(b_lse - b_m)  # 0 for unused slots and empty partials
+    b_l = tl.sum(b_w, axis=0)
+    b_safe = tl.where(b_l > 0, b_l, 1.0)
+    tl.store(LSE + t * H + h, tl.where(b_l > 0, b_m + tl.log(b_safe), float("-inf")))
+    if HAS_O:
+        o_d = tl.arange(0, D)
+        p_o = O_PART + ((t * H + h) * K + o_s)[:, None] * D + o_d[None, :]
+        b_o = tl.load(p_o, mask=valid[:, None] & (b_w > 0)[:, None], other=0.0)  # [KP2, D]
+        b_out = tl.sum(b_w[:, None] * b_o, axis=0) / b_safe
+        tl.store(OUT + (t * H + h) * D + o_d, b_out.to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def _kl_kernel(
+    Q,
+    Kt,
+    QP,
+    KP,
+    LSE,
+    PLSE,  # lse [T,H], proxy lse [T,Hs] (final, fp32)
+    PERM,
+    ITEM_LIST,
+    ITEM_START,
+    ITEM_END,
+    BLK_START,
+    BLK_END,
+    KL_PART,  # [W] f32: sum of this item's KL terms
+    scale,
+    pscale,
+    H: tl.constexpr,
+    Hkv: tl.constexpr,
+    Hs: tl.constexpr,
+    Hpk: tl.constexpr,
+    K: tl.constexpr,
+    D: tl.constexpr,
+    Dp: tl.constexpr,
+    G: tl.constexpr,
+    G2: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BT: tl.constexpr,
+    NB: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """sum over the item's (token, kept key) pairs of target * (log target - log Q)."""
+    w = tl.program_id(0)
+    e0 = tl.load(ITEM_START + w)
+    e1 = tl.load(ITEM_END + w)
+    if e0 >= e1:
+        return
+    lst = tl.load(ITEM_LIST + w)
+    p = lst // NB
+    gb = lst % NB
+    k0 = tl.load(BLK_START + gb)
+    k1 = tl.load(BLK_END + gb)
+    o_k = tl.arange(0, BLOCK)
+    o_d = tl.arange(0, D)
+    o_dp = tl.arange(0, Dp)
+    kpos = (k0 + o_k).to(tl.int64)
+    m_k = kpos < k1
+    pk = p // (Hs // Hpk)
+    b_kp = tl.load(
+        KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :], mask=m_k[:, None], other=0.0
+    )
+    acc = tl.zeros([BT, BLOCK], tl.float32)
+    for c in range(e0, e1, BT):
+        t, _, _, m_t = _item_rows(PERM, c, e1, Hs * K, K, BT, 1)
+        keep = m_t[:, None] & m_k[None, :] & (kpos[None, :] <= t[:, None])  # [BT, BLOCK]
+        b_tgt = tl.zeros([BT, BLOCK], tl.float32)
+        for r in tl.static_range(R):
+            h0 = p * G + r * G2
+            kvh = h0 // (H // Hkv)
+            b_k = tl.load(
+                Kt + (kpos * Hkv + kvh)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.0
+            )
+            tr, _, hj, m_r = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
+            row = tr * H + h0 + hj
+            b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BM, BLOCK]
+            b_lse = tl.load(LSE + row, mask=m_r, other=0.0)
+            rkeep = m_r[:, None] & m_k[None, :] & (kpos[None, :] <= tr[:, None])
+            b_p = tl.where(rkeep, tl.exp(b_s - b_lse[:, None]), 0.0)
+            b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BLOCK]), axis=1)
+        b_tgt = b_tgt / G
+        b_qp = tl.load(
+            QP + (t * Hs + p)[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0
+        )
+        b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale
+        b_plse = tl.load(PLSE + t * Hs + p, mask=m_t, other=0.0)
+        pos = keep & (b_tgt > 0)
+        b_log_t = tl.log(tl.where(pos, b_tgt, 1.0))
+        acc += tl.where(pos, b_tgt * (b_log_t - (b_z - b_plse[:, None])), 0.0)
+    tl.store(KL_PART + w, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+# ---------------------------------------------------------------------------------------------
+# host
+# ---------------------------------------------------------------------------------------------
+_WL = {k: "*i32" for k in ("ITEM_LIST", "ITEM_START", "ITEM_END", "BLK_START", "BLK_END")}
+SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 inputs)
+    "fwd": dict(
+        {k: "*bf16" for k in ("Q", "Kt", "V", "QP", "KP")},
+        PERM="*i64",
+        **_WL,
+        O_PART="*fp32",
+        L_PART="*fp32",
+        PL_PART="*fp32",
+        scale="fp32",
+        pscale="fp32",
+    ),
+    "kl": dict(
+        {k: "*bf16" for k in ("Q", "Kt", "QP", "KP")},
+        LSE="*fp32",
+        PLSE="*fp32",
+        PERM="*i64",
+        **_WL,
+        KL_PART="*fp32",
+        scale="fp32",
+        pscale="fp32",
+    ),
+    "combine": dict(O_PART="*fp32", L_PART="*fp32", IDX="*i32", OUT="*bf16", LSE="*fp32"),
+}
+
+
+def head_groups(H: int, Hkv: int, Hs: int) -> tuple[int, int, int]:
+    """``(G, G2, R)``: main heads per selection head, per (selection head, KV head), and the
+    number of KV heads a selection head spans."""
+    G = H // Hs
+    R = max(1, Hkv // Hs)
+    return G, G // R, R
+
+
+def tiles(G2: int, D: int) -> tuple[int, int]:
+    """``(BT, TW)``: tokens per MMA tile (BM = BT * G2 rows) and tokens per work item."""
+    BT = max(16, 128 // G2)
+    return BT, 4 * BT
+
+
+def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
+    """Backend op ``fwd`` (contract in docs/design.md) for given indices (not warmup)."""
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    Hs, K = indices.shape[1:]
+    G, G2, R = head_groups(H, Hkv, Hs)
+    BT, TW = tiles(G2, D)
+    wl = worklist.build(indices, cu_seqlens, cfg.block_size, TW)
+    proxy = q_proxy is not None
+    Dp = q_proxy.shape[2] if proxy else 16
+    Hpk = k_proxy.shape[1] if proxy else 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    o_part = torch.empty((T, H, K, D), **f32)
+    l_part = torch.empty((T, H, K), **f32)
+    pl_part = torch.empty((T, Hs, K), **f32) if proxy else l_part
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    common = dict(
+        H=H,
+        Hkv=Hkv,
+        Hs=Hs,
+        Hpk=Hpk,
+        K=K,
+        D=D,
+        Dp=Dp,
+        G=G,
+        G2=G2,
+        R=R,
+        BLOCK=cfg.block_size,
+        BT=BT,
+        NB=wl.num_blocks,
+        PREC=prec,
+    )
+    items = (wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end)
+    qp_arg, kp_arg = (q_proxy, k_proxy) if proxy else (q, k)
+    _fwd_kernel[(wl.num_items,)](
+        q, k, v, qp_arg, kp_arg, *items, o_part, l_part, pl_part,
+        cfg.softmax_scale, cfg.proxy_scale or 1.0, HAS_PROXY=proxy, num_warps=8, **common,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    lse = torch.empty((T, H), **f32)
+    KP2 = max(2, triton.next_power_of_2(K))
+    _combine_kernel[(T, H)](
+        o_part, l_part, indices, out, lse, H=H, Hs=Hs, K=K, KP2=KP2, D=D, G=G, HAS_O=True
+    )
+    proxy_lse = kl = None
+    if proxy:
+        proxy_lse = torch.empty((T, Hs), **f32)
+        _combine_kernel[(T, Hs)](
+            pl_part,
+            pl_part,
+            indices,
+            out,
+            proxy_lse,
+            H=Hs,
+            Hs=Hs,
+            K=K,
+            KP2=KP2,
+            D=D,
+            G=1,
+            HAS_O=False,
+        )
+        if cfg.compute_kl:
+            kl_part = torch.zeros(wl.num_items, **f32)
+            _kl_kernel[(wl.num_items,)](
+                q, k, q_proxy, k_proxy, lse, proxy_lse, *items, kl_part,
+                cfg.softmax_scale, cfg.proxy_scale, num_warps=8, **common,
+            )  # fmt: skip
+            kl = kl_part.sum() / (Hs * T)
+    return out, lse, proxy_lse, kl
