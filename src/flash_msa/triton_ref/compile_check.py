@@ -17,6 +17,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KB)
+
 
 def _resources(cubin: bytes) -> dict:
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -47,12 +49,14 @@ def compile_kernel(
         target=GPUTarget("cuda", arch, 32),
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
-    return dict(_resources(k.asm["cubin"]), wgmma="wgmma" in k.asm["ptx"])
+    return dict(
+        _resources(k.asm["cubin"]), shared_bytes=k.metadata.shared, wgmma="wgmma" in k.asm["ptx"]
+    )
 
 
 def configurations():
     """(name, fn, signature, constexprs, num_warps, num_stages) of every shipped kernel config."""
-    from . import selection, sparse_bwd, sparse_fwd
+    from . import proxy, selection, sparse_bwd, sparse_fwd
 
     for Dp in (64, 128):
         for block in (64, 128):
@@ -70,42 +74,44 @@ def configurations():
     for name, H, Hkv, Hs, Hpk in shapes:
         for D in (64, 128):
             for block in (64, 128):
-                G, G2, R = sparse_fwd.head_groups(H, Hkv, Hs)
-                BT, _ = sparse_fwd.tiles(G2, D)
-                consts = dict(
-                    H=H,
-                    Hkv=Hkv,
-                    Hs=Hs,
-                    Hpk=Hpk,
-                    K=16,
-                    D=D,
-                    Dp=D,
-                    G=G,
-                    G2=G2,
-                    R=R,
-                    BLOCK=block,
-                    BT=BT,
-                    NB=1024,
-                    PREC="tf32",
-                )
                 tag = f"{name} D={D} b={block}"
+                base = dict(H=H, Hkv=Hkv, Hs=Hs, K=16, D=D, BLOCK=block, NB=1024, PREC="tf32")
+
+                def geo(rows, H=H, Hkv=Hkv, Hs=Hs):
+                    return dict(zip(("G", "G2", "R", "BT"), sparse_fwd.geometry(H, Hkv, Hs, rows)))
+
                 yield (
                     f"fwd {tag}",
                     sparse_fwd._fwd_kernel,
                     sparse_fwd.SIGNATURE["fwd"],
-                    dict(consts, HAS_PROXY=True),
+                    dict(base, Hpk=Hpk, Dp=D, HAS_PROXY=True, **geo(128)),
                     8,
                     2,
                 )
-                yield (f"kl {tag}", sparse_fwd._kl_kernel, sparse_fwd.SIGNATURE["kl"], consts, 8, 2)
                 yield (
                     f"bwd {tag}",
                     sparse_bwd._bwd_kernel,
                     sparse_bwd.SIGNATURE,
-                    dict(consts, MAIN=True, PROXY=True),
+                    dict(base, **geo(sparse_bwd.BWD_ROWS)),
                     8,
-                    2,
+                    1,
                 )
+                for mode, rows in (("kl", 64), ("proxy-grad", sparse_bwd.BWD_ROWS)):
+                    yield (
+                        f"{mode} {tag}",
+                        proxy._proxy_kernel,
+                        proxy.SIGNATURE,
+                        dict(
+                            base,
+                            Hpk=Hpk,
+                            Dp=D,
+                            KL_VALUE=mode == "kl",
+                            GRAD=mode != "kl",
+                            **geo(rows),
+                        ),
+                        8,
+                        1,
+                    )
     yield (
         "combine K=16 D=128",
         sparse_fwd._combine_kernel,
@@ -126,7 +132,7 @@ def main() -> int:
         if not name.startswith(only):
             continue
         res = compile_kernel(fn, sig, consts, warps, stages)
-        bad += res["spill_bytes"] > 0
+        bad += res["spill_bytes"] > 0 or res["shared_bytes"] > SHARED_LIMIT
         print(json.dumps(dict(kernel=name, **res)), flush=True)
     return 1 if bad else 0
 

@@ -8,7 +8,7 @@ packed into the MMA's M dimension (BM = BT * G2 rows, row r = token r // G2, hea
 Because a query's keys are split over its K kept blocks, the forward writes one partial
 (normalized o, lse) per (token, head, slot) and a combine kernel merges the K partials by their
 LSE. The proxy LSE over the kept keys is built the same way. The KL value needs the final LSEs,
-so it is a second pass over the same work items (recomputing the scores, no stored P).
+so it is a second pass over the same work items (proxy.py: recomputing the scores, no stored P).
 """
 
 from __future__ import annotations
@@ -158,89 +158,6 @@ def _combine_kernel(
         tl.store(OUT + (t * H + h) * D + o_d, b_out.to(OUT.dtype.element_ty))
 
 
-@triton.jit
-def _kl_kernel(
-    Q,
-    Kt,
-    QP,
-    KP,
-    LSE,
-    PLSE,  # lse [T,H], proxy lse [T,Hs] (final, fp32)
-    PERM,
-    ITEM_LIST,
-    ITEM_START,
-    ITEM_END,
-    BLK_START,
-    BLK_END,
-    KL_PART,  # [W] f32: sum of this item's KL terms
-    scale,
-    pscale,
-    H: tl.constexpr,
-    Hkv: tl.constexpr,
-    Hs: tl.constexpr,
-    Hpk: tl.constexpr,
-    K: tl.constexpr,
-    D: tl.constexpr,
-    Dp: tl.constexpr,
-    G: tl.constexpr,
-    G2: tl.constexpr,
-    R: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BT: tl.constexpr,
-    NB: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """sum over the item's (token, kept key) pairs of target * (log target - log Q)."""
-    w = tl.program_id(0)
-    e0 = tl.load(ITEM_START + w)
-    e1 = tl.load(ITEM_END + w)
-    if e0 >= e1:
-        return
-    lst = tl.load(ITEM_LIST + w)
-    p = lst // NB
-    gb = lst % NB
-    k0 = tl.load(BLK_START + gb)
-    k1 = tl.load(BLK_END + gb)
-    o_k = tl.arange(0, BLOCK)
-    o_d = tl.arange(0, D)
-    o_dp = tl.arange(0, Dp)
-    kpos = (k0 + o_k).to(tl.int64)
-    m_k = kpos < k1
-    pk = p // (Hs // Hpk)
-    b_kp = tl.load(
-        KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :], mask=m_k[:, None], other=0.0
-    )
-    acc = tl.zeros([BT, BLOCK], tl.float32)
-    for c in range(e0, e1, BT):
-        t, _, _, m_t = _item_rows(PERM, c, e1, Hs * K, K, BT, 1)
-        keep = m_t[:, None] & m_k[None, :] & (kpos[None, :] <= t[:, None])  # [BT, BLOCK]
-        b_tgt = tl.zeros([BT, BLOCK], tl.float32)
-        for r in tl.static_range(R):
-            h0 = p * G + r * G2
-            kvh = h0 // (H // Hkv)
-            b_k = tl.load(
-                Kt + (kpos * Hkv + kvh)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.0
-            )
-            tr, _, hj, m_r = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
-            row = tr * H + h0 + hj
-            b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BM, BLOCK]
-            b_lse = tl.load(LSE + row, mask=m_r, other=0.0)
-            rkeep = m_r[:, None] & m_k[None, :] & (kpos[None, :] <= tr[:, None])
-            b_p = tl.where(rkeep, tl.exp(b_s - b_lse[:, None]), 0.0)
-            b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BLOCK]), axis=1)
-        b_tgt = b_tgt / G
-        b_qp = tl.load(
-            QP + (t * Hs + p)[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0
-        )
-        b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale
-        b_plse = tl.load(PLSE + t * Hs + p, mask=m_t, other=0.0)
-        pos = keep & (b_tgt > 0)
-        b_log_t = tl.log(tl.where(pos, b_tgt, 1.0))
-        acc += tl.where(pos, b_tgt * (b_log_t - (b_z - b_plse[:, None])), 0.0)
-    tl.store(KL_PART + w, tl.sum(tl.sum(acc, axis=1), axis=0))
-
-
 # ---------------------------------------------------------------------------------------------
 # host
 # ---------------------------------------------------------------------------------------------
@@ -270,18 +187,18 @@ SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 
 }
 
 
-def head_groups(H: int, Hkv: int, Hs: int) -> tuple[int, int, int]:
-    """``(G, G2, R)``: main heads per selection head, per (selection head, KV head), and the
-    number of KV heads a selection head spans."""
+def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
+    """``(G, G2, R, BT)`` for MMA tiles of about ``rows`` rows.
+
+    G main heads share a selection head; they are visited in R sub-groups of G2 heads that share
+    one KV head (G2 <= rows / 16); a tile holds BT >= 16 tokens x G2 heads (BM = BT * G2).
+    """
     G = H // Hs
-    R = max(1, Hkv // Hs)
-    return G, G // R, R
+    G2 = min(H // max(Hs, Hkv), rows // 16)
+    return G, G2, G // G2, max(16, rows // G2)
 
 
-def tiles(G2: int, D: int) -> tuple[int, int]:
-    """``(BT, TW)``: tokens per MMA tile (BM = BT * G2 rows) and tokens per work item."""
-    BT = max(16, 128 // G2)
-    return BT, 4 * BT
+TW_TILES = 4  # a work item holds up to TW_TILES * BT tokens
 
 
 def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
@@ -289,9 +206,8 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
     T, H, D = q.shape
     Hkv = k.shape[1]
     Hs, K = indices.shape[1:]
-    G, G2, R = head_groups(H, Hkv, Hs)
-    BT, TW = tiles(G2, D)
-    wl = worklist.build(indices, cu_seqlens, cfg.block_size, TW)
+    G, G2, R, BT = geometry(H, Hkv, Hs, 128)
+    wl = worklist.build(indices, cu_seqlens, cfg.block_size, TW_TILES * BT)
     proxy = q_proxy is not None
     Dp = q_proxy.shape[2] if proxy else 16
     Hpk = k_proxy.shape[1] if proxy else 1
@@ -346,10 +262,20 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
             HAS_O=False,
         )
         if cfg.compute_kl:
+            from . import proxy as proxy_pass
+
             kl_part = torch.zeros(wl.num_items, **f32)
-            _kl_kernel[(wl.num_items,)](
-                q, k, q_proxy, k_proxy, lse, proxy_lse, *items, kl_part,
-                cfg.softmax_scale, cfg.proxy_scale, num_warps=8, **common,
-            )  # fmt: skip
+            proxy_pass.launch(
+                q,
+                k,
+                q_proxy,
+                k_proxy,
+                lse,
+                proxy_lse,
+                wl,
+                cfg,
+                geometry(H, Hkv, Hs, 64),
+                kl_part=kl_part,
+            )
             kl = kl_part.sum() / (Hs * T)
     return out, lse, proxy_lse, kl

@@ -1,0 +1,195 @@
+"""The proxy pass: the KL value and/or the proxy's closed-form gradient, on the kept pairs.
+
+One program per work item (worklist.py) = (selection head p, key block, up to TW tokens). For
+each chunk of BT tokens it rebuilds the teacher ``target = mean over the G main heads of P``
+(P from the saved main LSE; the G heads are visited in R sub-groups of G2 heads that share a KV
+head, packed into the MMA's M dimension) and the proxy distribution ``Q = exp(z - proxy_lse)``
+on the block's visible keys, then
+
+- KL value: ``sum target * (log target - log Q)`` over the item (one fp32 partial per item);
+- gradient: ``dz = coef * (Q - target)`` with ``coef = dkl / (Hs * T)``,
+  ``dq_proxy += pscale * dz @ k_proxy`` (fp32 atomics, a query's rows come from K blocks) and
+  ``dk_proxy += pscale * dz^T @ q_proxy`` (kept in registers over the item, added once).
+
+``Q - target`` (not ``dz``) is what is cast to the input dtype for the MMAs: ``coef`` is ~1/T and
+would underflow fp16; it is applied to the fp32 results.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+from triton import jit
+
+from .sparse_fwd import _item_rows
+
+
+@jit
+def _probs(
+    Q,
+    LSE,
+    b_k,
+    t,
+    hj,
+    m_r,
+    h0,
+    kpos,
+    m_k,
+    scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """P [BM, BLOCK] of the rows (token t, head h0 + hj) on the key block, their q and row ids."""
+    o_d = tl.arange(0, D)
+    row = t * H + h0 + hj
+    b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
+    keep = m_r[:, None] & m_k[None, :] & (kpos[None, :] <= t[:, None])
+    b_lse = tl.load(LSE + row, mask=m_r, other=0.0)
+    return tl.where(keep, tl.exp(b_s - b_lse[:, None]), 0.0), b_q, row
+
+
+@jit
+def _proxy_kernel(
+    Q,
+    Kt,
+    QP,
+    KP,
+    LSE,
+    PLSE,
+    DKL,  # lse [T,H], proxy lse [T,Hs] fp32; dkl: 0-dim
+    PERM,
+    ITEM_LIST,
+    ITEM_START,
+    ITEM_END,
+    BLK_START,
+    BLK_END,
+    KL_PART,
+    DQP,
+    DKP,  # [W] fp32; fp32 [T,Hs,Dp] / [T,Hpk,Dp], zero-initialized
+    scale,
+    pscale,
+    inv_rows,
+    H: tl.constexpr,
+    Hkv: tl.constexpr,
+    Hs: tl.constexpr,
+    Hpk: tl.constexpr,
+    K: tl.constexpr,
+    D: tl.constexpr,
+    Dp: tl.constexpr,
+    G: tl.constexpr,
+    G2: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BT: tl.constexpr,
+    NB: tl.constexpr,
+    KL_VALUE: tl.constexpr,
+    GRAD: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    w = tl.program_id(0)
+    e0 = tl.load(ITEM_START + w)
+    e1 = tl.load(ITEM_END + w)
+    if e0 >= e1:
+        return
+    lst = tl.load(ITEM_LIST + w)
+    p = lst // NB
+    gb = lst % NB
+    k0 = tl.load(BLK_START + gb)
+    k1 = tl.load(BLK_END + gb)
+    o_k = tl.arange(0, BLOCK)
+    o_d = tl.arange(0, D)
+    o_dp = tl.arange(0, Dp)
+    kpos = (k0 + o_k).to(tl.int64)
+    m_k = kpos < k1
+    pk = p // (Hs // Hpk)
+    p_kp = KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+    b_kp = tl.load(p_kp, mask=m_k[:, None], other=0.0)  # [BLOCK, Dp]
+    kl_acc = tl.zeros([BT, BLOCK], tl.float32)
+    b_dkp = tl.zeros([BLOCK, Dp], tl.float32)
+    if GRAD:
+        coef = tl.load(DKL).to(tl.float32) * inv_rows
+    for c in range(e0, e1, BT):
+        b_tgt = tl.zeros([BT, BLOCK], tl.float32)
+        for r in tl.static_range(R):
+            h0 = p * G + r * G2
+            kvh = h0 // (H // Hkv)
+            b_k = tl.load(
+                Kt + (kpos * Hkv + kvh)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.0
+            )
+            tr, _, hj, m_r = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
+            b_p, _, _ = _probs(Q, LSE, b_k, tr, hj, m_r, h0, kpos, m_k, scale, H, D, PREC)
+            b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BLOCK]), axis=1)
+        b_tgt = b_tgt / G
+        t, _, _, m_t = _item_rows(PERM, c, e1, Hs * K, K, BT, 1)
+        prow = t * Hs + p
+        b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
+        b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale  # [BT, BLOCK]
+        keep = m_t[:, None] & m_k[None, :] & (kpos[None, :] <= t[:, None])
+        b_logq = b_z - tl.load(PLSE + prow, mask=m_t, other=0.0)[:, None]
+        if KL_VALUE:
+            pos = keep & (b_tgt > 0)
+            b_logt = tl.log(tl.where(pos, b_tgt, 1.0))
+            kl_acc += tl.where(pos, b_tgt * (b_logt - b_logq), 0.0)
+        if GRAD:
+            b_diff = (tl.where(keep, tl.exp(b_logq), 0.0) - b_tgt).to(b_qp.dtype)  # Q - target
+            b_dqp = tl.dot(b_diff, b_kp, input_precision=PREC) * (coef * pscale)  # [BT, Dp]
+            tl.atomic_add(
+                DQP + prow[:, None] * Dp + o_dp[None, :], b_dqp, mask=m_t[:, None], sem="relaxed"
+            )
+            b_dkp += tl.dot(tl.trans(b_diff), b_qp, input_precision=PREC)
+    if KL_VALUE:
+        tl.store(KL_PART + w, tl.sum(tl.sum(kl_acc, axis=1), axis=0))
+    if GRAD:
+        p_dkp = DKP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+        tl.atomic_add(p_dkp, b_dkp * (coef * pscale), mask=m_k[:, None], sem="relaxed")
+
+
+SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (bf16 inputs)
+    {k: "*bf16" for k in ("Q", "Kt", "QP", "KP")},
+    LSE="*fp32",
+    PLSE="*fp32",
+    DKL="*fp32",
+    PERM="*i64",
+    **{k: "*i32" for k in ("ITEM_LIST", "ITEM_START", "ITEM_END", "BLK_START", "BLK_END")},
+    KL_PART="*fp32",
+    DQP="*fp32",
+    DKP="*fp32",
+    scale="fp32",
+    pscale="fp32",
+    inv_rows="fp32",
+)
+
+
+def launch(
+    q,
+    k,
+    q_proxy,
+    k_proxy,
+    lse,
+    proxy_lse,
+    wl,
+    cfg,
+    geometry,
+    *,
+    kl_part=None,
+    dkl=None,
+    dqp=None,
+    dkp=None,
+):
+    """Run the proxy pass over work list ``wl``: the KL partials into ``kl_part`` and/or the
+    gradients into ``dqp``/``dkp`` (fp32) when ``dkl`` is given."""
+    T, H, D = q.shape
+    Hs, Dp = q_proxy.shape[1:]
+    G, G2, R, BT = geometry
+    grad = dkl is not None
+    _proxy_kernel[(wl.num_items,)](
+        q, k, q_proxy, k_proxy, lse, proxy_lse, dkl if grad else lse,
+        wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end,
+        kl_part if kl_part is not None else lse, dqp if grad else lse, dkp if grad else lse,
+        cfg.softmax_scale, cfg.proxy_scale, 1.0 / (Hs * T),
+        H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], K=wl.perm.numel() // (T * Hs), D=D,
+        Dp=Dp, G=G, G2=G2, R=R, BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks,
+        KL_VALUE=kl_part is not None, GRAD=grad,
+        PREC="ieee" if q.dtype.itemsize == 4 else "tf32", num_warps=8, num_stages=1,
+    )  # fmt: skip
