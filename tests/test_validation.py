@@ -276,7 +276,7 @@ def test_bad_backend_env(monkeypatch, fn):
 @pytest.mark.parametrize(
     "name, why",
     [
-        ("triton", "not implemented yet|proxy head_dim 8 is not one of"),
+        ("triton", "not implemented yet|head_dim 8 is not one of"),
         ("cute", "not implemented yet|CUDA|import"),
     ],
 )
