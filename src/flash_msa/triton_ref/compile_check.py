@@ -96,7 +96,7 @@ def configurations():
                     8,
                     1,
                 )
-                for mode, rows in (("kl", 64), ("proxy-grad", sparse_bwd.BWD_ROWS)):
+                for mode, rows in (("kl", 128), ("proxy-grad", sparse_bwd.BWD_ROWS)):
                     yield (
                         f"{mode} {tag}",
                         proxy._proxy_kernel,
@@ -116,7 +116,7 @@ def configurations():
         "combine K=16 D=128",
         sparse_fwd._combine_kernel,
         sparse_fwd.SIGNATURE["combine"],
-        dict(H=16, Hs=4, K=16, KP2=16, D=128, G=4, HAS_O=True),
+        dict(H=16, Hs=4, K=16, KP2=16, D=128, G=4, HB=8, HAS_O=True),
         4,
         1,
     )

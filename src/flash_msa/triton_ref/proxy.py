@@ -109,14 +109,19 @@ def _proxy_kernel(
     b_dkp = tl.zeros([BLOCK, Dp], tl.float32)
     if GRAD:
         coef = tl.load(DKL).to(tl.float32) * inv_rows
+    # with one KV sub-group (R == 1) the key tile stays in registers for the whole item
+    p_k0 = Kt + (kpos * Hkv + (p * G) // (H // Hkv))[:, None] * D + o_d[None, :]
+    b_k0 = tl.load(p_k0, mask=m_k[:, None], other=0.0)
     for c in range(e0, e1, BT):
         b_tgt = tl.zeros([BT, BLOCK], tl.float32)
         for r in tl.static_range(R):
             h0 = p * G + r * G2
             kvh = h0 // (H // Hkv)
-            b_k = tl.load(
-                Kt + (kpos * Hkv + kvh)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.0
-            )
+            if R == 1:
+                b_k = b_k0
+            else:
+                p_k = Kt + (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
+                b_k = tl.load(p_k, mask=m_k[:, None], other=0.0)
             tr, _, hj, m_r = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
             b_p, _, _ = _probs(Q, LSE, b_k, tr, hj, m_r, h0, kpos, m_k, scale, H, D, PREC)
             b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BLOCK]), axis=1)

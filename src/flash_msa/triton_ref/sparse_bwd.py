@@ -21,7 +21,7 @@ from ..problem import Config, Grads, Saved
 from . import proxy as proxy_pass
 from . import worklist
 from .proxy import _probs
-from .sparse_fwd import TW_TILES, _item_rows, geometry
+from .sparse_fwd import ITEM_TOKENS, _item_rows, geometry
 
 
 @triton.jit
@@ -118,7 +118,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
     Hs, K = indices.shape[1:]
     geo = geometry(H, Hkv, Hs, BWD_ROWS)
     G, G2, R, BT = geo
-    wl = worklist.build(indices, cu_seqlens, cfg.block_size, TW_TILES * BT)
+    wl = worklist.build(indices, cu_seqlens, cfg.block_size, ITEM_TOKENS)
     f32 = dict(dtype=torch.float32, device=q.device)
     dq = dk = dv = dqp = dkp = None
     if main:

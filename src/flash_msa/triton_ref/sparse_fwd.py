@@ -100,7 +100,11 @@ def _fwd_kernel(
             b_o = b_o / tl.where(b_l > 0, b_l, 1.0)[:, None]
             b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
             part = row * K + slot
-            tl.store(O_PART + part[:, None] * D + o_d[None, :], b_o, mask=m_r[:, None])
+            tl.store(
+                O_PART + part[:, None] * D + o_d[None, :],
+                b_o.to(O_PART.dtype.element_ty),
+                mask=m_r[:, None],
+            )
             tl.store(L_PART + part, b_lse, mask=m_r)
     if HAS_PROXY:
         o_dp = tl.arange(0, Dp)
@@ -135,27 +139,35 @@ def _combine_kernel(
     KP2: tl.constexpr,
     D: tl.constexpr,
     G: tl.constexpr,
+    HB: tl.constexpr,
     HAS_O: tl.constexpr,
 ):
-    """Merge the K partials of one (token, head) by their LSE (also used for the proxy LSE)."""
+    """Merge the K partials of HB (token, head) rows by their LSE (also: the proxy LSE)."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)  # [HB]
+    m_h = h < H
     o_s = tl.arange(0, KP2)
-    ids = tl.load(IDX + (t * Hs + h // G) * K + o_s, mask=o_s < K, other=-1)
-    valid = ids >= 0
-    b_lse = tl.load(L_PART + (t * H + h) * K + o_s, mask=valid, other=float("-inf"))
-    b_m = tl.max(b_lse, axis=0)
+    m_s = m_h[:, None] & (o_s < K)[None, :]
+    ids = tl.load(IDX + (t * Hs + h[:, None] // G) * K + o_s[None, :], mask=m_s, other=-1)
+    valid = ids >= 0  # [HB, KP2]
+    p_l = L_PART + (t * H + h[:, None]) * K + o_s[None, :]
+    b_lse = tl.load(p_l, mask=valid, other=float("-inf"))
+    b_m = tl.max(b_lse, axis=1)
     b_m = tl.where(b_m == float("-inf"), 0.0, b_m)
-    b_w = tl.exp(b_lse - b_m)  # 0 for unused slots and empty partials
-    b_l = tl.sum(b_w, axis=0)
+    b_w = tl.exp(b_lse - b_m[:, None])  # 0 for unused slots and empty partials
+    b_l = tl.sum(b_w, axis=1)
     b_safe = tl.where(b_l > 0, b_l, 1.0)
-    tl.store(LSE + t * H + h, tl.where(b_l > 0, b_m + tl.log(b_safe), float("-inf")))
+    tl.store(LSE + t * H + h, tl.where(b_l > 0, b_m + tl.log(b_safe), float("-inf")), mask=m_h)
     if HAS_O:
         o_d = tl.arange(0, D)
-        p_o = O_PART + ((t * H + h) * K + o_s)[:, None] * D + o_d[None, :]
-        b_o = tl.load(p_o, mask=valid[:, None] & (b_w > 0)[:, None], other=0.0)  # [KP2, D]
-        b_out = tl.sum(b_w[:, None] * b_o, axis=0) / b_safe
-        tl.store(OUT + (t * H + h) * D + o_d, b_out.to(OUT.dtype.element_ty))
+        p_o = (
+            O_PART + ((t * H + h[:, None, None]) * K + o_s[None, :, None]) * D + o_d[None, None, :]
+        )
+        m_o = (valid & (b_w > 0))[:, :, None]
+        b_o = tl.load(p_o, mask=m_o, other=0.0).to(tl.float32)  # [HB, KP2, D]
+        b_out = tl.sum(b_w[:, :, None] * b_o, axis=1) / b_safe[:, None]  # [HB, D]
+        p_out = OUT + (t * H + h[:, None]) * D + o_d[None, :]
+        tl.store(p_out, b_out.to(OUT.dtype.element_ty), mask=m_h[:, None])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,23 +179,13 @@ SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 
         {k: "*bf16" for k in ("Q", "Kt", "V", "QP", "KP")},
         PERM="*i64",
         **_WL,
-        O_PART="*fp32",
+        O_PART="*bf16",
         L_PART="*fp32",
         PL_PART="*fp32",
         scale="fp32",
         pscale="fp32",
     ),
-    "kl": dict(
-        {k: "*bf16" for k in ("Q", "Kt", "QP", "KP")},
-        LSE="*fp32",
-        PLSE="*fp32",
-        PERM="*i64",
-        **_WL,
-        KL_PART="*fp32",
-        scale="fp32",
-        pscale="fp32",
-    ),
-    "combine": dict(O_PART="*fp32", L_PART="*fp32", IDX="*i32", OUT="*bf16", LSE="*fp32"),
+    "combine": dict(O_PART="*bf16", L_PART="*fp32", IDX="*i32", OUT="*bf16", LSE="*fp32"),
 }
 
 
@@ -198,7 +200,7 @@ def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
     return G, G2, G // G2, max(16, rows // G2)
 
 
-TW_TILES = 4  # a work item holds up to TW_TILES * BT tokens
+ITEM_TOKENS = 256  # tokens per work item: K/V (and dK/dV) stay on chip over them
 
 
 def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
@@ -207,12 +209,12 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
     Hkv = k.shape[1]
     Hs, K = indices.shape[1:]
     G, G2, R, BT = geometry(H, Hkv, Hs, 128)
-    wl = worklist.build(indices, cu_seqlens, cfg.block_size, TW_TILES * BT)
+    wl = worklist.build(indices, cu_seqlens, cfg.block_size, ITEM_TOKENS)
     proxy = q_proxy is not None
     Dp = q_proxy.shape[2] if proxy else 16
     Hpk = k_proxy.shape[1] if proxy else 1
     f32 = dict(dtype=torch.float32, device=q.device)
-    o_part = torch.empty((T, H, K, D), **f32)
+    o_part = torch.empty((T, H, K, D), dtype=q.dtype, device=q.device)  # normalized partials
     l_part = torch.empty((T, H, K), **f32)
     pl_part = torch.empty((T, Hs, K), **f32) if proxy else l_part
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -241,26 +243,18 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
     out = torch.empty_like(q)
     lse = torch.empty((T, H), **f32)
     KP2 = max(2, triton.next_power_of_2(K))
-    _combine_kernel[(T, H)](
-        o_part, l_part, indices, out, lse, H=H, Hs=Hs, K=K, KP2=KP2, D=D, G=G, HAS_O=True
+    HB = min(8, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, HB))](
+        o_part, l_part, indices, out, lse, H=H, Hs=Hs, K=K, KP2=KP2, D=D, G=G, HB=HB, HAS_O=True
     )
     proxy_lse = kl = None
     if proxy:
         proxy_lse = torch.empty((T, Hs), **f32)
-        _combine_kernel[(T, Hs)](
-            pl_part,
-            pl_part,
-            indices,
-            out,
-            proxy_lse,
-            H=Hs,
-            Hs=Hs,
-            K=K,
-            KP2=KP2,
-            D=D,
-            G=1,
-            HAS_O=False,
-        )
+        HBp = min(8, triton.next_power_of_2(Hs))
+        _combine_kernel[(T, triton.cdiv(Hs, HBp))](
+            pl_part, pl_part, indices, out, proxy_lse,
+            H=Hs, Hs=Hs, K=K, KP2=KP2, D=D, G=1, HB=HBp, HAS_O=False,
+        )  # fmt: skip
         if cfg.compute_kl:
             from . import proxy as proxy_pass
 
@@ -274,7 +268,7 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
                 proxy_lse,
                 wl,
                 cfg,
-                geometry(H, Hkv, Hs, 64),
+                geometry(H, Hkv, Hs, 128),
                 kl_part=kl_part,
             )
             kl = kl_part.sum() / (Hs * T)

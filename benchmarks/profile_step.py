@@ -1,0 +1,45 @@
+"""Kernel-time breakdown of one MSA training step (torch.profiler), on a GPU.
+
+PYTHONPATH=src python3 benchmarks/profile_step.py --seqlen 16384 [--shape anchor]
+"""
+
+import argparse
+import os
+
+import torch
+
+import flash_msa
+from flash_msa import bench, testing
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="anchor", choices=list(bench.SHAPES))
+    ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--inputs", default="random")
+    args = ap.parse_args()
+    os.environ["FLASH_MSA_BACKEND"] = args.backend
+    B, H, Hkv, Hp, Hpk, D, Dp, _ = bench.SHAPES[args.shape]
+    xs = testing.make_inputs(
+        B, args.seqlen, H, Hkv, Hp, Hpk, D, Dp, device="cuda", kind=args.inputs, requires_grad=True
+    )
+    dout = torch.randn_like(xs[2])
+
+    def step():
+        out, kl = flash_msa.msa_attention(*xs, bench.TOP_K)
+        torch.autograd.backward([out, kl], [dout, torch.ones_like(kl)])
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    )
+
+
+if __name__ == "__main__":
+    main()
