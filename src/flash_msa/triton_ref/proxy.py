@@ -181,6 +181,7 @@ def launch(
     dkl=None,
     dqp=None,
     dkp=None,
+    num_stages=1,
 ):
     """Run the proxy pass over work list ``wl``: the KL partials into ``kl_part`` and/or the
     gradients into ``dqp``/``dkp`` (fp32) when ``dkl`` is given."""
@@ -196,5 +197,5 @@ def launch(
         H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], K=wl.perm.numel() // (T * Hs), D=D,
         Dp=Dp, G=G, G2=G2, R=R, BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks,
         KL_VALUE=kl_part is not None, GRAD=grad,
-        PREC="ieee" if q.dtype.itemsize == 4 else "tf32", num_warps=8, num_stages=1,
+        PREC="ieee" if q.dtype.itemsize == 4 else "tf32", num_warps=8, num_stages=num_stages,
     )  # fmt: skip

@@ -104,7 +104,9 @@ SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (b
     scale="fp32",
 )
 
-BWD_ROWS = 64  # MMA rows per tile: keeps the operand tiles inside shared memory
+BWD_ROWS = 128  # MMA rows per tile of the main backward (shared memory bound)
+PROXY_GRAD_ROWS = 128  # MMA rows per tile of the proxy-gradient pass
+BWD_STAGES = 1  # software-pipelining stages of both loops
 
 
 def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
@@ -132,13 +134,25 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
             dq, dk, dv, cfg.softmax_scale,
             H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, R=R, BLOCK=cfg.block_size, BT=BT,
             NB=wl.num_blocks, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=8, num_stages=1,
+            num_warps=8, num_stages=BWD_STAGES,
         )  # fmt: skip
     if proxy:
         dqp = torch.zeros(q_proxy.shape, **f32)
         dkp = torch.zeros(k_proxy.shape, **f32)
         proxy_pass.launch(
-            q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, geo, dkl=dkl, dqp=dqp, dkp=dkp
+            q,
+            k,
+            q_proxy,
+            k_proxy,
+            lse,
+            proxy_lse,
+            wl,
+            cfg,
+            geometry(H, Hkv, Hs, PROXY_GRAD_ROWS),
+            dkl=dkl,
+            dqp=dqp,
+            dkp=dkp,
+            num_stages=BWD_STAGES,
         )
 
     def cast(x, like):
