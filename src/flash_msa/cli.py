@@ -94,6 +94,13 @@ def main(argv=None) -> int:
     )
     p.add_argument("--inputs", nargs="+", default=["random", "local"], choices=["random", "local"])
     p.add_argument("--iters", type=int, default=5, help="timed iterations (median)")
+    p.add_argument(
+        "--dense",
+        nargs="*",
+        default=["sdpa", "fa4"],
+        choices=["sdpa", "fa4"],
+        help="dense baselines to run next to MSA (none: --dense with no value)",
+    )
     p.add_argument("--json", help="write results and environment to this JSON file")
     p.add_argument("--plot", help="write a log-log PNG of time vs length (needs matplotlib)")
     p.set_defaults(func=_cmd_bench)
