@@ -285,15 +285,17 @@ def _measure(prov, xs, dense, iters):
 def environment():
     from .diagnostics import _version
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(__file__),
-        ).stdout.strip()
-    except OSError:
-        commit = None
+    commit = os.environ.get("FLASH_MSA_COMMIT")  # set it where the tree is not a git checkout
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(__file__),
+            ).stdout.strip()
+        except OSError:
+            commit = None
     return dict(
         gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         torch=torch.__version__,
