@@ -10,7 +10,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("kernel", ["select", "fwd", "kl", "bwd", "proxy-grad", "combine"])
+@pytest.mark.parametrize("kernel", ["select", "fwd", "kl", "bwd", "proxy-grad", "dense", "combine"])
 def test_triton_kernels_compile_for_sm90_without_spills(kernel):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(

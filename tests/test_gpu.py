@@ -172,3 +172,37 @@ def test_memory_grows_linearly(name, monkeypatch):
     )
     assert ratio <= 8 * 1.15, peaks
     assert ratio_largest <= 8 * 1.15, peaks
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_warmup_matches_reference(name, dtype):
+    be = _module(name)
+    (qp, kp, q, k, v), cu, cfg = _case((3000, 1, 1100), 16, 2, 4, 1, 128, 128, 128, 16, dtype)
+    cfg = Config(
+        cfg.block_size, cfg.softmax_scale, cfg.max_seqlen, cfg.proxy_scale, None, True, True
+    )
+    f32 = [x.float() for x in (q, k, v)]
+    exact = reference.fwd(*f32, None, cu, cfg, qp.float(), kp.float())
+    same = reference.fwd(q, k, v, None, cu, cfg, qp, kp, upcast=False)
+    mine = be.fwd(q, k, v, None, cu, cfg, qp, kp)
+    for i, name_ in enumerate(["out", "lse", "proxy_lse", "kl"]):
+        tol = 2 * _err(same[i], exact[i]) + 1e-3
+        assert _err(mine[i], exact[i]) <= tol, (name_, _err(mine[i], exact[i]), tol)
+    dout = torch.randn_like(q)
+    dkl = torch.tensor(0.7, device="cuda")
+    g_exact = reference.bwd(
+        dout.float(),
+        dkl,
+        Saved(*f32, exact[0], exact[1], None, qp.float(), kp.float(), exact[2]),
+        cu,
+        cfg,
+    )
+    g_mine = be.bwd(dout, dkl, Saved(q, k, v, mine[0], mine[1], None, qp, kp, mine[2]), cu, cfg)
+    g_same = reference.bwd(
+        dout, dkl, Saved(q, k, v, same[0], same[1], None, qp, kp, same[2]), cu, cfg
+    )
+    for name_, a, s, e in zip(("dq", "dk", "dv", "dq_proxy", "dk_proxy"), g_mine, g_same, g_exact):
+        assert torch.isfinite(a).all(), name_
+        tol = 2 * _err(s, e) + 2e-3 * e.abs().max().item()
+        assert _err(a, e) <= tol, (name_, _err(a, e), tol)

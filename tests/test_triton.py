@@ -173,3 +173,58 @@ def test_fwd_bwd_hypothesis(data):
     _check(
         *_fwd_bwd_case(lengths, H, Hkv, Hp, 1, 16, 16, b, top_k, torch.float32, seed), rel_atol=1e-5
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# warmup: dense causal attention and the KL over every visible key
+# ---------------------------------------------------------------------------------------------
+def _warmup_case(lengths, H, Hkv, Hp, Hpk, D, Dp, dtype, seed=2):
+    from flash_msa.problem import Saved
+    from flash_msa.triton_ref import dense
+
+    T = sum(lengths)
+    xs = testing.make_inputs(1, T, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, seed=seed)
+    qp, kp, q, k, v = (x[0].to(DEV) for x in xs)
+    cu = _cu(lengths).to(DEV)
+    cfg = Config(64, D**-0.5, max(lengths), Dp**-0.5, None, True, True)
+    mine = dense.fwd(q, k, v, cu, cfg, qp, kp)
+    f32 = [x.float() for x in (qp, kp, q, k, v)]
+    exact = reference.fwd(*f32[2:], None, cu, cfg, *f32[:2])
+    same = reference.fwd(q, k, v, None, cu, cfg, qp, kp, upcast=False)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q)
+    dkl = torch.tensor(0.7, device=DEV)
+    g_mine = dense.bwd(dout, dkl, Saved(q, k, v, mine[0], mine[1], None, qp, kp, mine[2]), cu, cfg)
+    g_exact = reference.bwd(
+        dout.float(), dkl, Saved(*f32[2:], exact[0], exact[1], None, *f32[:2], exact[2]), cu, cfg
+    )
+    g_same = reference.bwd(
+        dout, dkl, Saved(q, k, v, same[0], same[1], None, qp, kp, same[2]), cu, cfg
+    )
+    return mine, exact, same, g_mine, g_exact, g_same
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ((150, 1, 70), 8, 2, 4, 1, 16, 16),
+        ((130,), 4, 4, 2, 2, 32, 16),
+        ((100,), 8, 1, 2, 1, 16, 32),
+    ],
+    ids=["varlen-Hp>Hkv", "Hp<Hkv", "Dp!=D"],
+)
+def test_warmup_fp32_equals_reference(case, monkeypatch):
+    from flash_msa.triton_ref import dense
+
+    real = torch.empty
+    monkeypatch.setattr(
+        dense.torch,
+        "empty",  # NaN-poison every float buffer it allocates
+        lambda *a, **kw: (lambda x: x.fill_(float("nan")) if x.is_floating_point() else x)(
+            real(*a, **kw)
+        ),
+    )
+    _check(*_warmup_case(*case, torch.float32), rel_atol=1e-5)
+
+
+def test_warmup_fp16_tolerance_rule():
+    _check(*_warmup_case((200,), 8, 2, 4, 1, 32, 32, torch.float16), rel_atol=1e-3)

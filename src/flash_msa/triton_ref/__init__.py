@@ -1,8 +1,9 @@
 """Triton backend: readable kernels, the oracle of the CuTe backend and the portable fallback.
 
 Ops (contract in docs/design.md): ``select`` (``selection.py``), ``fwd`` (``sparse_fwd.py``) and
-``bwd`` (``sparse_bwd.py``) over the reverse index of ``worklist.py``. Not yet: warmup (dense)
-attention, reported as unsupported so that a forced ``triton`` raises naming it.
+``bwd`` (``sparse_bwd.py``) over the reverse index of ``worklist.py``, the proxy KL value and
+gradient (``proxy.py``); warmup (dense causal attention, KL over every visible key) in
+``dense.py``.
 On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 triton is first imported).
 """
@@ -50,8 +51,6 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
         if problem.num_sel_heads // problem.num_proxy_k_heads > 128:
             return "more than 128 proxy heads share one proxy key head"
         return None
-    if cfg.warmup:
-        return "warmup (dense causal) attention is not implemented yet in the Triton backend"
     if problem.head_dim not in _DIMS:
         return f"head_dim {problem.head_dim} is not one of {_DIMS}"
     g2 = problem.num_heads // max(problem.num_sel_heads, problem.num_kv_heads)
@@ -69,6 +68,10 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg):
 
 def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None):
     """Backend op ``fwd``: see :func:`flash_msa.triton_ref.sparse_fwd.fwd`."""
+    if indices is None:  # warmup: dense causal attention
+        from .dense import fwd as _dense_fwd
+
+        return _dense_fwd(q, k, v, cu_seqlens, cfg, q_proxy, k_proxy)
     from .sparse_fwd import fwd as _fwd
 
     return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy)
@@ -76,6 +79,10 @@ def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None):
 
 def bwd(dout, dkl, saved, cu_seqlens, cfg):
     """Backend op ``bwd``: see :func:`flash_msa.triton_ref.sparse_bwd.bwd`."""
+    if saved.indices is None:  # warmup
+        from .dense import bwd as _dense_bwd
+
+        return _dense_bwd(dout, dkl, saved, cu_seqlens, cfg)
     from .sparse_bwd import bwd as _bwd
 
     return _bwd(dout, dkl, saved, cu_seqlens, cfg)

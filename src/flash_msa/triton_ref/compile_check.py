@@ -112,6 +112,50 @@ def configurations():
                         8,
                         1,
                     )
+    from . import dense
+
+    for D in (64, 128):
+        common = dict(D=D, BM=dense.BM, BN=dense.BN, PREC="tf32")
+        yield (
+            f"dense-fwd D={D}",
+            dense._dense_fwd_kernel,
+            dense.SIGNATURE["fwd"],
+            dict(common, H=16, Hk=2, HAS_V=True),
+            4,
+            3,
+        )
+        yield (
+            f"dense-bwd D={D}",
+            dense._dense_bwd_kernel,
+            dense.SIGNATURE["bwd"],
+            dict(common, H=16, Hkv=2),
+            4,
+            3,
+        )
+        G, G2, R, BT = sparse_fwd.geometry(16, 2, 4, 64)
+        yield (
+            f"dense-proxy D={D}",
+            dense._dense_proxy_kernel,
+            dense.SIGNATURE["proxy"],
+            dict(
+                H=16,
+                Hkv=2,
+                Hs=4,
+                Hpk=1,
+                D=D,
+                Dp=D,
+                G=G,
+                G2=G2,
+                R=R,
+                BT=BT,
+                BN=dense.BN,
+                KL_VALUE=True,
+                GRAD=True,
+                PREC="tf32",
+            ),
+            4,
+            3,
+        )
     yield (
         "combine K=16 D=128",
         sparse_fwd._combine_kernel,

@@ -1,0 +1,370 @@
+"""Warmup mode: dense causal attention (and the proxy KL over every visible key), query-outer.
+
+In warmup the kept set is every visible key, so the usual FlashAttention layout is right: a
+program owns a tile of queries (one head) and walks the key tiles up to the diagonal with an
+online softmax; nothing is split, no partials, memory linear in S.
+
+- ``_dense_fwd_kernel``: out and the natural-log LSE; with ``HAS_V=False`` only the LSE, which is
+  how the proxy LSE over all visible keys is computed (``q_proxy``/``k_proxy`` as q/k).
+- ``_dense_proxy_kernel``: per (proxy head, query tile), the teacher (mean of the G main
+  probabilities, rebuilt from the saved LSE) and ``Q = exp(z - proxy_lse)`` tile by tile; sums the
+  KL terms and/or accumulates ``dq_proxy`` in registers (its queries are its own) and adds
+  ``dk_proxy`` per key tile with fp32 atomics.
+- ``_dense_bwd_kernel``: per (head, key tile), dK/dV in registers over the query tiles below the
+  diagonal, dQ by fp32 atomics (FlashAttention-2's key-outer backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..problem import Config, Grads, Saved
+from .sparse_fwd import geometry
+
+BM, BN = 64, 64  # query rows and keys per tile
+
+
+@triton.jit
+def _dense_fwd_kernel(
+    Q,
+    Kt,
+    V,
+    CU,
+    OUT,
+    LSE,  # q [T,H,D], k/v [T,Hk,D], out [T,H,D], lse [T,H] fp32
+    scale,
+    H: tl.constexpr,
+    Hk: tl.constexpr,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_V: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest tiles first
+    seq = tl.program_id(1)
+    h = tl.program_id(2)
+    s0 = tl.load(CU + seq)
+    L = tl.load(CU + seq + 1) - s0
+    m0 = tile * BM
+    if m0 >= L:
+        return
+    kh = h // (H // Hk)
+    i = m0 + tl.arange(0, BM)  # [BM] sequence-local query positions
+    m_i = i < L
+    o_d = tl.arange(0, D)
+    o_n = tl.arange(0, BN)
+    rows = (s0 + i).to(tl.int64) * H + h
+    b_q = tl.load(Q + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
+    b_m = tl.full([BM], float("-inf"), tl.float32)
+    b_l = tl.zeros([BM], tl.float32)
+    b_acc = tl.zeros([BM, D], tl.float32)
+    for n0 in range(0, tl.minimum(m0 + BM, L), BN):
+        j = n0 + o_n
+        kv = ((s0 + j).to(tl.int64) * Hk + kh)[:, None] * D + o_d[None, :]
+        b_k = tl.load(Kt + kv, mask=(j < L)[:, None], other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
+        b_s = tl.where((j[None, :] <= i[:, None]) & (j < L)[None, :], b_s, float("-inf"))
+        b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_mn_safe = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+        b_p = tl.exp(b_s - b_mn_safe[:, None])
+        alpha = tl.exp(b_m - b_mn_safe)
+        b_l = b_l * alpha + tl.sum(b_p, axis=1)
+        if HAS_V:
+            b_v = tl.load(V + kv, mask=(j < L)[:, None], other=0.0)
+            b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)
+        b_m = b_mn
+    b_safe = tl.where(b_l > 0, b_l, 1.0)
+    b_lse = tl.where(b_l > 0, b_m + tl.log(b_safe), float("-inf"))
+    tl.store(LSE + rows, b_lse, mask=m_i)
+    if HAS_V:
+        b_out = (b_acc / b_safe[:, None]).to(OUT.dtype.element_ty)
+        tl.store(OUT + rows[:, None] * D + o_d[None, :], b_out, mask=m_i[:, None])
+
+
+@triton.jit
+def _dense_proxy_kernel(
+    Q,
+    Kt,
+    QP,
+    KP,
+    CU,
+    LSE,
+    PLSE,
+    DKL,
+    KL_PART,
+    DQP,
+    DKP,
+    scale,
+    pscale,
+    inv_rows,
+    H: tl.constexpr,
+    Hkv: tl.constexpr,
+    Hs: tl.constexpr,
+    Hpk: tl.constexpr,
+    D: tl.constexpr,
+    Dp: tl.constexpr,
+    G: tl.constexpr,
+    G2: tl.constexpr,
+    R: tl.constexpr,
+    BT: tl.constexpr,
+    BN: tl.constexpr,
+    KL_VALUE: tl.constexpr,
+    GRAD: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - pid
+    seq = tl.program_id(1)
+    p = tl.program_id(2)
+    s0 = tl.load(CU + seq)
+    L = tl.load(CU + seq + 1) - s0
+    m0 = tile * BT
+    if m0 >= L:
+        return
+    pk = p // (Hs // Hpk)
+    o_d = tl.arange(0, D)
+    o_dp = tl.arange(0, Dp)
+    o_n = tl.arange(0, BN)
+    i = m0 + tl.arange(0, BT)  # [BT] tokens
+    m_t = i < L
+    prow = (s0 + i).to(tl.int64) * Hs + p
+    b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
+    b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
+    o_r = tl.arange(0, BT * G2)  # main rows: token-major (token r // G2, head r % G2)
+    ir = m0 + o_r // G2
+    m_r = ir < L
+    kl_acc = tl.zeros([BT, BN], tl.float32)
+    b_dqp = tl.zeros([BT, Dp], tl.float32)
+    if GRAD:
+        coef = tl.load(DKL).to(tl.float32) * inv_rows
+    for n0 in range(0, tl.minimum(m0 + BT, L), BN):
+        j = n0 + o_n
+        m_j = j < L
+        b_tgt = tl.zeros([BT, BN], tl.float32)
+        for r in tl.static_range(R):
+            h0 = p * G + r * G2
+            kvh = h0 // (H // Hkv)
+            b_k = tl.load(
+                Kt + ((s0 + j).to(tl.int64) * Hkv + kvh)[:, None] * D + o_d[None, :],
+                mask=m_j[:, None],
+                other=0.0,
+            )
+            row = (s0 + ir).to(tl.int64) * H + h0 + o_r % G2
+            b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
+            b_lse = tl.load(LSE + row, mask=m_r, other=0.0)
+            keep_r = m_r[:, None] & m_j[None, :] & (j[None, :] <= ir[:, None])
+            b_p = tl.where(keep_r, tl.exp(b_s - b_lse[:, None]), 0.0)
+            b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BN]), axis=1)
+        b_tgt = b_tgt / G
+        p_kp = KP + ((s0 + j).to(tl.int64) * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+        b_kp = tl.load(p_kp, mask=m_j[:, None], other=0.0)
+        b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale
+        keep = m_t[:, None] & m_j[None, :] & (j[None, :] <= i[:, None])
+        b_logq = b_z - b_plse[:, None]
+        if KL_VALUE:
+            pos = keep & (b_tgt > 0)
+            kl_acc += tl.where(pos, b_tgt * (tl.log(tl.where(pos, b_tgt, 1.0)) - b_logq), 0.0)
+        if GRAD:
+            b_diff = (tl.where(keep, tl.exp(b_logq), 0.0) - b_tgt).to(b_qp.dtype)  # Q - target
+            b_dqp += tl.dot(b_diff, b_kp, input_precision=PREC)
+            b_dkp = tl.dot(tl.trans(b_diff), b_qp, input_precision=PREC) * (coef * pscale)
+            p_dkp = DKP + ((s0 + j).to(tl.int64) * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+            tl.atomic_add(p_dkp, b_dkp, mask=m_j[:, None], sem="relaxed")
+    if KL_VALUE:
+        flat = (seq * Hs + p) * tl.num_programs(0) + pid
+        tl.store(KL_PART + flat, tl.sum(tl.sum(kl_acc, axis=1), axis=0))
+    if GRAD:
+        tl.store(
+            DQP + prow[:, None] * Dp + o_dp[None, :], b_dqp * (coef * pscale), mask=m_t[:, None]
+        )
+
+
+@triton.jit
+def _dense_bwd_kernel(
+    Q,
+    Kt,
+    V,
+    DO,
+    DELTA,
+    LSE,
+    CU,
+    DQ,
+    DK,
+    DV,  # DQ/DK/DV fp32, zero-initialized
+    scale,
+    H: tl.constexpr,
+    Hkv: tl.constexpr,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    tile = tl.program_id(0)  # key tile: the first ones see the most queries
+    seq = tl.program_id(1)
+    h = tl.program_id(2)
+    s0 = tl.load(CU + seq)
+    L = tl.load(CU + seq + 1) - s0
+    n0 = tile * BN
+    if n0 >= L:
+        return
+    kvh = h // (H // Hkv)
+    o_d = tl.arange(0, D)
+    j = n0 + tl.arange(0, BN)
+    m_j = j < L
+    kv = ((s0 + j).to(tl.int64) * Hkv + kvh)[:, None] * D + o_d[None, :]
+    b_k = tl.load(Kt + kv, mask=m_j[:, None], other=0.0)
+    b_v = tl.load(V + kv, mask=m_j[:, None], other=0.0)
+    b_dk = tl.zeros([BN, D], tl.float32)
+    b_dv = tl.zeros([BN, D], tl.float32)
+    for m0 in range((n0 // BM) * BM, L, BM):
+        i = m0 + tl.arange(0, BM)
+        m_i = i < L
+        rows = (s0 + i).to(tl.int64) * H + h
+        b_q = tl.load(Q + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
+        b_do = tl.load(DO + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
+        b_lse = tl.load(LSE + rows, mask=m_i, other=0.0)
+        b_delta = tl.load(DELTA + rows, mask=m_i, other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
+        keep = m_i[:, None] & m_j[None, :] & (j[None, :] <= i[:, None])
+        b_p = tl.where(keep, tl.exp(b_s - b_lse[:, None]), 0.0)
+        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
+        b_dq = tl.dot(b_ds, b_k, input_precision=PREC) * scale
+        tl.atomic_add(DQ + rows[:, None] * D + o_d[None, :], b_dq, mask=m_i[:, None], sem="relaxed")
+        b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PREC)
+    tl.atomic_add(DK + kv, b_dk * scale, mask=m_j[:, None], sem="relaxed")
+    tl.atomic_add(DV + kv, b_dv, mask=m_j[:, None], sem="relaxed")
+
+
+_B16 = "*bf16"
+SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 inputs)
+    "fwd": dict(Q=_B16, Kt=_B16, V=_B16, CU="*i32", OUT=_B16, LSE="*fp32", scale="fp32"),
+    "bwd": dict(
+        Q=_B16,
+        Kt=_B16,
+        V=_B16,
+        DO=_B16,
+        DELTA="*fp32",
+        LSE="*fp32",
+        CU="*i32",
+        DQ="*fp32",
+        DK="*fp32",
+        DV="*fp32",
+        scale="fp32",
+    ),
+    "proxy": dict(
+        Q=_B16,
+        Kt=_B16,
+        QP=_B16,
+        KP=_B16,
+        CU="*i32",
+        LSE="*fp32",
+        PLSE="*fp32",
+        DKL="*fp32",
+        KL_PART="*fp32",
+        DQP="*fp32",
+        DKP="*fp32",
+        scale="fp32",
+        pscale="fp32",
+        inv_rows="fp32",
+    ),
+}
+
+
+def _prec(x):
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _proxy_pass(
+    q, k, q_proxy, k_proxy, lse, proxy_lse, cu, cfg, *, kl_part=None, dkl=None, dqp=None, dkp=None
+):
+    T, H, D = q.shape
+    Hs, Dp = q_proxy.shape[1:]
+    G, G2, R, BT = geometry(H, k.shape[1], Hs, 64)
+    N = cu.numel() - 1
+    grad = dkl is not None
+    dummy = lse
+    _dense_proxy_kernel[(triton.cdiv(cfg.max_seqlen, BT), N, Hs)](
+        q, k, q_proxy, k_proxy, cu, lse, proxy_lse, dkl if grad else dummy,
+        kl_part if kl_part is not None else dummy, dqp if grad else dummy,
+        dkp if grad else dummy, cfg.softmax_scale, cfg.proxy_scale, 1.0 / (Hs * T),
+        H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], D=D, Dp=Dp, G=G, G2=G2, R=R, BT=BT,
+        BN=BN, KL_VALUE=kl_part is not None, GRAD=grad, PREC=_prec(q), num_warps=4,
+    )  # fmt: skip
+    return BT
+
+
+def fwd(q, k, v, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
+    """Backend op ``fwd`` in warmup (``indices is None``): dense causal attention."""
+    T, H, D = q.shape
+    N = cu_seqlens.numel() - 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty((T, H), **f32)
+    grid = (triton.cdiv(cfg.max_seqlen, BM), N, H)
+    _dense_fwd_kernel[grid](
+        q,
+        k,
+        v,
+        cu_seqlens,
+        out,
+        lse,
+        cfg.softmax_scale,
+        H=H,
+        Hk=k.shape[1],
+        D=D,
+        BM=BM,
+        BN=BN,
+        HAS_V=True,
+        PREC=_prec(q),
+        num_warps=4,
+    )
+    proxy_lse = kl = None
+    if q_proxy is not None:
+        Hs, Dp = q_proxy.shape[1:]
+        proxy_lse = torch.empty((T, Hs), **f32)
+        _dense_fwd_kernel[(triton.cdiv(cfg.max_seqlen, BM), N, Hs)](
+            q_proxy, k_proxy, k_proxy, cu_seqlens, q_proxy, proxy_lse, cfg.proxy_scale, H=Hs,
+            Hk=k_proxy.shape[1], D=Dp, BM=BM, BN=BN, HAS_V=False, PREC=_prec(q), num_warps=4,
+        )  # fmt: skip
+        if cfg.compute_kl:
+            BT = geometry(H, k.shape[1], Hs, 64)[3]
+            kl_part = torch.zeros(N * Hs * triton.cdiv(cfg.max_seqlen, BT), **f32)
+            _proxy_pass(q, k, q_proxy, k_proxy, lse, proxy_lse, cu_seqlens, cfg, kl_part=kl_part)
+            kl = kl_part.sum() / (Hs * T)
+    return out, lse, proxy_lse, kl
+
+
+def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
+    """Backend op ``bwd`` in warmup: dense causal attention gradients and the proxy gradient."""
+    q, k, v, out, lse, _, q_proxy, k_proxy, proxy_lse = saved
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    N = cu_seqlens.numel() - 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dq = dk = dv = dqp = dkp = None
+    if dout is not None:
+        dq = torch.zeros((T, H, D), **f32)
+        dk = torch.zeros((T, Hkv, D), **f32)
+        dv = torch.zeros((T, Hkv, D), **f32)
+        delta = (dout.float() * out.float()).sum(-1)
+        _dense_bwd_kernel[(triton.cdiv(cfg.max_seqlen, BN), N, H)](
+            q, k, v, dout, delta, lse, cu_seqlens, dq, dk, dv, cfg.softmax_scale,
+            H=H, Hkv=Hkv, D=D, BM=BM, BN=BN, PREC=_prec(q), num_warps=4,
+        )  # fmt: skip
+    if dkl is not None:
+        dqp = torch.zeros(q_proxy.shape, **f32)
+        dkp = torch.zeros(k_proxy.shape, **f32)
+        _proxy_pass(
+            q, k, q_proxy, k_proxy, lse, proxy_lse, cu_seqlens, cfg, dkl=dkl, dqp=dqp, dkp=dkp
+        )
+
+    def cast(x, like):
+        return None if x is None else x.to(like.dtype)
+
+    return Grads(cast(dq, q), cast(dk, k), cast(dv, v), cast(dqp, q_proxy), cast(dkp, k_proxy))
