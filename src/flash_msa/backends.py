@@ -78,7 +78,7 @@ def candidates(device_type: str) -> tuple[str, ...]:
 _logged: set[tuple[str, str, str]] = set()
 
 
-def resolve(op: str, problem: Problem) -> tuple[str, ModuleType]:
+def resolve(op: str, problem: Problem, log_fallback: bool = True) -> tuple[str, ModuleType]:
     """Pick the backend for one op of one call; returns ``(name, module)`` or raises."""
     choice = requested()
     where = (
@@ -95,7 +95,7 @@ def resolve(op: str, problem: Problem) -> tuple[str, ModuleType]:
     for name in candidates(problem.device_type):
         why = reason_not(name, op, problem)
         if why is None:
-            for other, other_why in rejected:
+            for other, other_why in rejected if log_fallback else ():
                 key = (op, other, other_why)
                 if key not in _logged:
                     _logged.add(key)

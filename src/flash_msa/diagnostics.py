@@ -40,7 +40,7 @@ def _sample_problem(device: str) -> Problem:
 def explain(op: str, problem: Problem) -> tuple[str | None, str]:
     """``(backend, why)`` for one op of ``problem``; backend is ``None`` if none can run it."""
     try:
-        name, _ = backends.resolve(op, problem)
+        name, _ = backends.resolve(op, problem, log_fallback=False)
     except backends.BackendError as e:
         return None, str(e)
     choice = backends.requested()
