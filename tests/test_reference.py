@@ -361,6 +361,9 @@ def test_cli_info_and_check(capsys):
     assert "select" in capsys.readouterr().out
     assert main(["check"]) == 0
     assert "0 failed" in capsys.readouterr().out
+    if not torch.cuda.is_available():  # bench on a CPU machine: says so and runs the check
+        assert main(["bench"]) == 0
+        assert "timings on CPU mean nothing" in capsys.readouterr().out
 
 
 def test_testing_selection_mismatch_accepts_only_near_ties():

@@ -322,13 +322,19 @@ def table(rows):
         ("step_ms", "{:.3f}"),
         ("step_tflops", "{:.0f}"),
         ("peak_gib", "{:.2f}"),
+        ("step_pct_peak", "{:.0f}%"),
         ("speedup_vs_sdpa", "{:.2f}x"),
+        ("speedup_vs_fa4", "{:.2f}x"),
     ]
-    sdpa = {(r["shape"], r["S"]): r.get("step_ms") for r in rows if r["provider"] == "sdpa"}
+    for base in ("sdpa", "fa4"):  # fwd+bwd speedup against each dense baseline, same (shape, S)
+        ref = {(r["shape"], r["S"]): r.get("step_ms") for r in rows if r["provider"] == base}
+        for r in rows:
+            t = ref.get((r["shape"], r["S"]))
+            if t and r.get("step_ms"):
+                r[f"speedup_vs_{base}"] = t / r["step_ms"]
     for r in rows:
-        ref = sdpa.get((r["shape"], r["S"]))
-        if ref and r.get("step_ms"):
-            r["speedup_vs_sdpa"] = ref / r["step_ms"]
+        if r.get("step_tflops"):
+            r["step_pct_peak"] = 100 * r["step_tflops"] / PEAK_TFLOPS
 
     def cell(r, c, fmt):
         if c == "provider" and "error" in r:
