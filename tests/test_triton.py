@@ -156,6 +156,15 @@ def test_fwd_bwd_fp32_equals_reference(case, monkeypatch):
     _check(*_fwd_bwd_case(*case, torch.float32), rel_atol=1e-5)
 
 
+def test_fwd_in_query_chunks_equals_reference(monkeypatch):
+    """Small PARTIAL_BYTES forces several query chunks (the path that keeps 1M tokens in memory)."""
+    from flash_msa.triton_ref import sparse_fwd
+
+    _poison_empty(monkeypatch)
+    monkeypatch.setattr(sparse_fwd, "PARTIAL_BYTES", 40 * 8 * 3 * 16 * 4)  # ~40-token chunks
+    _check(*_fwd_bwd_case((70, 1, 200), 8, 2, 4, 1, 16, 16, 64, 3, torch.float32), rel_atol=1e-5)
+
+
 def test_fwd_bwd_fp16_tolerance_rule(monkeypatch):
     _poison_empty(monkeypatch)
     _check(*_fwd_bwd_case((260,), 8, 2, 4, 1, 32, 32, 64, 3, torch.float16), rel_atol=1e-3)

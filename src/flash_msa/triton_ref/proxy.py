@@ -194,7 +194,7 @@ def launch(
         wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end,
         kl_part if kl_part is not None else lse, dqp if grad else lse, dkp if grad else lse,
         cfg.softmax_scale, cfg.proxy_scale, 1.0 / (Hs * T),
-        H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], K=wl.perm.numel() // (T * Hs), D=D,
+        H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], K=wl.slots, D=D,
         Dp=Dp, G=G, G2=G2, R=R, BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks,
         KL_VALUE=kl_part is not None, GRAD=grad,
         PREC="ieee" if q.dtype.itemsize == 4 else "tf32", num_warps=8, num_stages=num_stages,

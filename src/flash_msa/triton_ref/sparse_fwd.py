@@ -46,9 +46,10 @@ def _fwd_kernel(
     BLK_END,  # work list
     O_PART,
     L_PART,
-    PL_PART,  # [T,H,K,D] f32, [T,H,K] f32, [T,Hs,K] f32
+    PL_PART,  # [C,H,K,D] input dtype, [C,H,K] f32, [C,Hs,K] f32 for tokens tok0 .. tok0 + C
     scale,
     pscale,
+    tok0,
     H: tl.constexpr,
     Hkv: tl.constexpr,
     Hs: tl.constexpr,
@@ -99,7 +100,7 @@ def _fwd_kernel(
             b_o = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [BM, D]
             b_o = b_o / tl.where(b_l > 0, b_l, 1.0)[:, None]
             b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
-            part = row * K + slot
+            part = ((t - tok0) * H + h0 + hj) * K + slot  # chunk-local partial row
             tl.store(
                 O_PART + part[:, None] * D + o_d[None, :],
                 b_o.to(O_PART.dtype.element_ty),
@@ -123,7 +124,7 @@ def _fwd_kernel(
             b_m = tl.where(b_m == float("-inf"), 0.0, b_m)
             b_l = tl.sum(tl.exp(b_z - b_m[:, None]), axis=1)
             b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
-            tl.store(PL_PART + (t * Hs + p) * K + slot, b_lse, mask=m_t)
+            tl.store(PL_PART + ((t - tok0) * Hs + p) * K + slot, b_lse, mask=m_t)
 
 
 @triton.jit
@@ -184,6 +185,7 @@ SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 
         PL_PART="*fp32",
         scale="fp32",
         pscale="fp32",
+        tok0="i32",
     ),
     "combine": dict(O_PART="*bf16", L_PART="*fp32", IDX="*i32", OUT="*bf16", LSE="*fp32"),
 }
@@ -203,73 +205,65 @@ def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
 ITEM_TOKENS = 256  # tokens per work item: K/V (and dK/dV) stay on chip over them
 
 
+PARTIAL_BYTES = 2 << 30  # the partial-output buffer of one query chunk stays below 2 GiB
+
+
 def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
-    """Backend op ``fwd`` (contract in docs/design.md) for given indices (not warmup)."""
+    """Backend op ``fwd`` (contract in docs/design.md) for given indices (not warmup).
+
+    Queries are processed in chunks of C tokens (a static loop: C depends on shapes only) so
+    that the ``(C, H, K, D)`` partials stay below ``PARTIAL_BYTES``; each chunk builds its own
+    work list, runs the main pass, the combine and (with ``compute_kl``) its KL terms.
+    """
     T, H, D = q.shape
     Hkv = k.shape[1]
     Hs, K = indices.shape[1:]
-    G, G2, R, BT = geometry(H, Hkv, Hs, 128)
-    wl = worklist.build(indices, cu_seqlens, cfg.block_size, ITEM_TOKENS)
+    geo = geometry(H, Hkv, Hs, 128)
+    G, G2, R, BT = geo
     proxy = q_proxy is not None
     Dp = q_proxy.shape[2] if proxy else 16
     Hpk = k_proxy.shape[1] if proxy else 1
     f32 = dict(dtype=torch.float32, device=q.device)
-    o_part = torch.empty((T, H, K, D), dtype=q.dtype, device=q.device)  # normalized partials
-    l_part = torch.empty((T, H, K), **f32)
-    pl_part = torch.empty((T, Hs, K), **f32) if proxy else l_part
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    common = dict(
-        H=H,
-        Hkv=Hkv,
-        Hs=Hs,
-        Hpk=Hpk,
-        K=K,
-        D=D,
-        Dp=Dp,
-        G=G,
-        G2=G2,
-        R=R,
-        BLOCK=cfg.block_size,
-        BT=BT,
-        NB=wl.num_blocks,
-        PREC=prec,
-    )
-    items = (wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end)
-    qp_arg, kp_arg = (q_proxy, k_proxy) if proxy else (q, k)
-    _fwd_kernel[(wl.num_items,)](
-        q, k, v, qp_arg, kp_arg, *items, o_part, l_part, pl_part,
-        cfg.softmax_scale, cfg.proxy_scale or 1.0, HAS_PROXY=proxy, num_warps=8, **common,
-    )  # fmt: skip
+    C = min(T, max(BT, PARTIAL_BYTES // (H * K * D * q.element_size())))
+    o_part = torch.empty((C, H, K, D), dtype=q.dtype, device=q.device)  # normalized partials
+    l_part = torch.empty((C, H, K), **f32)
+    pl_part = torch.empty((C, Hs, K), **f32) if proxy else l_part
     out = torch.empty_like(q)
     lse = torch.empty((T, H), **f32)
+    proxy_lse = torch.empty((T, Hs), **f32) if proxy else None
+    kl_sum = torch.zeros((), **f32)
     KP2 = max(2, triton.next_power_of_2(K))
     HB = min(8, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, HB))](
-        o_part, l_part, indices, out, lse, H=H, Hs=Hs, K=K, KP2=KP2, D=D, G=G, HB=HB, HAS_O=True
-    )
-    proxy_lse = kl = None
-    if proxy:
-        proxy_lse = torch.empty((T, Hs), **f32)
-        HBp = min(8, triton.next_power_of_2(Hs))
-        _combine_kernel[(T, triton.cdiv(Hs, HBp))](
-            pl_part, pl_part, indices, out, proxy_lse,
+    HBp = min(8, triton.next_power_of_2(Hs))
+    qp_arg, kp_arg = (q_proxy, k_proxy) if proxy else (q, k)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    for c0 in range(0, T, C):
+        c1 = min(T, c0 + C)
+        idx = indices[c0:c1]
+        wl = worklist.build(idx, cu_seqlens, cfg.block_size, ITEM_TOKENS, c0, T)
+        items = (wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end)
+        _fwd_kernel[(wl.num_items,)](
+            q, k, v, qp_arg, kp_arg, *items, o_part, l_part, pl_part,
+            cfg.softmax_scale, cfg.proxy_scale or 1.0, c0,
+            H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
+            BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC=prec, HAS_PROXY=proxy,
+            num_warps=8,
+        )  # fmt: skip
+        _combine_kernel[(c1 - c0, triton.cdiv(H, HB))](
+            o_part, l_part, idx, out[c0:c1], lse[c0:c1],
+            H=H, Hs=Hs, K=K, KP2=KP2, D=D, G=G, HB=HB, HAS_O=True,
+        )  # fmt: skip
+        if not proxy:
+            continue
+        _combine_kernel[(c1 - c0, triton.cdiv(Hs, HBp))](
+            pl_part, pl_part, idx, out, proxy_lse[c0:c1],
             H=Hs, Hs=Hs, K=K, KP2=KP2, D=D, G=1, HB=HBp, HAS_O=False,
         )  # fmt: skip
         if cfg.compute_kl:
             from . import proxy as proxy_pass
 
             kl_part = torch.zeros(wl.num_items, **f32)
-            proxy_pass.launch(
-                q,
-                k,
-                q_proxy,
-                k_proxy,
-                lse,
-                proxy_lse,
-                wl,
-                cfg,
-                geometry(H, Hkv, Hs, 128),
-                kl_part=kl_part,
-            )
-            kl = kl_part.sum() / (Hs * T)
+            proxy_pass.launch(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, geo, kl_part=kl_part)
+            kl_sum += kl_part.sum()
+    kl = kl_sum / (Hs * T) if proxy and cfg.compute_kl else None
     return out, lse, proxy_lse, kl

@@ -27,14 +27,25 @@ class WorkList(NamedTuple):
     block_end: torch.Tensor  # [NB] int32: one past its last token
     num_blocks: int  # NB: upper bound on the number of global key blocks
     num_items: int  # W: upper bound on the number of work items
+    slots: int  # K: index slots per (token, head)
 
 
-def build(indices: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, TW: int) -> WorkList:
-    """Reverse index of ``indices`` ``(T, Hs, K)`` (sequence-local blocks, -1 unused)."""
+def build(
+    indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+    TW: int,
+    tok0: int = 0,
+    total_tokens: int | None = None,
+) -> WorkList:
+    """Reverse index of ``indices`` ``(C, Hs, K)`` (sequence-local blocks, -1 unused): the rows
+    of packed tokens ``[tok0, tok0 + C)`` of a ``total_tokens``-token batch (default: all).
+    ``perm`` holds flat entries of the whole batch: ``token * Hs * K + head * K + slot``."""
     T, Hs, K = indices.shape
+    total = T if total_tokens is None else total_tokens
     dev = indices.device
     N = cu_seqlens.numel() - 1
-    NB = T // block_size + N  # sum over sequences of ceil(len / b) never exceeds this
+    NB = total // block_size + N  # sum over sequences of ceil(len / b) never exceeds this
     cu = cu_seqlens.long()
     lens = cu[1:] - cu[:-1]
     nblk = (lens + block_size - 1) // block_size  # [N]
@@ -52,13 +63,13 @@ def build(indices: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, TW: 
     block_end = torch.where(valid_gb, end, 0).to(torch.int32)
 
     # entries -> list keys, stable-sorted (token order inside each list)
-    tok = torch.arange(T, device=dev)
+    tok = torch.arange(tok0, tok0 + T, device=dev)
     seq_of_tok = torch.searchsorted(cu[1:], tok, right=True)
     idx = indices.long()
     head = torch.arange(Hs, device=dev)[None, :, None]
     key = head * NB + blk_first[seq_of_tok][:, None, None] + idx
     key = torch.where(idx >= 0, key, Hs * NB).flatten()  # unused slots sort last
-    perm = torch.sort(key, stable=True).indices
+    perm = torch.sort(key, stable=True).indices + tok0 * Hs * K
     counts = torch.zeros(Hs * NB + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(0, key, torch.ones_like(key))
     counts = counts[:-1]
@@ -77,5 +88,5 @@ def build(indices: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, TW: 
     item_start = torch.where(ok, first, 0).to(torch.int32)
     item_end = torch.where(ok, last, 0).to(torch.int32)
     return WorkList(
-        perm, lst_c.to(torch.int32), item_start, item_end, block_start, block_end, NB, W
+        perm, lst_c.to(torch.int32), item_start, item_end, block_start, block_end, NB, W, K
     )
