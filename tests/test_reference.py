@@ -374,6 +374,6 @@ def test_testing_selection_mismatch_accepts_only_near_ties():
     row = other[0, 299, 0]  # own block 4 plus one of 0..3: swap it for a far worse block
     scores = [(kp[0, n * 64 : (n + 1) * 64, 0] @ qp[0, 299, 0]).max() for n in range(4)]
     worst = int(torch.stack(scores).argmin())
-    if row[0].item() != worst:
-        row[0] = worst
-        assert testing.selection_mismatch(idx, other, qp, kp, 64, 8**-0.5) == 1
+    assert row[0].item() != worst  # the kept block is the best of 0..3, not the worst
+    row[0] = worst
+    assert testing.selection_mismatch(idx, other, qp, kp, 64, 8**-0.5) == 1

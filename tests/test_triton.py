@@ -237,3 +237,30 @@ def test_warmup_fp32_equals_reference(case, monkeypatch):
 
 def test_warmup_fp16_tolerance_rule():
     _check(*_warmup_case((200,), 8, 2, 4, 1, 32, 32, torch.float16), rel_atol=1e-3)
+
+
+def test_sparse_attention_empty_rows_and_future_blocks(monkeypatch):
+    """Given indices: rows with no visible key (all -1, or only a future block) give out = 0,
+    lse = -inf and zero gradients, as in the reference."""
+    import flash_msa
+
+    qp, kp, q, k, v = testing.make_inputs(1, 200, 4, 2, 2, 1, 16, 16, dtype=torch.float32, seed=5)
+    q, k, v = (x.to(DEV) for x in (q, k, v))
+    idx = torch.full((1, 200, 2, 2), -1, dtype=torch.int32)
+    idx[0, :, 0, 0] = torch.arange(200) // 64  # head 0: own block only
+    idx[0, :60, 1, 0] = 2  # head 1, rows 0..59: a future block only (no visible key)
+    idx[0, 130:, 1, :] = torch.tensor([0, 2], dtype=torch.int32)  # rows 130..: a past + own block
+    idx = idx.to(DEV)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(0)).to(q)
+    res = {}
+    for name in ("torch", "triton"):
+        monkeypatch.setenv("FLASH_MSA_BACKEND", name)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, lse = flash_msa.sparse_attention(*leaves, idx, block_size=64, return_lse=True)
+        (out * dout).sum().backward()
+        res[name] = (out.detach(), lse, *[x.grad for x in leaves])
+    t, r = res["triton"], res["torch"]
+    assert (t[0][0, 60:130, 2:] == 0).all() and torch.isinf(t[1][0, 60:130, 2:]).all()
+    assert torch.isneginf(t[1][0, :60, 2:]).all()
+    for a, b in zip(t, r):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

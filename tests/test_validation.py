@@ -183,6 +183,8 @@ CASES = [
           varlen=True, max_seqlen=39),
     *case(ALL, VE, r"max_seqlen must be >= 1, got 0", varlen=True, max_seqlen=0),
     *case(ALL, TE, r"max_seqlen must be an int, got float 40.0", varlen=True, max_seqlen=40.0),
+    *case(ALL, TE, r"max_seqlen must be an int, got Tensor", varlen=True,
+          max_seqlen=torch.tensor(70)),
     # sparse_attention indices
     *case("sparse", TE, r"indices must be a torch.Tensor, got list", indices=[[0]]),
     *case("sparse", TE, r"indices must be int32, got torch.int64",

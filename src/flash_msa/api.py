@@ -106,8 +106,8 @@ def _check_proxy(q_proxy, k_proxy):
 
 
 def _int_arg(name, value, low):
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool {value!r}")
+    if isinstance(value, (bool, torch.Tensor)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     try:
         value = operator.index(value)
     except TypeError:
@@ -169,6 +169,7 @@ def _sequences(ref, cu_seqlens, max_seqlen):
         )
     if cu_seqlens.device != ref.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {ref.device}")
+    cu_seqlens = cu_seqlens.contiguous()  # kernels read it with stride 1
     if max_seqlen is not None:
         max_seqlen = _int_arg("max_seqlen", max_seqlen, 1)
     host = cu_seqlens.device.type == "cpu"

@@ -15,7 +15,7 @@ import torch
 from ..backends import interpreting
 from ..problem import Problem
 
-_DIMS = (16, 32, 64, 128, 256)
+_DIMS = (16, 32, 64, 128)
 MAX_TOP_K = 64
 
 
@@ -37,8 +37,12 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
             return "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)"
     elif problem.device_type != "cuda":
         return f"Triton kernels run on CUDA devices, not {problem.device_type}"
-    elif problem.capability < (8, 0):
-        return "Triton kernels need compute capability 8.0 or newer"
+    elif problem.capability[0] not in (9, 10):
+        major, minor = problem.capability
+        return (
+            f"sm_{major}{minor}: the Triton tile tables need ~227 KB of shared memory per "
+            "block (sm_90, sm_100); smaller tiles for other GPUs are not implemented yet"
+        )
     if problem.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {problem.dtype} is not supported (float64 runs on the torch backend)"
     cfg = problem.cfg

@@ -75,7 +75,7 @@ def configurations():
         for D in (64, 128):
             for block in (64, 128):
                 tag = f"{name} D={D} b={block}"
-                base = dict(H=H, Hkv=Hkv, Hs=Hs, K=16, D=D, BLOCK=block, NB=1024, PREC="tf32")
+                base = dict(H=H, Hkv=Hkv, Hs=Hs, K=16, D=D, BLOCK=block, PREC="tf32")
 
                 def geo(rows, H=H, Hkv=Hkv, Hs=Hs):
                     return dict(zip(("G", "G2", "R", "BT"), sparse_fwd.geometry(H, Hkv, Hs, rows)))
@@ -156,14 +156,17 @@ def configurations():
             4,
             3,
         )
-    yield (
-        "combine K=16 D=128",
-        sparse_fwd._combine_kernel,
-        sparse_fwd.SIGNATURE["combine"],
-        dict(H=16, Hs=4, K=16, KP2=16, D=128, G=4, HB=8, HAS_O=True),
-        4,
-        1,
-    )
+    for K in (16, 64):
+        yield (
+            f"combine K={K} D=128",
+            sparse_fwd._combine_kernel,
+            sparse_fwd.SIGNATURE["combine"],
+            dict(
+                H=16, Hs=4, K=K, KP2=K, D=128, G=4, HB=sparse_fwd.combine_heads(16, K), HAS_O=True
+            ),
+            4,
+            1,
+        )
 
 
 def main() -> int:

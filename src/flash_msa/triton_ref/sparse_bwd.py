@@ -52,7 +52,7 @@ def _bwd_kernel(
     R: tl.constexpr,
     BLOCK: tl.constexpr,
     BT: tl.constexpr,
-    NB: tl.constexpr,
+    NB,  # runtime: it changes with the number of packed sequences
     PREC: tl.constexpr,
 ):
     w = tl.program_id(0)
@@ -99,7 +99,10 @@ SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (b
     DELTA="*fp32",
     LSE="*fp32",
     PERM="*i64",
-    **{k: "*i32" for k in ("ITEM_LIST", "ITEM_START", "ITEM_END", "BLK_START", "BLK_END")},
+    **{k: "*i32" for k in ("ITEM_LIST", "BLK_START", "BLK_END")},
+    ITEM_START="*i64",
+    ITEM_END="*i64",
+    NB="i32",
     **{k: "*fp32" for k in ("DQ", "DK", "DV")},
     scale="fp32",
 )

@@ -62,7 +62,7 @@ def _fwd_kernel(
     R: tl.constexpr,
     BLOCK: tl.constexpr,
     BT: tl.constexpr,
-    NB: tl.constexpr,
+    NB,  # runtime: it changes with the number of packed sequences
     HAS_PROXY: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -174,7 +174,9 @@ def _combine_kernel(
 # ---------------------------------------------------------------------------------------------
 # host
 # ---------------------------------------------------------------------------------------------
-_WL = {k: "*i32" for k in ("ITEM_LIST", "ITEM_START", "ITEM_END", "BLK_START", "BLK_END")}
+_WL = dict(
+    ITEM_LIST="*i32", BLK_START="*i32", BLK_END="*i32", ITEM_START="*i64", ITEM_END="*i64", NB="i32"
+)
 SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 inputs)
     "fwd": dict(
         {k: "*bf16" for k in ("Q", "Kt", "V", "QP", "KP")},
@@ -205,6 +207,11 @@ def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
 ITEM_TOKENS = 256  # tokens per work item: K/V (and dK/dV) stay on chip over them
 
 
+def combine_heads(H: int, K: int) -> int:
+    """Heads merged per combine program: an [HB, K, D] tile of ~16K elements (no spills)."""
+    return max(1, min(triton.next_power_of_2(H), 128 // triton.next_power_of_2(K)))
+
+
 PARTIAL_BYTES = 2 << 30  # the partial-output buffer of one query chunk stays below 2 GiB
 
 
@@ -233,8 +240,8 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
     proxy_lse = torch.empty((T, Hs), **f32) if proxy else None
     kl_sum = torch.zeros((), **f32)
     KP2 = max(2, triton.next_power_of_2(K))
-    HB = min(8, triton.next_power_of_2(H))
-    HBp = min(8, triton.next_power_of_2(Hs))
+    HB = combine_heads(H, K)
+    HBp = combine_heads(Hs, K)
     qp_arg, kp_arg = (q_proxy, k_proxy) if proxy else (q, k)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     for c0 in range(0, T, C):

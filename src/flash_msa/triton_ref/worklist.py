@@ -21,8 +21,8 @@ import torch
 class WorkList(NamedTuple):
     perm: torch.Tensor  # [T*Hs*K] int64: flat (token, head, slot) entries sorted by list
     item_list: torch.Tensor  # [W] int32: list id = p * NB + global block, of each work item
-    item_start: torch.Tensor  # [W] int32: first entry (into perm) of the item
-    item_end: torch.Tensor  # [W] int32: one past its last entry (== start: empty item)
+    item_start: torch.Tensor  # [W] int64: first entry (into perm) of the item
+    item_end: torch.Tensor  # [W] int64: one past its last entry (== start: empty item)
     block_start: torch.Tensor  # [NB] int32: first token (packed) of each global block
     block_end: torch.Tensor  # [NB] int32: one past its last token
     num_blocks: int  # NB: upper bound on the number of global key blocks
@@ -85,8 +85,8 @@ def build(
     lst_c = lst.clamp_max(Hs * NB - 1)
     first = list_start[lst_c] + (w - (items_end[lst_c] - items[lst_c])) * TW
     last = torch.minimum(first + TW, list_start[lst_c] + counts[lst_c])
-    item_start = torch.where(ok, first, 0).to(torch.int32)
-    item_end = torch.where(ok, last, 0).to(torch.int32)
+    item_start = torch.where(ok, first, 0)  # int64: T * Hs * K can pass 2**31 at long context
+    item_end = torch.where(ok, last, 0)
     return WorkList(
         perm, lst_c.to(torch.int32), item_start, item_end, block_start, block_end, NB, W, K
     )
