@@ -264,3 +264,25 @@ def test_sparse_attention_empty_rows_and_future_blocks(monkeypatch):
     assert torch.isneginf(t[1][0, :60, 2:]).all()
     for a, b in zip(t, r):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_reasons_name_the_limit():
+    import dataclasses
+
+    from flash_msa import triton_ref
+    from flash_msa.problem import Problem
+
+    cfg = Config(128, 0.1, 4096, 0.1, 16)
+    ok = Problem("cuda", (9, 0), torch.bfloat16, 16, 2, 128, 4, 1, 128, True, cfg, 8)
+    assert all(triton_ref.unsupported_reason(op, ok) is None for op in ("select", "fwd", "bwd"))
+    cases = {
+        "sm_80": dataclasses.replace(ok, capability=(8, 0)),
+        "head_dim 256": dataclasses.replace(ok, head_dim=256),
+        "top_k 65": dataclasses.replace(ok, cfg=dataclasses.replace(cfg, top_k=65)),
+        "70000 sequences": dataclasses.replace(ok, num_seqs=70000),
+        "float64": dataclasses.replace(ok, dtype=torch.float64),
+        "3 main heads": dataclasses.replace(ok, num_heads=24, num_kv_heads=8, num_sel_heads=8),
+    }
+    for what, prob in cases.items():
+        why = triton_ref.unsupported_reason("fwd", prob)
+        assert why is not None and what in why, (what, why)

@@ -252,10 +252,12 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[-2:]).contiguous()
 
 
-def _problem(ref, H, Hkv, D, Hsel, Hpk, Dp, varlen, cfg) -> Problem:
+def _problem(ref, H, Hkv, D, Hsel, Hpk, Dp, cu, varlen, cfg) -> Problem:
     """The call as backends see it (0 for the heads/dims a call does not have)."""
     cap = torch.cuda.get_device_capability(ref.device) if ref.device.type == "cuda" else None
-    return Problem(ref.device.type, cap, ref.dtype, H, Hkv, D, Hsel, Hpk, Dp, varlen, cfg)
+    return Problem(
+        ref.device.type, cap, ref.dtype, H, Hkv, D, Hsel, Hpk, Dp, varlen, cfg, cu.numel() - 1
+    )
 
 
 def _wants_grad(*tensors) -> bool:
@@ -416,6 +418,7 @@ def msa_attention(
         q_proxy.shape[-2],
         k_proxy.shape[-2],
         q_proxy.shape[-1],
+        cu,
         varlen,
         cfg,
     )
@@ -453,7 +456,16 @@ def select_blocks(
     _check_finite(tensors)
     cfg = Config(block_size, 1.0, max_seqlen, proxy_scale, top_k)
     problem = _problem(
-        q_proxy, 0, 0, 0, q_proxy.shape[-2], k_proxy.shape[-2], q_proxy.shape[-1], varlen, cfg
+        q_proxy,
+        0,
+        0,
+        0,
+        q_proxy.shape[-2],
+        k_proxy.shape[-2],
+        q_proxy.shape[-1],
+        cu,
+        varlen,
+        cfg,
     )
     select_be = backends.resolve("select", problem)[1]
     with torch.no_grad():
@@ -500,7 +512,7 @@ def sparse_attention(
     _check_finite(tensors)
     cfg = Config(block_size, softmax_scale, max_seqlen)
     problem = _problem(
-        q, q.shape[-2], k.shape[-2], q.shape[-1], indices.shape[-2], 0, 0, varlen, cfg
+        q, q.shape[-2], k.shape[-2], q.shape[-1], indices.shape[-2], 0, 0, cu, varlen, cfg
     )
     fwd_be = backends.resolve("fwd", problem)[1]
     bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(q, k, v) else None

@@ -56,6 +56,7 @@ class Problem:
     proxy_head_dim: int
     varlen: bool
     cfg: Config
+    num_seqs: int = 1  # sequences in the call (batch size, or len(cu_seqlens) - 1)
 
 
 class Saved(NamedTuple):

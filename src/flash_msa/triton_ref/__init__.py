@@ -46,6 +46,8 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
     if problem.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {problem.dtype} is not supported (float64 runs on the torch backend)"
     cfg = problem.cfg
+    if problem.num_seqs > 65535:  # the sequence index is a grid dimension (y) of some kernels
+        return f"{problem.num_seqs} sequences in one call: at most 65535"
     if cfg.top_k is not None and cfg.top_k > MAX_TOP_K:
         return f"top_k {cfg.top_k} > {MAX_TOP_K}"
     has_proxy = problem.proxy_head_dim > 0
