@@ -15,6 +15,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -109,3 +110,17 @@ def resolve(op: str, problem: Problem, log_fallback: bool = True) -> tuple[str, 
         f"no backend can run {op!r} on {where} ({detail}). The O(S^2) torch backend is never "
         "chosen automatically for GPU tensors; set FLASH_MSA_BACKEND=torch to force it."
     )
+
+
+@contextlib.contextmanager
+def forced(name: str):
+    """Run the enclosed calls with ``FLASH_MSA_BACKEND=name``, restoring the previous value."""
+    old = os.environ.get("FLASH_MSA_BACKEND")
+    os.environ["FLASH_MSA_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FLASH_MSA_BACKEND"]
+        else:
+            os.environ["FLASH_MSA_BACKEND"] = old

@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from .backends import forced
+
 SHAPES = {  # B, H, Hkv, Hp, Hpk, D, Dp, default seqlens
     "anchor": (1, 16, 2, 4, 1, 128, 128, (16384, 32768)),
     "paper": (1, 64, 4, 4, 1, 128, 128, (32768, 131072)),
@@ -119,12 +121,9 @@ def _verify_msa(backend, shape):
     xs = testing.make_inputs(
         1, S, H, Hkv, Hp, Hpk, D, Dp, dtype=torch.bfloat16, device="cuda", seed=123
     )
-    os.environ["FLASH_MSA_BACKEND"] = backend
-    try:
+    with forced(backend):
         idx = select_blocks(xs[0], xs[1], TOP_K)
         out, kl = msa_attention(*xs, TOP_K)
-    finally:
-        os.environ["FLASH_MSA_BACKEND"] = "auto"
     from . import reference
     from .problem import Config
 
@@ -221,10 +220,8 @@ def run(shapes, seqlens, backends, inputs, iters=5, dense_names=("sdpa", "fa4"))
                         res = dict(error=f"out of memory: {str(e).splitlines()[0]}")
                     torch.cuda.empty_cache()
                     if prov in backends and "error" not in res:
-                        os.environ["FLASH_MSA_BACKEND"] = prov
-                        with torch.no_grad():
+                        with forced(prov), torch.no_grad():
                             idx = select_blocks(xs[0], xs[1], TOP_K)
-                        os.environ["FLASH_MSA_BACKEND"] = "auto"
                         pairs = sparse_pairs(idx, S, BLOCK)
                         del idx
                     fl = _flops(shape, S, pairs or 0)
@@ -258,27 +255,24 @@ def _measure(prov, xs, dense, iters):
         def step():
             fn(q, k, v).backward(dout)
     else:
-        os.environ["FLASH_MSA_BACKEND"] = prov
         dout = torch.randn_like(leaves[2])
-        with torch.no_grad():
+        with forced(prov), torch.no_grad():
             res["select_ms"] = _time(
                 lambda: select_blocks(leaves[0], leaves[1], TOP_K), iters=iters
             )
             res["fwd_ms"] = _time(lambda: msa_attention(*leaves, TOP_K), iters=iters)
 
         def step():
-            out, kl = msa_attention(*leaves, TOP_K)
-            torch.autograd.backward([out, kl], [dout, torch.ones_like(kl)])
+            with forced(prov):
+                out, kl = msa_attention(*leaves, TOP_K)
+                torch.autograd.backward([out, kl], [dout, torch.ones_like(kl)])
 
-    try:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        res["step_ms"] = _time(step, iters=iters)
-        res["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-        res["bwd_ms"] = res["step_ms"] - res["fwd_ms"]
-    finally:
-        os.environ["FLASH_MSA_BACKEND"] = "auto"
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    res["step_ms"] = _time(step, iters=iters)
+    res["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    res["bwd_ms"] = res["step_ms"] - res["fwd_ms"]
     return res
 
 

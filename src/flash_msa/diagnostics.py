@@ -3,7 +3,6 @@ available backend against an independent brute-force computation on small proble
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import os
 import platform
@@ -108,19 +107,6 @@ _SEQLEN = {64: 160, 128: 300}
 _TOL = {torch.float32: 2e-4, torch.float64: 1e-9, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 
-@contextlib.contextmanager
-def _forced(name: str):
-    old = os.environ.get("FLASH_MSA_BACKEND")
-    os.environ["FLASH_MSA_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["FLASH_MSA_BACKEND"]
-        else:
-            os.environ["FLASH_MSA_BACKEND"] = old
-
-
 def _rel_err(a, b) -> float:
     b = b.double()
     return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
@@ -204,7 +190,7 @@ def check(seed: int = 0):
                         status="NOT RUN",
                     )
                 try:
-                    with _forced(name):
+                    with backends.forced(name):
                         rows = _run_case(case, device, dtype, seed, select_only)
                 except Exception as e:  # a crash is a failure, reported, not hidden
                     yield dict(
