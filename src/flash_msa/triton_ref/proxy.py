@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton.language as tl
 from triton import jit
 
-from .sparse_fwd import _item_rows
+from .sparse_fwd import _item_block, _item_rows
 
 
 @jit
@@ -92,16 +92,9 @@ def _proxy_kernel(
     e1 = tl.load(ITEM_END + w)
     if e0 >= e1:
         return
-    lst = tl.load(ITEM_LIST + w)
-    p = lst // NB
-    gb = lst % NB
-    k0 = tl.load(BLK_START + gb)
-    k1 = tl.load(BLK_END + gb)
-    o_k = tl.arange(0, BLOCK)
+    p, kpos, m_k = _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK)
     o_d = tl.arange(0, D)
     o_dp = tl.arange(0, Dp)
-    kpos = (k0 + o_k).to(tl.int64)
-    m_k = kpos < k1
     pk = p // (Hs // Hpk)
     p_kp = KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
     b_kp = tl.load(p_kp, mask=m_k[:, None], other=0.0)  # [BLOCK, Dp]

@@ -21,7 +21,7 @@ from ..problem import Config, Grads, Saved
 from . import proxy as proxy_pass
 from . import worklist
 from .proxy import _probs
-from .sparse_fwd import ITEM_TOKENS, _item_rows, geometry
+from .sparse_fwd import ITEM_TOKENS, _item_block, _item_rows, geometry
 
 
 @triton.jit
@@ -60,15 +60,8 @@ def _bwd_kernel(
     e1 = tl.load(ITEM_END + w)
     if e0 >= e1:
         return
-    lst = tl.load(ITEM_LIST + w)
-    p = lst // NB
-    gb = lst % NB
-    k0 = tl.load(BLK_START + gb)
-    k1 = tl.load(BLK_END + gb)
-    o_k = tl.arange(0, BLOCK)
+    p, kpos, m_k = _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK)
     o_d = tl.arange(0, D)
-    kpos = (k0 + o_k).to(tl.int64)
-    m_k = kpos < k1
     for r in tl.static_range(R):
         h0 = p * G + r * G2
         kvh = h0 // (H // Hkv)

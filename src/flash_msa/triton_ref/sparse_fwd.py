@@ -32,6 +32,15 @@ def _item_rows(PERM, c, e1, HsK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr
 
 
 @triton.jit
+def _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK: tl.constexpr):
+    """Selection head and key positions (packed, int64) of work item ``w``'s key block."""
+    lst = tl.load(ITEM_LIST + w)
+    gb = lst % NB
+    kpos = (tl.load(BLK_START + gb) + tl.arange(0, BLOCK)).to(tl.int64)
+    return lst // NB, kpos, kpos < tl.load(BLK_END + gb)
+
+
+@triton.jit
 def _fwd_kernel(
     Q,
     Kt,
@@ -71,15 +80,8 @@ def _fwd_kernel(
     e1 = tl.load(ITEM_END + w)
     if e0 >= e1:
         return
-    lst = tl.load(ITEM_LIST + w)
-    p = lst // NB
-    gb = lst % NB
-    k0 = tl.load(BLK_START + gb)
-    k1 = tl.load(BLK_END + gb)
-    o_k = tl.arange(0, BLOCK)
+    p, kpos, m_k = _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK)
     o_d = tl.arange(0, D)
-    kpos = (k0 + o_k).to(tl.int64)  # [BLOCK] packed key positions
-    m_k = kpos < k1
     for r in tl.static_range(R):
         h0 = p * G + r * G2  # first main head of this KV sub-group
         kvh = h0 // (H // Hkv)
