@@ -44,6 +44,32 @@ def _case(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed=0, kind="random
     return xs, _cu(lengths), cfg
 
 
+def _check_after_selection(be, qp, kp, q, k, v, idx, cu, cfg):
+    """fwd and bwd of backend ``be`` on given indices (``None``: warmup) by the rule
+    ``err(kernel) <= 2 * err(same-dtype reference) + atol``, both against the fp32 reference."""
+    f32 = [x.float() for x in (q, k, v)]
+    exact = reference.fwd(*f32, idx, cu, cfg, qp.float(), kp.float())
+    same = reference.fwd(q, k, v, idx, cu, cfg, qp, kp, upcast=False)
+    mine = be.fwd(q, k, v, idx, cu, cfg, qp, kp)
+    for i, name in enumerate(["out", "lse", "proxy_lse", "kl"]):
+        tol = 2 * _err(same[i], exact[i]) + 1e-3
+        assert _err(mine[i], exact[i]) <= tol, (name, _err(mine[i], exact[i]), tol)
+    dout = torch.randn_like(q)
+    dkl = torch.tensor(0.7, device=q.device)
+    grads = [
+        backend.bwd(g_out, dkl, Saved(*qkv, o[0], o[1], idx, *proxy, o[2]), cu, cfg)
+        for backend, g_out, qkv, proxy, o in (
+            (be, dout, (q, k, v), (qp, kp), mine),
+            (reference, dout, (q, k, v), (qp, kp), same),
+            (reference, dout.float(), f32, (qp.float(), kp.float()), exact),
+        )
+    ]
+    for name, a, s, e in zip(("dq", "dk", "dv", "dq_proxy", "dk_proxy"), *grads):
+        assert torch.isfinite(a).all(), name
+        tol = 2 * _err(s, e) + 2e-3 * e.abs().max().item()
+        assert _err(a, e) <= tol, (name, _err(a, e), tol)
+
+
 SHAPES = [  # lengths, H, Hkv, Hp, Hpk, D, Dp, block, top_k
     ((2048,), 16, 2, 4, 1, 128, 128, 128, 16),  # anchor heads
     ((8192,), 16, 2, 4, 1, 128, 128, 128, 16),
@@ -59,7 +85,6 @@ SHAPES = [  # lengths, H, Hkv, Hp, Hpk, D, Dp, block, top_k
 def test_backend_matches_reference(name, dtype, shape):
     be = _module(name)
     (qp, kp, q, k, v), cu, cfg = _case(*shape, dtype)
-    T, H, D = q.shape
     # selection: sets, near-ties accepted
     idx = be.select(qp, kp, cu, cfg)
     ref_idx = reference.select(qp, kp, cu, cfg)
@@ -67,28 +92,7 @@ def test_backend_matches_reference(name, dtype, shape):
         idx.cpu(), ref_idx.cpu(), qp.cpu(), kp.cpu(), cfg.block_size, cfg.proxy_scale, cu.cpu()
     )
     assert bad == 0
-    # everything after selection on the same (reference) indices
-    f32 = [x.float() for x in (q, k, v)]
-    exact = reference.fwd(*f32, ref_idx, cu, cfg, qp.float(), kp.float())
-    same = reference.fwd(q, k, v, ref_idx, cu, cfg, qp, kp, upcast=False)
-    mine = be.fwd(q, k, v, ref_idx, cu, cfg, qp, kp)
-    for i, name_ in enumerate(["out", "lse", "proxy_lse", "kl"]):
-        tol = 2 * _err(same[i], exact[i]) + 1e-3
-        assert _err(mine[i], exact[i]) <= tol, (name_, _err(mine[i], exact[i]), tol)
-    dout = torch.randn_like(q)
-    dkl = torch.tensor(0.7, device="cuda")
-    saved_exact = Saved(*f32, exact[0], exact[1], ref_idx, qp.float(), kp.float(), exact[2])
-    g_exact = reference.bwd(dout.float(), dkl, saved_exact, cu, cfg)
-    saved = Saved(q, k, v, mine[0], mine[1], ref_idx, qp, kp, mine[2])
-    g_mine = be.bwd(dout, dkl, saved, cu, cfg)
-    g_same = reference.bwd(
-        dout, dkl, Saved(q, k, v, same[0], same[1], ref_idx, qp, kp, same[2]), cu, cfg
-    )
-    for name_, a, s, e in zip(("dq", "dk", "dv", "dq_proxy", "dk_proxy"), g_mine, g_same, g_exact):
-        assert torch.isfinite(a).all(), name_
-        scale = e.abs().max().item()
-        tol = 2 * _err(s, e) + 2e-3 * scale
-        assert _err(a, e) <= tol, (name_, _err(a, e), tol, scale)
+    _check_after_selection(be, qp, kp, q, k, v, ref_idx, cu, cfg)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -182,27 +186,4 @@ def test_warmup_matches_reference(name, dtype):
     cfg = Config(
         cfg.block_size, cfg.softmax_scale, cfg.max_seqlen, cfg.proxy_scale, None, True, True
     )
-    f32 = [x.float() for x in (q, k, v)]
-    exact = reference.fwd(*f32, None, cu, cfg, qp.float(), kp.float())
-    same = reference.fwd(q, k, v, None, cu, cfg, qp, kp, upcast=False)
-    mine = be.fwd(q, k, v, None, cu, cfg, qp, kp)
-    for i, name_ in enumerate(["out", "lse", "proxy_lse", "kl"]):
-        tol = 2 * _err(same[i], exact[i]) + 1e-3
-        assert _err(mine[i], exact[i]) <= tol, (name_, _err(mine[i], exact[i]), tol)
-    dout = torch.randn_like(q)
-    dkl = torch.tensor(0.7, device="cuda")
-    g_exact = reference.bwd(
-        dout.float(),
-        dkl,
-        Saved(*f32, exact[0], exact[1], None, qp.float(), kp.float(), exact[2]),
-        cu,
-        cfg,
-    )
-    g_mine = be.bwd(dout, dkl, Saved(q, k, v, mine[0], mine[1], None, qp, kp, mine[2]), cu, cfg)
-    g_same = reference.bwd(
-        dout, dkl, Saved(q, k, v, same[0], same[1], None, qp, kp, same[2]), cu, cfg
-    )
-    for name_, a, s, e in zip(("dq", "dk", "dv", "dq_proxy", "dk_proxy"), g_mine, g_same, g_exact):
-        assert torch.isfinite(a).all(), name_
-        tol = 2 * _err(s, e) + 2e-3 * e.abs().max().item()
-        assert _err(a, e) <= tol, (name_, _err(a, e), tol)
+    _check_after_selection(be, qp, kp, q, k, v, None, cu, cfg)

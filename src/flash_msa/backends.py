@@ -79,37 +79,40 @@ def candidates(device_type: str) -> tuple[str, ...]:
 _logged: set[tuple[str, str, str]] = set()
 
 
-def resolve(op: str, problem: Problem, log_fallback: bool = True) -> tuple[str, ModuleType]:
+def choose(op: str, problem: Problem) -> tuple[str | None, list[tuple[str, str]]]:
+    """``auto``'s pick for one op: ``(name or None, [(rejected backend, reason), ...])``."""
+    rejected = []
+    for name in candidates(problem.device_type):
+        why = reason_not(name, op, problem)
+        if why is None:
+            return name, rejected
+        rejected.append((name, why))
+    return None, rejected
+
+
+def resolve(op: str, problem: Problem) -> tuple[str, ModuleType]:
     """Pick the backend for one op of one call; returns ``(name, module)`` or raises."""
     choice = requested()
-    where = (
-        problem.device_type
-        if problem.capability is None
-        else (f"{problem.device_type} (sm_{problem.capability[0]}{problem.capability[1]})")
-    )
+    where = problem.device_type
+    if problem.capability is not None:
+        where += f" (sm_{problem.capability[0]}{problem.capability[1]})"
     if choice != "auto":
         why = reason_not(choice, op, problem)
         if why is not None:
             raise BackendError(f"FLASH_MSA_BACKEND={choice} cannot run {op!r} on {where}: {why}")
         return choice, load(choice)[0]
-    rejected = []
-    for name in candidates(problem.device_type):
-        why = reason_not(name, op, problem)
-        if why is None:
-            for other, other_why in rejected if log_fallback else ():
-                key = (op, other, other_why)
-                if key not in _logged:
-                    _logged.add(key)
-                    log.warning(
-                        "flash_msa: %s runs on %s: %s cannot: %s", op, name, other, other_why
-                    )
-            return name, load(name)[0]
-        rejected.append((name, why))
-    detail = "; ".join(f"{n}: {w}" for n, w in rejected)
-    raise BackendError(
-        f"no backend can run {op!r} on {where} ({detail}). The O(S^2) torch backend is never "
-        "chosen automatically for GPU tensors; set FLASH_MSA_BACKEND=torch to force it."
-    )
+    name, rejected = choose(op, problem)
+    if name is None:
+        detail = "; ".join(f"{n}: {w}" for n, w in rejected)
+        raise BackendError(
+            f"no backend can run {op!r} on {where} ({detail}). The O(S^2) torch backend is never "
+            "chosen automatically for GPU tensors; set FLASH_MSA_BACKEND=torch to force it."
+        )
+    for other, why in rejected:
+        if (op, other, why) not in _logged:
+            _logged.add((op, other, why))
+            log.warning("flash_msa: %s runs on %s: %s cannot: %s", op, name, other, why)
+    return name, load(name)[0]
 
 
 @contextlib.contextmanager

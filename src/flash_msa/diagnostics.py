@@ -38,19 +38,13 @@ def _sample_problem(device: str) -> Problem:
 
 def explain(op: str, problem: Problem) -> tuple[str | None, str]:
     """``(backend, why)`` for one op of ``problem``; backend is ``None`` if none can run it."""
-    try:
-        name, _ = backends.resolve(op, problem, log_fallback=False)
-    except backends.BackendError as e:
-        return None, str(e)
     choice = backends.requested()
     if choice != "auto":
-        return name, f"forced by FLASH_MSA_BACKEND={choice}"
-    skipped = []
-    for other in backends.candidates(problem.device_type):
-        if other == name:
-            break
-        skipped.append(f"{other}: {backends.reason_not(other, op, problem)}")
-    return name, "auto" + (" (" + "; ".join(skipped) + ")" if skipped else "")
+        why = backends.reason_not(choice, op, problem)
+        return (choice, f"forced by FLASH_MSA_BACKEND={choice}") if why is None else (None, why)
+    name, rejected = backends.choose(op, problem)
+    skipped = "; ".join(f"{n}: {w}" for n, w in rejected)
+    return name, "auto" + (f" ({skipped})" if skipped else "")
 
 
 def info() -> dict:

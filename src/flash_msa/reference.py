@@ -194,7 +194,7 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, *
                 kl_sum += _kl_terms(target, z - row_plse[..., None], pmask).sum()
     kl = None
     if proxy and cfg.compute_kl:
-        kl = (kl_sum / (Hp * T)).to(torch.float64 if sdt == torch.float64 else torch.float32)
+        kl = kl_sum / (Hp * T)  # fp32 (fp64 for fp64 inputs)
     lse = lse.float() if sdt == torch.float32 else lse
     if proxy_lse is not None and sdt == torch.float32:
         proxy_lse = proxy_lse.float()

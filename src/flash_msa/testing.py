@@ -63,10 +63,13 @@ def make_inputs(
     return tuple(t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in tensors)
 
 
-def _segments(cu_seqlens, total):
+def _segments(x, cu_seqlens):
+    """``[(start, end)]`` packed-token ranges of the non-empty sequences of ``x``: the batch rows
+    of a 4-D ``(B, S, ...)`` tensor, or the ``cu_seqlens`` segments of a packed one."""
     if cu_seqlens is None:
-        return [(0, total)]
-    cu = [int(x) for x in cu_seqlens.tolist()]
+        S = x.shape[1] if x.dim() == 4 else x.shape[0]
+        return [(b * S, (b + 1) * S) for b in range(x.shape[0] if x.dim() == 4 else 1)]
+    cu = [int(c) for c in cu_seqlens.tolist()]
     return [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
 
 
@@ -81,11 +84,7 @@ def brute_force_select(q_proxy, k_proxy, top_k, block_size, proxy_scale, cu_seql
     selected sequence-local block numbers.
     """
     qp, kp = _packed(q_proxy).double(), _packed(k_proxy).double()
-    if cu_seqlens is None and q_proxy.dim() == 4:
-        B, S = q_proxy.shape[:2]
-        segs = [(b * S, (b + 1) * S) for b in range(B)]
-    else:
-        segs = _segments(cu_seqlens, qp.shape[0])
+    segs = _segments(q_proxy, cu_seqlens)
     Hp, Hpk = qp.shape[1], kp.shape[1]
     chosen = [[[] for _ in range(Hp)] for _ in range(qp.shape[0])]
     for s0, s1 in segs:
@@ -137,11 +136,7 @@ def brute_force(
     qp, kp, qq, kk, vv = (_packed(x).double() for x in (q_proxy, k_proxy, q, k, v))
     T, H, _ = qq.shape
     Hkv, Hp, Hpk = kk.shape[1], qp.shape[1], kp.shape[1]
-    if cu_seqlens is None and q.dim() == 4:
-        B, S = q.shape[:2]
-        segs = [(b * S, (b + 1) * S) for b in range(B)]
-    else:
-        segs = _segments(cu_seqlens, T)
+    segs = _segments(q, cu_seqlens)
     outs, lses, kl_total = [], [], qq.new_zeros(())
     for s0, s1 in segs:
         L = s1 - s0
@@ -186,15 +181,7 @@ def selection_mismatch(
     qp, kp = _packed(q_proxy).double(), _packed(k_proxy).double()
     T, Hp = qp.shape[:2]
     Hpk = kp.shape[1]
-    if cu_seqlens is None and q_proxy.dim() == 4:
-        S = q_proxy.shape[1]
-        starts = [t - t % S for t in range(T)]
-    else:
-        seg_start = {}
-        for s0, s1 in _segments(cu_seqlens, T):
-            for t in range(s0, s1):
-                seg_start[t] = s0
-        starts = [seg_start[t] for t in range(T)]
+    starts = {t: s0 for s0, s1 in _segments(q_proxy, cu_seqlens) for t in range(s0, s1)}
     bad = 0
     for t in range(T):
         for p in range(Hp):

@@ -280,63 +280,47 @@ def _prec(x):
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def _attention(q, k, v, out, lse, scale, cu, cfg):
+    """Dense causal attention into ``out``/``lse``; with ``v is None`` only the LSE."""
+    T, H, D = q.shape
+    _dense_fwd_kernel[(triton.cdiv(cfg.max_seqlen, BM), cu.numel() - 1, H)](
+        q, k, k if v is None else v, cu, q if out is None else out, lse, scale,
+        H=H, Hk=k.shape[1], D=D, BM=BM, BN=BN, HAS_V=v is not None, PREC=_prec(q), num_warps=4,
+    )  # fmt: skip
+
+
 def _proxy_pass(
-    q, k, q_proxy, k_proxy, lse, proxy_lse, cu, cfg, *, kl_part=None, dkl=None, dqp=None, dkp=None
+    q, k, q_proxy, k_proxy, lse, proxy_lse, cu, cfg, *, kl_value=False, dkl=None, dqp=None, dkp=None
 ):
+    """The KL value (returned when ``kl_value``) and/or the proxy gradient into ``dqp``/``dkp``
+    (when ``dkl`` is given), over every visible key."""
     T, H, D = q.shape
     Hs, Dp = q_proxy.shape[1:]
     G, G2, R, BT = geometry(H, k.shape[1], Hs, 64)
-    N = cu.numel() - 1
+    grid = (triton.cdiv(cfg.max_seqlen, BT), cu.numel() - 1, Hs)
+    kl_part = torch.zeros(grid[0] * grid[1] * Hs, dtype=torch.float32, device=q.device)
     grad = dkl is not None
-    dummy = lse
-    _dense_proxy_kernel[(triton.cdiv(cfg.max_seqlen, BT), N, Hs)](
-        q, k, q_proxy, k_proxy, cu, lse, proxy_lse, dkl if grad else dummy,
-        kl_part if kl_part is not None else dummy, dqp if grad else dummy,
-        dkp if grad else dummy, cfg.softmax_scale, cfg.proxy_scale, 1.0 / (Hs * T),
-        H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], D=D, Dp=Dp, G=G, G2=G2, R=R, BT=BT,
-        BN=BN, KL_VALUE=kl_part is not None, GRAD=grad, PREC=_prec(q), num_warps=4,
+    _dense_proxy_kernel[grid](
+        q, k, q_proxy, k_proxy, cu, lse, proxy_lse, dkl if grad else lse, kl_part,
+        dqp if grad else lse, dkp if grad else lse, cfg.softmax_scale, cfg.proxy_scale,
+        1.0 / (Hs * T), H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], D=D, Dp=Dp, G=G, G2=G2,
+        R=R, BT=BT, BN=BN, KL_VALUE=kl_value, GRAD=grad, PREC=_prec(q), num_warps=4,
     )  # fmt: skip
-    return BT
+    return kl_part.sum() / (Hs * T) if kl_value else None
 
 
 def fwd(q, k, v, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
     """Backend op ``fwd`` in warmup (``indices is None``): dense causal attention."""
-    T, H, D = q.shape
-    N = cu_seqlens.numel() - 1
-    f32 = dict(dtype=torch.float32, device=q.device)
+    T, H, _ = q.shape
     out = torch.empty_like(q)
-    lse = torch.empty((T, H), **f32)
-    grid = (triton.cdiv(cfg.max_seqlen, BM), N, H)
-    _dense_fwd_kernel[grid](
-        q,
-        k,
-        v,
-        cu_seqlens,
-        out,
-        lse,
-        cfg.softmax_scale,
-        H=H,
-        Hk=k.shape[1],
-        D=D,
-        BM=BM,
-        BN=BN,
-        HAS_V=True,
-        PREC=_prec(q),
-        num_warps=4,
-    )
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    _attention(q, k, v, out, lse, cfg.softmax_scale, cu_seqlens, cfg)
     proxy_lse = kl = None
     if q_proxy is not None:
-        Hs, Dp = q_proxy.shape[1:]
-        proxy_lse = torch.empty((T, Hs), **f32)
-        _dense_fwd_kernel[(triton.cdiv(cfg.max_seqlen, BM), N, Hs)](
-            q_proxy, k_proxy, k_proxy, cu_seqlens, q_proxy, proxy_lse, cfg.proxy_scale, H=Hs,
-            Hk=k_proxy.shape[1], D=Dp, BM=BM, BN=BN, HAS_V=False, PREC=_prec(q), num_warps=4,
-        )  # fmt: skip
+        proxy_lse = torch.empty(q_proxy.shape[:2], dtype=torch.float32, device=q.device)
+        _attention(q_proxy, k_proxy, None, None, proxy_lse, cfg.proxy_scale, cu_seqlens, cfg)
         if cfg.compute_kl:
-            BT = geometry(H, k.shape[1], Hs, 64)[3]
-            kl_part = torch.zeros(N * Hs * triton.cdiv(cfg.max_seqlen, BT), **f32)
-            _proxy_pass(q, k, q_proxy, k_proxy, lse, proxy_lse, cu_seqlens, cfg, kl_part=kl_part)
-            kl = kl_part.sum() / (Hs * T)
+            kl = _proxy_pass(q, k, q_proxy, k_proxy, lse, proxy_lse, cu_seqlens, cfg, kl_value=True)
     return out, lse, proxy_lse, kl
 
 
