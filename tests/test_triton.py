@@ -98,7 +98,9 @@ def _poison_empty(monkeypatch):
     monkeypatch.setattr(sparse_fwd.torch, "empty", empty)
 
 
-def _fwd_bwd_case(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed=1):
+def _fwd_bwd_case(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed=1, in_fwd=False):
+    """Forward and backward of one problem; ``in_fwd``: the proxy gradient comes from the
+    forward's KL pass (``proxy_grad=True``) instead of the backward's own pass."""
     from flash_msa.problem import Saved
     from flash_msa.triton_ref import sparse_bwd, sparse_fwd
 
@@ -108,7 +110,8 @@ def _fwd_bwd_case(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed=1):
     cu = _cu(lengths).to(DEV)
     cfg = Config(b, D**-0.5, max(lengths), Dp**-0.5, top_k, False, True)
     idx = reference.select(qp, kp, cu, cfg)
-    mine = sparse_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp)
+    mine = sparse_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=in_fwd)
+    assert (mine.proxy_grad is not None) == in_fwd
     f32 = [x.float() for x in (qp, kp, q, k, v)]
     exact = reference.fwd(*f32[2:], idx, cu, cfg, *f32[:2])
     same = reference.fwd(q, k, v, idx, cu, cfg, qp, kp, upcast=False)
@@ -116,7 +119,7 @@ def _fwd_bwd_case(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed=1):
     dout = torch.randn(q.shape, generator=g).to(q)
     dkl = torch.tensor(0.7, device=DEV)
     g_mine = sparse_bwd.bwd(
-        dout, dkl, Saved(q, k, v, mine[0], mine[1], idx, qp, kp, mine[2]), cu, cfg
+        dout, dkl, Saved(q, k, v, *mine[:2], idx, qp, kp, *mine[2:3], mine.proxy_grad), cu, cfg
     )
     g_exact = reference.bwd(
         dout.float(), dkl, Saved(*f32[2:], exact[0], exact[1], idx, *f32[:2], exact[2]), cu, cfg
@@ -150,10 +153,11 @@ FWD_BWD_CASES = [  # lengths, H, Hkv, Hp, Hpk, D, Dp, block, top_k
 ]
 
 
+@pytest.mark.parametrize("in_fwd", [False, True], ids=["grad-pass", "grad-in-fwd"])
 @pytest.mark.parametrize("case", FWD_BWD_CASES, ids=lambda c: "x".join(map(str, c[0])))
-def test_fwd_bwd_fp32_equals_reference(case, monkeypatch):
+def test_fwd_bwd_fp32_equals_reference(case, in_fwd, monkeypatch):
     _poison_empty(monkeypatch)
-    _check(*_fwd_bwd_case(*case, torch.float32), rel_atol=1e-5)
+    _check(*_fwd_bwd_case(*case, torch.float32, in_fwd=in_fwd), rel_atol=1e-5)
 
 
 def test_fwd_in_query_chunks_equals_reference(monkeypatch):
@@ -162,12 +166,14 @@ def test_fwd_in_query_chunks_equals_reference(monkeypatch):
 
     _poison_empty(monkeypatch)
     monkeypatch.setattr(sparse_fwd, "PARTIAL_BYTES", 40 * 8 * 3 * 16 * 4)  # ~40-token chunks
-    _check(*_fwd_bwd_case((70, 1, 200), 8, 2, 4, 1, 16, 16, 64, 3, torch.float32), rel_atol=1e-5)
+    case = _fwd_bwd_case((70, 1, 200), 8, 2, 4, 1, 16, 16, 64, 3, torch.float32, in_fwd=True)
+    _check(*case, rel_atol=1e-5)
 
 
 def test_fwd_bwd_fp16_tolerance_rule(monkeypatch):
     _poison_empty(monkeypatch)
-    _check(*_fwd_bwd_case((260,), 8, 2, 4, 1, 32, 32, 64, 3, torch.float16), rel_atol=1e-3)
+    case = _fwd_bwd_case((260,), 8, 2, 4, 1, 32, 32, 64, 3, torch.float16, in_fwd=True)
+    _check(*case, rel_atol=1e-3)
 
 
 @given(st.data())
@@ -179,9 +185,12 @@ def test_fwd_bwd_hypothesis(data):
     H = max(Hp, Hkv) * data.draw(st.sampled_from([1, 2]), label="H/max(Hp,Hkv)")
     top_k = data.draw(st.integers(1, 4), label="top_k")
     seed = data.draw(st.integers(0, 1000), label="seed")
+    in_fwd = data.draw(st.booleans(), label="proxy grad in fwd")
     with pytest.MonkeyPatch.context() as mp:  # hypothesis and function-scoped fixtures don't mix
         _poison_empty(mp)
-        case = _fwd_bwd_case(lengths, H, Hkv, Hp, 1, 16, 16, b, top_k, torch.float32, seed)
+        case = _fwd_bwd_case(
+            lengths, H, Hkv, Hp, 1, 16, 16, b, top_k, torch.float32, seed, in_fwd=in_fwd
+        )
     _check(*case, rel_atol=1e-5)
 
 

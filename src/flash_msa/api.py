@@ -275,9 +275,10 @@ class _MSAFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         select_be, fwd_be, bwd_be = ops
         indices = None if cfg.warmup else select_be.select(q_proxy, k_proxy, cu_seqlens, cfg)
-        proxy_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # bwd_be is None under torch.no_grad(), where needs_input_grad still says True
+        proxy_grad = bwd_be is not None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         use_proxy = cfg.compute_kl or proxy_grad
-        out, lse, proxy_lse, kl = fwd_be.fwd(
+        res = fwd_be.fwd(
             q,
             k,
             v,
@@ -286,7 +287,9 @@ class _MSAFunction(torch.autograd.Function):
             cfg,
             q_proxy if use_proxy else None,
             k_proxy if use_proxy else None,
+            proxy_grad=proxy_grad,
         )
+        out, lse, proxy_lse, kl, unit = res
         if kl is None:  # compute_kl=False: the value is 0, the gradient stays exact
             kl = torch.zeros((), dtype=lse.dtype, device=q.device)
         ctx.save_for_backward(
@@ -300,13 +303,14 @@ class _MSAFunction(torch.autograd.Function):
             k_proxy if proxy_grad else None,
             proxy_lse if proxy_grad else None,
             cu_seqlens,
+            *(unit if proxy_grad and unit is not None else (None, None)),
         )
         ctx.cfg, ctx.bwd_be = cfg, bwd_be
         return out, kl
 
     @staticmethod
     def backward(ctx, dout, dkl):
-        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu = ctx.saved_tensors
+        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu, *unit = ctx.saved_tensors
         need = ctx.needs_input_grad
         if not any(need[2:5]):
             dout = None
@@ -314,7 +318,8 @@ class _MSAFunction(torch.autograd.Function):
             dkl = None  # the proxy backward is skipped, not multiplied by zero
         if dout is None and dkl is None:
             return (None,) * 8
-        saved = Saved(q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse)
+        unit = None if unit[0] is None else tuple(unit)
+        saved = Saved(q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit)
         g = ctx.bwd_be.bwd(None if dout is None else dout.contiguous(), dkl, saved, cu, ctx.cfg)
         return g.dq_proxy, g.dk_proxy, g.dq, g.dk, g.dv, None, None, None
 
@@ -326,7 +331,7 @@ class _SparseFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, indices, cu_seqlens, cfg: Config, ops):
         ctx.set_materialize_grads(False)
         fwd_be, bwd_be = ops
-        out, lse, _, _ = fwd_be.fwd(q, k, v, indices, cu_seqlens, cfg)
+        out, lse = fwd_be.fwd(q, k, v, indices, cu_seqlens, cfg)[:2]
         ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens)
         ctx.cfg, ctx.bwd_be = cfg, bwd_be
         ctx.mark_non_differentiable(lse)

@@ -1,10 +1,11 @@
 """Plain-data descriptions of one call, shared by ``api.py``, ``backends.py`` and every backend.
 
-Two frozen dataclasses and two named tuples, nothing else:
+Two frozen dataclasses and three named tuples, nothing else:
 
 - :class:`Config`: the non-tensor arguments of a call, after validation and defaulting.
 - :class:`Problem`: what a backend needs to know to say whether it can run a call (device,
   dtype, head counts, head dims, ``Config``), without touching tensor data.
+- :class:`Forward`: what a backend's ``fwd`` returns.
 - :class:`Saved`: what the forward keeps for the backward (see docs/design.md, "Contract").
 - :class:`Grads`: what the backward returns.
 """
@@ -59,11 +60,27 @@ class Problem:
     num_seqs: int = 1  # sequences in the call (batch size, or len(cu_seqlens) - 1)
 
 
+class Forward(NamedTuple):
+    """What a backend's ``fwd`` returns (docs/design.md, "fwd outputs").
+
+    ``proxy_grad`` is ``(dq_proxy, dk_proxy)`` in fp32 for ``dkl = 1`` (the proxy gradient is
+    linear in ``dkl``) when ``fwd`` was asked for it (``proxy_grad=True``) and the backend
+    computes it in the forward's KL pass; ``None`` otherwise (``bwd`` then computes it).
+    """
+
+    out: torch.Tensor  # (T, H, D), input dtype
+    lse: torch.Tensor  # (T, H) fp32
+    proxy_lse: torch.Tensor | None  # (T, Hp) fp32
+    kl: torch.Tensor | None  # () fp32
+    proxy_grad: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
 class Saved(NamedTuple):
     """Tensors the forward saves for the backward, packed varlen layout (``T`` = total tokens).
 
     ``indices`` is ``None`` in warmup; ``q_proxy``/``k_proxy``/``proxy_lse`` are ``None`` when the
-    proxy gets no gradient.
+    proxy gets no gradient. ``proxy_grad``: the forward's unit proxy gradient, if it made one
+    (a ``bwd`` may use it, scaled by ``dkl``, instead of its own proxy pass).
     """
 
     q: torch.Tensor  # (T, H, D)
@@ -75,6 +92,7 @@ class Saved(NamedTuple):
     q_proxy: torch.Tensor | None  # (T, Hp, Dp)
     k_proxy: torch.Tensor | None  # (T, Hpk, Dp)
     proxy_lse: torch.Tensor | None  # (T, Hp) fp32, natural log of sum exp(z) over the kept keys
+    proxy_grad: tuple[torch.Tensor, torch.Tensor] | None = None  # Forward.proxy_grad
 
 
 class Grads(NamedTuple):

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .problem import Config, Grads, Problem, Saved
+from .problem import Config, Forward, Grads, Problem, Saved
 
 _TILE_BYTES = 1 << 27  # one (heads, rows, keys) fp32 tile stays below 128 MB
 
@@ -136,7 +136,19 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg: Config) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # forward
 # ---------------------------------------------------------------------------------------------
-def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, *, upcast=True):
+def fwd(
+    q,
+    k,
+    v,
+    indices,
+    cu_seqlens,
+    cfg: Config,
+    q_proxy=None,
+    k_proxy=None,
+    *,
+    upcast=True,
+    proxy_grad=False,
+):
     """Main attention over the kept keys, plus the proxy LSE and the KL when a proxy is given.
 
     Args:
@@ -147,11 +159,13 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, *
             must equal ``Hsel`` (or, in warmup, divide ``H``).
         cfg: uses ``block_size``, ``softmax_scale``, ``proxy_scale``, ``compute_kl``.
         upcast: ``False`` computes the matmuls in the input dtype (for the bf16 tolerance rule).
+        proxy_grad: accepted for the op contract; this backend computes the proxy gradient in
+            ``bwd`` (``Forward.proxy_grad`` is ``None``).
     Returns:
-        ``(out, lse, proxy_lse, kl)``: out ``(T, H, D)`` input dtype; lse ``(T, H)`` fp32 natural
-        log (``-inf`` for a row with no kept key); proxy_lse ``(T, Hp)`` fp32 or ``None`` without
-        a proxy; kl a 0-dim fp32 tensor when ``cfg.compute_kl`` and a proxy is given, else
-        ``None``.
+        :class:`~flash_msa.problem.Forward` ``(out, lse, proxy_lse, kl, None)``: out
+        ``(T, H, D)`` input dtype; lse ``(T, H)`` fp32 natural log (``-inf`` for a row with no
+        kept key); proxy_lse ``(T, Hp)`` fp32 or ``None`` without a proxy; kl a 0-dim fp32
+        tensor when ``cfg.compute_kl`` and a proxy is given, else ``None``.
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
@@ -198,7 +212,7 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, *
     lse = lse.float() if sdt == torch.float32 else lse
     if proxy_lse is not None and sdt == torch.float32:
         proxy_lse = proxy_lse.float()
-    return out, lse, proxy_lse, kl
+    return Forward(out, lse, proxy_lse, kl)
 
 
 def _kl_terms(target, log_q, mask):
@@ -223,7 +237,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
     Returns:
         :class:`~flash_msa.problem.Grads` in the input dtypes, ``None`` where not computed.
     """
-    q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse = saved
+    q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse = saved[:9]
     T, H, D = q.shape
     Hkv = k.shape[1]
     b = cfg.block_size

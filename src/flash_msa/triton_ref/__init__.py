@@ -72,15 +72,15 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg):
     return _select(q_proxy, k_proxy, cu_seqlens, cfg)
 
 
-def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None):
+def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):
     """Backend op ``fwd``: see :func:`flash_msa.triton_ref.sparse_fwd.fwd`."""
     if indices is None:  # warmup: dense causal attention
         from .dense import fwd as _dense_fwd
 
-        return _dense_fwd(q, k, v, cu_seqlens, cfg, q_proxy, k_proxy)
+        return _dense_fwd(q, k, v, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad)
     from .sparse_fwd import fwd as _fwd
 
-    return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy)
+    return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad)
 
 
 def bwd(dout, dkl, saved, cu_seqlens, cfg):

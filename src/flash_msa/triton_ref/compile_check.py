@@ -41,9 +41,15 @@ def _resources(cubin: bytes) -> dict:
 def compile_kernel(
     fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int = 90
 ) -> dict:
-    """Compile ``fn`` for ``sm_{arch}a``; returns resource usage and whether wgmma is used."""
+    """Compile ``fn`` for ``sm_{arch}a``; returns resource usage and whether wgmma is used.
+
+    Pointer arguments are marked 16-byte aligned, as the JIT specializes them for torch's
+    allocations: without that, loads and atomics compile to scalar instructions and the
+    register and shared-memory counts do not describe the kernel that runs."""
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    sig = {name: sig[name] for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(
         src,
         target=GPUTarget("cuda", arch, 32),
@@ -86,7 +92,7 @@ def configurations():
                     sparse_fwd.SIGNATURE["fwd"],
                     dict(base, Hpk=Hpk, Dp=D, HAS_PROXY=True, **geo(128)),
                     8,
-                    2,
+                    sparse_fwd.FWD_STAGES,
                 )
                 yield (
                     f"bwd {tag}",
@@ -96,19 +102,17 @@ def configurations():
                     8,
                     1,
                 )
-                for mode, rows in (("kl", 128), ("proxy-grad", sparse_bwd.BWD_ROWS)):
+                modes = (  # name, KL value, gradient, tile rows
+                    ("kl", True, False, 128),
+                    ("kl+grad", True, True, 128),
+                    ("proxy-grad", False, True, sparse_bwd.PROXY_GRAD_ROWS),
+                )
+                for mode, kl_value, grad, rows in modes:
                     yield (
                         f"{mode} {tag}",
                         proxy._proxy_kernel,
                         proxy.SIGNATURE,
-                        dict(
-                            base,
-                            Hpk=Hpk,
-                            Dp=D,
-                            KL_VALUE=mode == "kl",
-                            GRAD=mode != "kl",
-                            **geo(rows),
-                        ),
+                        dict(base, Hpk=Hpk, Dp=D, KL_VALUE=kl_value, GRAD=grad, **geo(rows)),
                         8,
                         1,
                     )

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..problem import Config, Grads, Saved
+from ..problem import Config, Forward, Grads, Saved
 from .sparse_fwd import geometry
 
 BM, BN = 64, 64  # query rows and keys per tile
@@ -309,8 +309,10 @@ def _proxy_pass(
     return kl_part.sum() / (Hs * T) if kl_value else None
 
 
-def fwd(q, k, v, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
-    """Backend op ``fwd`` in warmup (``indices is None``): dense causal attention."""
+def fwd(q, k, v, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, proxy_grad=False):
+    """Backend op ``fwd`` in warmup (``indices is None``): dense causal attention.
+
+    ``proxy_grad`` is ignored: the warmup proxy gradient is computed in ``bwd``."""
     T, H, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
@@ -321,12 +323,12 @@ def fwd(q, k, v, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
         _attention(q_proxy, k_proxy, None, None, proxy_lse, cfg.proxy_scale, cu_seqlens, cfg)
         if cfg.compute_kl:
             kl = _proxy_pass(q, k, q_proxy, k_proxy, lse, proxy_lse, cu_seqlens, cfg, kl_value=True)
-    return out, lse, proxy_lse, kl
+    return Forward(out, lse, proxy_lse, kl)
 
 
 def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
     """Backend op ``bwd`` in warmup: dense causal attention gradients and the proxy gradient."""
-    q, k, v, out, lse, _, q_proxy, k_proxy, proxy_lse = saved
+    q, k, v, out, lse, _, q_proxy, k_proxy, proxy_lse = saved[:9]
     T, H, D = q.shape
     Hkv = k.shape[1]
     N = cu_seqlens.numel() - 1

@@ -105,7 +105,17 @@ def _proxy_kernel(
     # with one KV sub-group (R == 1) the key tile stays in registers for the whole item
     p_k0 = Kt + (kpos * Hkv + (p * G) // (H // Hkv))[:, None] * D + o_d[None, :]
     b_k0 = tl.load(p_k0, mask=m_k[:, None], other=0.0)
+    nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)  # (token, slot, head, mask) of G2 rows
+    nxt1 = _item_rows(PERM, e0, e1, Hs * K, K, BT, 1)  # one row per token
     for c in range(e0, e1, BT):
+        tr, _, hj, m_r = nxt
+        t, _, _, m_t = nxt1
+        prow = t * Hs + p
+        b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
+        b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
+        # the next chunk's entries load while this chunk computes (one less round trip)
+        nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
+        nxt1 = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
         b_tgt = tl.zeros([BT, BLOCK], tl.float32)
         for r in tl.static_range(R):
             h0 = p * G + r * G2
@@ -115,16 +125,12 @@ def _proxy_kernel(
             else:
                 p_k = Kt + (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
                 b_k = tl.load(p_k, mask=m_k[:, None], other=0.0)
-            tr, _, hj, m_r = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
             b_p, _, _ = _probs(Q, LSE, b_k, tr, hj, m_r, h0, kpos, m_k, scale, H, D, PREC)
             b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BLOCK]), axis=1)
         b_tgt = b_tgt / G
-        t, _, _, m_t = _item_rows(PERM, c, e1, Hs * K, K, BT, 1)
-        prow = t * Hs + p
-        b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
         b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale  # [BT, BLOCK]
         keep = m_t[:, None] & m_k[None, :] & (kpos[None, :] <= t[:, None])
-        b_logq = b_z - tl.load(PLSE + prow, mask=m_t, other=0.0)[:, None]
+        b_logq = b_z - b_plse[:, None]
         if KL_VALUE:
             pos = keep & (b_tgt > 0)
             b_logt = tl.log(tl.where(pos, b_tgt, 1.0))

@@ -6,9 +6,12 @@ registers over its tokens and adds them to fp32 buffers once; dQ rows are added 
 atomics (a query's gradient arrives from its K kept blocks). Probabilities are rebuilt from the
 saved LSE; indices are reused, never recomputed.
 
-The proxy gradient (closed form, only when the KL receives a gradient) runs in proxy.py's pass
-over the same work list. Fusing it here would save recomputing the group's scores, but the fused
-kernel's operand tiles exceed the 227 KB of shared memory on Triton 3.6; see docs/perf-notes.md.
+The proxy gradient (closed form, only when the KL receives a gradient) is usually made by the
+forward: its KL-value pass also accumulates the gradient for ``dkl = 1`` (``Saved.proxy_grad``),
+which is only scaled here. Otherwise (``compute_kl=False``, or a forward that did not make it)
+proxy.py's pass runs over this work list. Fusing it into the main kernel below would save
+recomputing the group's scores, but that kernel's operand tiles plus a third accumulator exceed
+the registers and 227 KB of shared memory on Triton 3.6; see docs/perf-notes.md.
 """
 
 from __future__ import annotations
@@ -70,11 +73,14 @@ def _bwd_kernel(
         b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
         b_dk = tl.zeros([BLOCK, D], tl.float32)
         b_dv = tl.zeros([BLOCK, D], tl.float32)
+        nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
         for c in range(e0, e1, BT):
-            t, _, hj, m_r = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
-            b_p, b_q, row = _probs(Q, LSE, b_k, t, hj, m_r, h0, kpos, m_k, scale, H, D, PREC)
+            t, _, hj, m_r = nxt
+            row = t * H + h0 + hj
             b_do = tl.load(DO + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
             b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
+            nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)  # in flight during this chunk
+            b_p, b_q, _ = _probs(Q, LSE, b_k, t, hj, m_r, h0, kpos, m_k, scale, H, D, PREC)
             b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)  # [BM, BLOCK]
             b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
@@ -107,7 +113,7 @@ BWD_STAGES = 1  # software-pipelining stages of both loops
 
 def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
     """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup)."""
-    q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse = saved
+    q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit = saved
     main, proxy = dout is not None, dkl is not None
     if not (main or proxy):
         return Grads(None, None, None, None, None)
@@ -116,7 +122,9 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
     Hs, K = indices.shape[1:]
     geo = geometry(H, Hkv, Hs, BWD_ROWS)
     G, G2, R, BT = geo
-    wl = worklist.build(indices, cu_seqlens, cfg.block_size, ITEM_TOKENS)
+    proxy_pass_needed = proxy and unit is None
+    if main or proxy_pass_needed:
+        wl = worklist.build(indices, cu_seqlens, cfg.block_size, ITEM_TOKENS)
     f32 = dict(dtype=torch.float32, device=q.device)
     dq = dk = dv = dqp = dkp = None
     if main:
@@ -132,7 +140,9 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
             NB=wl.num_blocks, PREC="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=8, num_stages=BWD_STAGES,
         )  # fmt: skip
-    if proxy:
+    if proxy and not proxy_pass_needed:  # the forward's KL pass made the gradient for dkl = 1
+        dqp, dkp = (g * dkl for g in unit)
+    elif proxy:
         dqp = torch.zeros(q_proxy.shape, **f32)
         dkp = torch.zeros(k_proxy.shape, **f32)
         proxy_pass.launch(

@@ -7,8 +7,13 @@ packed into the MMA's M dimension (BM = BT * G2 rows, row r = token r // G2, hea
 
 Because a query's keys are split over its K kept blocks, the forward writes one partial
 (normalized o, lse) per (token, head, slot) and a combine kernel merges the K partials by their
-LSE. The proxy LSE over the kept keys is built the same way. The KL value needs the final LSEs,
-so it is a second pass over the same work items (proxy.py: recomputing the scores, no stored P).
+LSE. The proxy LSE over the kept keys is built the same way.
+
+Every token loop loads the next chunk's entries of ``PERM`` before computing the current chunk
+(``nxt``): a gathered row then costs one dependent global-memory round trip instead of two.
+
+The KL value needs the final LSEs, so it is a second pass over the same work items (proxy.py:
+recomputing the scores, no stored P); in training it also makes the proxy gradient.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..problem import Config
+from ..problem import Config, Forward
 from . import worklist
 
 
@@ -88,10 +93,13 @@ def _fwd_kernel(
         p_kv = (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
         b_k = tl.load(Kt + p_kv, mask=m_k[:, None], other=0.0)  # [BLOCK, D]
         b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
+        nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
         for c in range(e0, e1, BT):
-            t, slot, hj, m_r = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
+            t, slot, hj, m_r = nxt
             row = t * H + h0 + hj  # [BM] (token, head)
             b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+            # the next chunk's entries load while this chunk computes (one less round trip)
+            nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BM, BLOCK]
             keep = m_k[None, :] & (kpos[None, :] <= t[:, None])
             b_s = tl.where(keep, b_s, float("-inf"))
@@ -115,11 +123,13 @@ def _fwd_kernel(
         b_kp = tl.load(
             KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :], mask=m_k[:, None], other=0.0
         )  # [BLOCK, Dp]
+        nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, 1)
         for c in range(e0, e1, BT):
-            t, slot, _, m_t = _item_rows(PERM, c, e1, Hs * K, K, BT, 1)
+            t, slot, _, m_t = nxt
             b_qp = tl.load(
                 QP + (t * Hs + p)[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0
             )  # [BT, Dp]
+            nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
             b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale
             b_z = tl.where(m_k[None, :] & (kpos[None, :] <= t[:, None]), b_z, float("-inf"))
             b_m = tl.max(b_z, axis=1)
@@ -206,6 +216,7 @@ def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
     return G, G2, G // G2, max(16, rows // G2)
 
 
+FWD_STAGES = 1  # software-pipelining stages of the main forward (the loop is prefetched by hand)
 ITEM_TOKENS = 256  # tokens per work item: K/V (and dK/dV) stay on chip over them
 
 
@@ -217,12 +228,16 @@ def combine_heads(H: int, K: int) -> int:
 PARTIAL_BYTES = 2 << 30  # the partial-output buffer of one query chunk stays below 2 GiB
 
 
-def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
+def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, proxy_grad=False):
     """Backend op ``fwd`` (contract in docs/design.md) for given indices (not warmup).
 
     Queries are processed in chunks of C tokens (a static loop: C depends on shapes only) so
     that the ``(C, H, K, D)`` partials stay below ``PARTIAL_BYTES``; each chunk builds its own
     work list, runs the main pass, the combine and (with ``compute_kl``) its KL terms.
+
+    With ``proxy_grad`` and ``compute_kl`` the KL pass also accumulates the proxy gradient for
+    ``dkl = 1`` (``Forward.proxy_grad``, fp32): the gradient is linear in ``dkl``, so ``bwd``
+    only scales it instead of running a second pass that recomputes the same scores.
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
@@ -241,6 +256,10 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
     lse = torch.empty((T, H), **f32)
     proxy_lse = torch.empty((T, Hs), **f32) if proxy else None
     kl_sum = torch.zeros((), **f32)
+    unit = None
+    if proxy and cfg.compute_kl and proxy_grad:
+        unit = (torch.zeros(q_proxy.shape, **f32), torch.zeros(k_proxy.shape, **f32))
+        one = torch.ones((), **f32)
     KP2 = max(2, triton.next_power_of_2(K))
     HB = combine_heads(H, K)
     HBp = combine_heads(Hs, K)
@@ -256,7 +275,7 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
             cfg.softmax_scale, cfg.proxy_scale or 1.0, c0,
             H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
             BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC=prec, HAS_PROXY=proxy,
-            num_warps=8,
+            num_warps=8, num_stages=FWD_STAGES,
         )  # fmt: skip
         _combine_kernel[(c1 - c0, triton.cdiv(H, HB))](
             o_part, l_part, idx, out[c0:c1], lse[c0:c1],
@@ -272,7 +291,10 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None):
             from . import proxy as proxy_pass
 
             kl_part = torch.zeros(wl.num_items, **f32)
-            proxy_pass.launch(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, geo, kl_part=kl_part)
+            grad = dict(dkl=one, dqp=unit[0], dkp=unit[1]) if unit else {}
+            proxy_pass.launch(
+                q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, geo, kl_part=kl_part, **grad
+            )
             kl_sum += kl_part.sum()
     kl = kl_sum / (Hs * T) if proxy and cfg.compute_kl else None
-    return out, lse, proxy_lse, kl
+    return Forward(out, lse, proxy_lse, kl, unit)
