@@ -1,25 +1,57 @@
-"""A/B of the Triton backward's tile rows and pipelining stages, in one run (GPU).
+"""A/B of the Triton backend's tuning knobs in one run (GPU), with a kernel-time breakdown.
 
-    PYTHONPATH=src python3 benchmarks/tune_triton.py --seqlen 16384
-Each configuration is checked against the first one (gradients close) before it is timed.
+    PYTHONPATH=src python3 benchmarks/tune_triton.py --seqlen 16384 [--shape anchor]
+
+Each configuration sets module constants of ``flash_msa.triton_ref`` (the knobs below), is
+checked against the first configuration (gradients and KL close), then timed: a training step
+(forward with the KL + backward, CUDA events, median) and the device time of each kernel over
+three profiled steps (torch.profiler).
 """
 
 import argparse
 import os
+from collections import defaultdict
 
 import torch
 
 import flash_msa
 from flash_msa import bench, testing
-from flash_msa.triton_ref import sparse_bwd
+from flash_msa.triton_ref import proxy, sparse_bwd, sparse_fwd
 
-CONFIGS = [  # (BWD_ROWS, PROXY_GRAD_ROWS, BWD_STAGES)
-    (64, 64, 1),
-    (64, 64, 2),
-    (128, 128, 1),
-    (128, 128, 2),
-    (64, 128, 2),
+KNOBS = {  # name -> (module, attribute)
+    "fwd_stages": (sparse_fwd, "FWD_STAGES"),
+    "fwd_prefetch": (sparse_fwd, "FWD_PREFETCH"),
+    "grad_in_fwd": (sparse_fwd, "PROXY_GRAD_IN_FWD"),
+    "proxy_prefetch": (proxy, "PROXY_PREFETCH"),
+    "bwd_prefetch": (sparse_bwd, "BWD_PREFETCH"),
+    "bwd_rows": (sparse_bwd, "BWD_ROWS"),
+}
+
+CONFIGS = [  # the shipped defaults first; each later one changes a few knobs
+    {},
+    {"fwd_stages": 3, "fwd_prefetch": False, "proxy_prefetch": False, "grad_in_fwd": False},
+    {"grad_in_fwd": False},
+    {"bwd_prefetch": True},
+    {"fwd_prefetch": False},
+    {"proxy_prefetch": False},
+    {"fwd_stages": 3},
+    {"fwd_stages": 2},
 ]
+
+
+def profile(step, n=3):
+    """Device milliseconds per kernel name (summed over ``n`` steps, divided by ``n``)."""
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    per = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.key if e.key.startswith("_") else "torch ops"
+            per[name] += e.self_device_time_total / 1000 / n
+    return per
 
 
 def main():
@@ -33,30 +65,40 @@ def main():
         B, args.seqlen, H, Hkv, Hp, Hpk, D, Dp, device="cuda", requires_grad=True
     )
     dout = torch.randn_like(xs[2])
+    defaults = {k: getattr(m, a) for k, (m, a) in KNOBS.items()}
+    print(f"{args.shape} S={args.seqlen}; defaults {defaults}", flush=True)
     ref = None
-    for cfg in CONFIGS:
-        sparse_bwd.BWD_ROWS, sparse_bwd.PROXY_GRAD_ROWS, sparse_bwd.BWD_STAGES = cfg
+    for change in CONFIGS:
+        cfg = dict(defaults, **change)
+        for k, v in cfg.items():
+            setattr(*KNOBS[k], v)
 
         def step():
             for x in xs:
                 x.grad = None
             out, kl = flash_msa.msa_attention(*xs, bench.TOP_K)
             torch.autograd.backward([out, kl], [dout, torch.ones_like(kl)])
+            return kl
 
         try:
-            step()
+            kl = step().detach().clone()
             grads = [x.grad.float().clone() for x in xs]
             if ref is None:
-                ref = grads
-            err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, ref))
-            ms = bench._time(step, iters=5)
+                ref = (kl, grads)
+            err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, ref[1]))
+            kl_err = abs(kl.item() - ref[0].item()) / abs(ref[0].item())
+            ms = bench._time(step, iters=7)
+            per = profile(step)
+            kernels = ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items(), key=lambda x: -x[1]))
             print(
-                f"rows(bwd, proxy-grad), stages = {cfg}: step {ms:.3f} ms, "
-                f"max rel grad diff vs first {err:.1e}",
+                f"{change or 'defaults'}: step {ms:.3f} ms (kernels {sum(per.values()):.2f}: "
+                f"{kernels}); rel diff vs first: grads {err:.1e}, kl {kl_err:.1e}",
                 flush=True,
             )
         except Exception as e:  # e.g. out of shared memory
-            print(f"{cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(f"{change}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    for k, v in defaults.items():
+        setattr(*KNOBS[k], v)
 
 
 if __name__ == "__main__":

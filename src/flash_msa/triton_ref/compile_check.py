@@ -90,7 +90,14 @@ def configurations():
                     f"fwd {tag}",
                     sparse_fwd._fwd_kernel,
                     sparse_fwd.SIGNATURE["fwd"],
-                    dict(base, Hpk=Hpk, Dp=D, HAS_PROXY=True, **geo(128)),
+                    dict(
+                        base,
+                        Hpk=Hpk,
+                        Dp=D,
+                        HAS_PROXY=True,
+                        PREFETCH=sparse_fwd.FWD_PREFETCH,
+                        **geo(128),
+                    ),
                     8,
                     sparse_fwd.FWD_STAGES,
                 )
@@ -98,7 +105,7 @@ def configurations():
                     f"bwd {tag}",
                     sparse_bwd._bwd_kernel,
                     sparse_bwd.SIGNATURE,
-                    dict(base, **geo(sparse_bwd.BWD_ROWS)),
+                    dict(base, PREFETCH=sparse_bwd.BWD_PREFETCH, **geo(sparse_bwd.BWD_ROWS)),
                     8,
                     1,
                 )
@@ -112,7 +119,15 @@ def configurations():
                         f"{mode} {tag}",
                         proxy._proxy_kernel,
                         proxy.SIGNATURE,
-                        dict(base, Hpk=Hpk, Dp=D, KL_VALUE=kl_value, GRAD=grad, **geo(rows)),
+                        dict(
+                            base,
+                            Hpk=Hpk,
+                            Dp=D,
+                            KL_VALUE=kl_value,
+                            GRAD=grad,
+                            PREFETCH=proxy.PROXY_PREFETCH,
+                            **geo(rows),
+                        ),
                         8,
                         1,
                     )

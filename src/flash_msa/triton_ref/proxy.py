@@ -86,6 +86,7 @@ def _proxy_kernel(
     KL_VALUE: tl.constexpr,
     GRAD: tl.constexpr,
     PREC: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     w = tl.program_id(0)
     e0 = tl.load(ITEM_START + w)
@@ -108,14 +109,17 @@ def _proxy_kernel(
     nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)  # (token, slot, head, mask) of G2 rows
     nxt1 = _item_rows(PERM, e0, e1, Hs * K, K, BT, 1)  # one row per token
     for c in range(e0, e1, BT):
+        if not PREFETCH:
+            nxt = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
+            nxt1 = _item_rows(PERM, c, e1, Hs * K, K, BT, 1)
         tr, _, hj, m_r = nxt
         t, _, _, m_t = nxt1
         prow = t * Hs + p
         b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
         b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
-        # the next chunk's entries load while this chunk computes (one less round trip)
-        nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
-        nxt1 = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
+        if PREFETCH:  # the next chunk's entries load while this one computes
+            nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
+            nxt1 = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
         b_tgt = tl.zeros([BT, BLOCK], tl.float32)
         for r in tl.static_range(R):
             h0 = p * G + r * G2
@@ -148,6 +152,8 @@ def _proxy_kernel(
         p_dkp = DKP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
         tl.atomic_add(p_dkp, b_dkp * (coef * pscale), mask=m_k[:, None], sem="relaxed")
 
+
+PROXY_PREFETCH = True  # load the next chunk's PERM entries one iteration ahead
 
 SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (bf16 inputs)
     {k: "*bf16" for k in ("Q", "Kt", "QP", "KP")},
@@ -199,5 +205,6 @@ def launch(
         H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], K=wl.slots, D=D,
         Dp=Dp, G=G, G2=G2, R=R, BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks,
         KL_VALUE=kl_part is not None, GRAD=grad,
-        PREC="ieee" if q.dtype.itemsize == 4 else "tf32", num_warps=8, num_stages=num_stages,
+        PREC="ieee" if q.dtype.itemsize == 4 else "tf32", PREFETCH=PROXY_PREFETCH, num_warps=8,
+        num_stages=num_stages,
     )  # fmt: skip

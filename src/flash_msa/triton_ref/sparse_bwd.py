@@ -57,6 +57,7 @@ def _bwd_kernel(
     BT: tl.constexpr,
     NB,  # runtime: it changes with the number of packed sequences
     PREC: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     w = tl.program_id(0)
     e0 = tl.load(ITEM_START + w)
@@ -75,11 +76,14 @@ def _bwd_kernel(
         b_dv = tl.zeros([BLOCK, D], tl.float32)
         nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
         for c in range(e0, e1, BT):
+            if not PREFETCH:
+                nxt = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
             t, _, hj, m_r = nxt
             row = t * H + h0 + hj
             b_do = tl.load(DO + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
             b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
-            nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)  # in flight during this chunk
+            if PREFETCH:  # the next chunk's entries load while this one computes
+                nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
             b_p, b_q, _ = _probs(Q, LSE, b_k, t, hj, m_r, h0, kpos, m_k, scale, H, D, PREC)
             b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)  # [BM, BLOCK]
@@ -109,6 +113,7 @@ SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (b
 BWD_ROWS = 128  # MMA rows per tile of the main backward (shared memory bound)
 PROXY_GRAD_ROWS = 128  # MMA rows per tile of the proxy-gradient pass
 BWD_STAGES = 1  # software-pipelining stages of both loops
+BWD_PREFETCH = False  # load the next chunk's PERM entries one iteration ahead (main backward)
 
 
 def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
@@ -138,7 +143,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
             dq, dk, dv, cfg.softmax_scale,
             H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, R=R, BLOCK=cfg.block_size, BT=BT,
             NB=wl.num_blocks, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=8, num_stages=BWD_STAGES,
+            PREFETCH=BWD_PREFETCH, num_warps=8, num_stages=BWD_STAGES,
         )  # fmt: skip
     if proxy and not proxy_pass_needed:  # the forward's KL pass made the gradient for dkl = 1
         dqp, dkp = (g * dkl for g in unit)

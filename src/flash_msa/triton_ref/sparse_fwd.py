@@ -9,8 +9,9 @@ Because a query's keys are split over its K kept blocks, the forward writes one 
 (normalized o, lse) per (token, head, slot) and a combine kernel merges the K partials by their
 LSE. The proxy LSE over the kept keys is built the same way.
 
-Every token loop loads the next chunk's entries of ``PERM`` before computing the current chunk
-(``nxt``): a gathered row then costs one dependent global-memory round trip instead of two.
+With ``PREFETCH`` a token loop loads the next chunk's entries of ``PERM`` before computing the
+current chunk (``nxt``): a gathered row then costs one dependent global-memory round trip
+instead of two (a tuning knob per kernel: see docs/perf-notes.md for what it measured).
 
 The KL value needs the final LSEs, so it is a second pass over the same work items (proxy.py:
 recomputing the scores, no stored P); in training it also makes the proxy gradient.
@@ -79,6 +80,7 @@ def _fwd_kernel(
     NB,  # runtime: it changes with the number of packed sequences
     HAS_PROXY: tl.constexpr,
     PREC: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     w = tl.program_id(0)
     e0 = tl.load(ITEM_START + w)
@@ -95,11 +97,13 @@ def _fwd_kernel(
         b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
         nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
         for c in range(e0, e1, BT):
+            if not PREFETCH:
+                nxt = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
             t, slot, hj, m_r = nxt
             row = t * H + h0 + hj  # [BM] (token, head)
             b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
-            # the next chunk's entries load while this chunk computes (one less round trip)
-            nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
+            if PREFETCH:  # the next chunk's entries load while this one computes
+                nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BM, BLOCK]
             keep = m_k[None, :] & (kpos[None, :] <= t[:, None])
             b_s = tl.where(keep, b_s, float("-inf"))
@@ -125,11 +129,14 @@ def _fwd_kernel(
         )  # [BLOCK, Dp]
         nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, 1)
         for c in range(e0, e1, BT):
+            if not PREFETCH:
+                nxt = _item_rows(PERM, c, e1, Hs * K, K, BT, 1)
             t, slot, _, m_t = nxt
             b_qp = tl.load(
                 QP + (t * Hs + p)[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0
             )  # [BT, Dp]
-            nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
+            if PREFETCH:
+                nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
             b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale
             b_z = tl.where(m_k[None, :] & (kpos[None, :] <= t[:, None]), b_z, float("-inf"))
             b_m = tl.max(b_z, axis=1)
@@ -216,7 +223,9 @@ def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
     return G, G2, G // G2, max(16, rows // G2)
 
 
-FWD_STAGES = 1  # software-pipelining stages of the main forward (the loop is prefetched by hand)
+FWD_STAGES = 1  # software-pipelining stages of the main forward
+FWD_PREFETCH = True  # load the next chunk's PERM entries one iteration ahead
+PROXY_GRAD_IN_FWD = True  # training: the KL pass also makes the proxy gradient (dkl = 1)
 ITEM_TOKENS = 256  # tokens per work item: K/V (and dK/dV) stay on chip over them
 
 
@@ -257,7 +266,7 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, p
     proxy_lse = torch.empty((T, Hs), **f32) if proxy else None
     kl_sum = torch.zeros((), **f32)
     unit = None
-    if proxy and cfg.compute_kl and proxy_grad:
+    if proxy and cfg.compute_kl and proxy_grad and PROXY_GRAD_IN_FWD:
         unit = (torch.zeros(q_proxy.shape, **f32), torch.zeros(k_proxy.shape, **f32))
         one = torch.ones((), **f32)
     KP2 = max(2, triton.next_power_of_2(K))
@@ -275,7 +284,7 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, p
             cfg.softmax_scale, cfg.proxy_scale or 1.0, c0,
             H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
             BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC=prec, HAS_PROXY=proxy,
-            num_warps=8, num_stages=FWD_STAGES,
+            PREFETCH=FWD_PREFETCH, num_warps=8, num_stages=FWD_STAGES,
         )  # fmt: skip
         _combine_kernel[(c1 - c0, triton.cdiv(H, HB))](
             o_part, l_part, idx, out[c0:c1], lse[c0:c1],
