@@ -336,3 +336,29 @@ def test_packing_invariance_on_triton(monkeypatch):
         r_kl += Hp * n * k_s.item()
         s0 += n
     assert abs(r_kl - Hp * T * kl.item()) <= 1e-4 * abs(r_kl)
+
+
+def test_proxy_gradient_made_by_the_forward_only_when_training(monkeypatch):
+    """The forward makes the unit proxy gradient iff the call will need it; the backward then
+    scales it (same gradients as the backward's own pass, checked in the fwd/bwd tests)."""
+    import flash_msa
+    import flash_msa.triton_ref as triton_ref
+
+    monkeypatch.setenv("FLASH_MSA_BACKEND", "triton")
+    seen = []
+    real = triton_ref.fwd
+
+    def spy(*args, **kw):
+        res = real(*args, **kw)
+        seen.append((kw.get("proxy_grad"), res.proxy_grad is not None))
+        return res
+
+    monkeypatch.setattr(triton_ref, "fwd", spy)
+    xs = [x.to(DEV) for x in testing.make_inputs(1, 130, 4, 2, 2, 1, 16, 16, dtype=torch.float32)]
+    with torch.no_grad():
+        flash_msa.msa_attention(*[x.requires_grad_() for x in xs], 2, block_size=64)
+    flash_msa.msa_attention(*xs, 2, block_size=64, compute_kl=False)[1].backward()
+    out, kl = flash_msa.msa_attention(*xs, 2, block_size=64)
+    kl.backward()
+    assert seen == [(False, False), (True, False), (True, True)]
+    assert all(x.grad is not None for x in xs[:2])
