@@ -24,3 +24,17 @@ def test_triton_kernels_compile_for_sm90_without_spills(kernel):
         assert r["shared_bytes"] <= 232448, r
         assert r["wgmma"] or r["kernel"].startswith("combine"), r  # combine has no MMA
     assert res.returncode == 0, res.stderr
+
+
+def test_cute_kernels_compile_for_sm90_without_spills():
+    pytest.importorskip("cutlass")
+    res = subprocess.run(
+        [sys.executable, "-m", "flash_msa.cute.compile_check"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) >= 7, res.stderr
+    for r in rows:
+        assert r["stack"] == 0 and r["local"] == 0, r  # spills show up as stack
+        assert r["wgmma"] and r["tma"], r
+    assert res.returncode == 0, res.stderr

@@ -1,31 +1,78 @@
-"""CuTe DSL backend for Hopper (SM90) and Blackwell (SM100).
+"""CuTe DSL backend (nvidia-cutlass-dsl) for Hopper SM90.
 
-Not implemented yet: the kernels land with the CuTe-backend issues. Until then this module only
-reports why it cannot run, so that ``FLASH_MSA_BACKEND=cute`` raises a clear error and ``auto``
-skips it.
+What exists: ``select`` (proxy block selection, ``selection.py``) for sm_90. The sparse forward
+and backward are not written yet: ``unsupported_reason`` says so, ``auto`` then runs them on the
+Triton backend within the same autograd step (the ops share one tensor contract, see
+docs/design.md), and ``FLASH_MSA_BACKEND=cute`` raises :class:`~flash_msa.BackendError` for them.
+Blackwell (sm_100) kernels are not written yet either.
+
+Kernels are compiled on first use per static configuration (dtype, head dims, head counts,
+top_k, block size) and cached in-process; sequence lengths, token counts and the number of
+sequences are run-time values (no recompilation).
 """
 
 from __future__ import annotations
 
 from ..problem import Problem
 
-_NOT_YET = "the CuTe DSL kernels are not implemented yet (they land with the CuTe-backend issues)"
+_DTYPES = ("bfloat16", "float16")
+_NOT_YET = {
+    "fwd": "the CuTe sparse forward is not implemented yet (auto runs it on Triton)",
+    "bwd": "the CuTe backward is not implemented yet (auto runs it on Triton)",
+}
 
 
 def unavailable_reason() -> str | None:
     """Why this backend cannot run at all on this machine; ``None`` if it can."""
     try:
         import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
     except ImportError as e:
         return f"nvidia-cutlass-dsl is not importable: {e}"
-    return _NOT_YET
+    return None
 
 
 def unsupported_reason(op: str, problem: Problem) -> str | None:
     """Why this backend cannot run ``op`` for ``problem``; ``None`` if it can."""
     if problem.device_type != "cuda":
         return "CuTe kernels need a CUDA device"
-    if problem.capability not in ((9, 0), (10, 0)):
+    if problem.capability != (9, 0):
         major, minor = problem.capability
-        return f"CuTe kernels target sm_90 and sm_100, not sm_{major}{minor}"
-    return _NOT_YET
+        return f"CuTe kernels exist for sm_90 (Hopper) only so far, not sm_{major}{minor}"
+    if op in _NOT_YET:
+        return _NOT_YET[op]
+    from .selection import MAX_TOPK, TILE_M
+
+    cfg = problem.cfg
+    if cfg.warmup:
+        return "warmup has no selection"
+    if str(problem.dtype).removeprefix("torch.") not in _DTYPES:
+        return f"CuTe selection needs bf16 or fp16 inputs, not {problem.dtype}"
+    if problem.proxy_head_dim not in (64, 128):
+        return f"CuTe selection needs Dp in (64, 128), not {problem.proxy_head_dim}"
+    if cfg.block_size not in (64, 128):
+        return f"CuTe selection needs block_size 64 or 128, not {cfg.block_size}"
+    if cfg.top_k > MAX_TOPK:
+        return f"CuTe selection keeps top_k <= {MAX_TOPK} blocks in registers, not {cfg.top_k}"
+    if -(-cfg.max_seqlen // TILE_M) > 65535:
+        return f"max_seqlen {cfg.max_seqlen} needs more than 65535 query tiles (grid y)"
+    if problem.num_seqs * problem.num_sel_heads >= 2**31:
+        return "too many (sequence, proxy head) pairs for the grid"
+    return None
+
+
+def select(q_proxy, k_proxy, cu_seqlens, cfg):
+    """Backend op ``select``: see :func:`flash_msa.cute.selection.select`."""
+    from .selection import select as _select
+
+    return _select(q_proxy, k_proxy, cu_seqlens, cfg)
+
+
+def fwd(*args, **kwargs):
+    """Not implemented on this backend (``unsupported_reason`` says so before a call)."""
+    raise NotImplementedError(_NOT_YET["fwd"])
+
+
+def bwd(*args, **kwargs):
+    """Not implemented on this backend (``unsupported_reason`` says so before a call)."""
+    raise NotImplementedError(_NOT_YET["bwd"])

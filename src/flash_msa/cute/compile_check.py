@@ -1,0 +1,79 @@
+"""Compile every CuTe kernel configuration for sm_90a without a GPU and report its resources.
+
+Run as ``python -m flash_msa.cute.compile_check``. Prints one JSON line per configuration:
+name, registers (the launch count), stack and local bytes (spills appear as stack), and whether
+the PTX uses wgmma and TMA. Exit status 1 if a configuration spills.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def _resources(cubin: bytes) -> dict:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    line = next(x for x in out.splitlines() if "REG:" in x)
+    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
+    return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "LOCAL")}
+
+
+def configurations():
+    """(name, dtype, Dp, Hp, Hpk, top_k, block) of the selection kernels checked."""
+    for Dp in (64, 128):
+        for block in (64, 128):
+            yield f"select bf16 Dp={Dp} b={block} k=16 Hp=4 Hpk=1", "bf16", Dp, 4, 1, 16, block
+    yield "select fp16 Dp=128 b=128 k=16 Hp=4 Hpk=1", "fp16", 128, 4, 1, 16, 128
+    yield "select bf16 Dp=128 b=128 k=1 Hp=2 Hpk=2", "bf16", 128, 2, 2, 1, 128
+    yield "select bf16 Dp=64 b=64 k=8 Hp=8 Hpk=2", "bf16", 64, 8, 2, 8, 64
+
+
+def compile_select(dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int) -> dict:
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float16, Int32
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    from .selection import select_host
+
+    dt = {"bf16": BFloat16, "fp16": Float16}[dtype]
+    T = cute.sym_int32(symbol="T")
+    q = make_fake_tensor(dt, (T, Dp, Hp), stride=(Hp * Dp, 1, Dp), assumed_align=16)
+    k = make_fake_tensor(dt, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16)
+    cu = make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="N1"),), assumed_align=16)
+    idx = make_fake_tensor(Int32, (T, Hp, K), stride=(Hp * K, K, 1), assumed_align=16)
+    opts = "--gpu-arch sm_90a --keep-cubin --keep-ptx"
+    c = cute.compile(select_host, q, k, cu, idx, Int32(1), make_fake_stream(), block, options=opts)
+    ptx = c.artifacts.PTX
+    return dict(
+        _resources(c.artifacts.CUBIN),
+        wgmma="wgmma.mma_async" in ptx,
+        tma="cp.async.bulk.tensor" in ptx,
+    )
+
+
+def main() -> int:
+    bad = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["CUTE_DSL_DUMP_DIR"] = tmp  # --keep-* also write files: keep them out of CWD
+        for name, *cfg in configurations():
+            res = compile_select(*cfg)
+            bad += res["stack"] > 0 or res["local"] > 0
+            print(json.dumps(dict(kernel=name, **res)), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

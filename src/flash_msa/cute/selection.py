@@ -1,0 +1,352 @@
+"""Proxy block selection on Hopper (sm_90a) in CuTe DSL: wgmma scores, TMA pipeline, top-k epilogue.
+
+One CTA owns (proxy head p, sequence s, query tile of 128 tokens). Its 384 threads split into a
+producer warpgroup (one warp issues TMA copies: the query tile once, then the sequence's key
+tiles 0..m through a ``STAGES``-deep mbarrier pipeline) and two consumer warpgroups (64 query
+rows each). Per key tile the consumers compute the 128 x 128 score tile with warpgroup MMAs
+(``m64n128k16``, operands in swizzled shared memory), max-pool each row over every key block
+(one block per tile for block size 128, two for 64), and offer the block maxima to a descending
+top-k list kept in registers. Only the diagonal tile is masked (causal, and keys past the
+sequence end). The MMA of tile j+1 runs while the insertion of tile j executes.
+
+Selection rule (identical to the reference and the Triton kernel): the own block enters with
+rank +inf; a block enters the list only if its maximum is strictly greater than the list's last
+(smallest) entry, so ties keep the lower block (tiles arrive in ascending order); a block with no
+visible key never enters. At the end each row's kept blocks are sorted ascending, unused slots
+are -1, and the quad leader writes them: the only output is ``indices (T, Hp, K)`` int32.
+
+The scale is not applied: ``proxy_scale > 0`` (validated by the API) does not change the order.
+Layouts: ``q_proxy (T, Hp, Dp)`` and ``k_proxy (T, Hpk, Dp)`` are seen as ``(T, Dp, heads)``
+(strides ``(heads*Dp, 1, Dp)``) so that one TMA box is 128 tokens x Dp of one head; a sequence
+starts at ``cu_seqlens[s]`` through a domain offset of the TMA coordinates.
+
+Limits: Dp in {64, 128}, block size in {64, 128}, top_k <= 16 (the list lives in registers:
+2 rows x top_k x (score, block) per thread), bf16 or fp16.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Constexpr, Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+TILE_M = 128  # query tokens per CTA (two consumer warpgroups x 64 rows)
+TILE_N = 128  # keys per pipeline stage (one or two key blocks)
+STAGES = 4  # key tiles in flight
+PRODUCER_REGS, CONSUMER_REGS = 24, 240  # 128 * 24 + 256 * 240 = 168 * 384
+MAX_TOPK = 16
+
+
+def _acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """View a thread's m64nNk16 accumulator ``((2, 2, V), M, N)`` as ``(rows, cols)``.
+
+    Mode 0 of the fragment is (column pair, row half, 8-column group): a thread holds two rows
+    and, for each, columns ``2 * (lane % 4) + {0, 1} + 8 * v``, so column index ``c`` of the view
+    lies in key column ``8 * (c // 2) + ...`` (ascending with ``c``)."""
+    s, d = t.layout.shape, t.layout.stride
+    shape = ((s[0][1], s[1]), (s[0][0], s[0][2], s[2]))
+    stride = ((d[0][1], d[1]), (d[0][0], d[0][2], d[2]))
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+def _max_of(vals):
+    """Pairwise (log-depth) maximum of a Python list of Float32 values."""
+    while len(vals) > 1:
+        nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
+        if len(vals) % 2:
+            nxt.append(vals[-1])
+        vals = nxt
+    return vals[0]
+
+
+def _issue_scores(mma_first, mma_rest, acc, tSrQ, tSrK, stage):
+    """acc = Q . K[stage]^T as async wgmma, committed as one group (the caller waits).
+
+    ``mma_first``/``mma_rest`` are one tiled MMA with ACCUMULATE set once to False/True at the
+    kernel's top level (setting it inside a runtime branch does not dominate later uses)."""
+    warpgroup.fence()
+    for kb in range(cute.size(tSrQ, mode=[2])):  # trace-time unroll over Dp / 16
+        mma = mma_first if kb == 0 else mma_rest
+        cute.gemm(mma, acc, tSrQ[None, None, kb, 0], tSrK[None, None, kb, stage], acc)
+    warpgroup.commit_group()
+
+
+@cute.kernel
+def _select_kernel(
+    tma_q: cute.CopyAtom,
+    mQ: cute.Tensor,  # TMA coordinates of q_proxy seen as (T, Dp, Hp)
+    tma_k: cute.CopyAtom,
+    mK: cute.Tensor,  # (T, Dp, Hpk)
+    mCu: cute.Tensor,  # (N + 1,) int32
+    mIdx: cute.Tensor,  # (T, Hp, K) int32
+    mma_first: cute.TiledMma,
+    mma_rest: cute.TiledMma,
+    sQ_layout: cute.ComposedLayout,
+    sK_layout: cute.ComposedLayout,
+    Storage: Constexpr,
+    HP: Constexpr,
+    HPK: Constexpr,
+    DP: Constexpr,
+    BLOCK: Constexpr,
+    TOPK: Constexpr,
+    ELEM_BYTES: Constexpr,
+):
+    tidx, _, _ = cute.arch.thread_idx()
+    mma_first.set(warpgroup.Field.ACCUMULATE, False)
+    mma_rest.set(warpgroup.Field.ACCUMULATE, True)
+    head_seq, m_rev, _ = cute.arch.block_idx()
+    _, n_mblk, _ = cute.arch.grid_dim()
+    m_blk = n_mblk - 1 - m_rev  # longest causal rows first
+    p = head_seq % HP
+    seq = head_seq // HP
+    start = mCu[seq]
+    L = mCu[seq + 1] - start
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    wg_idx = warp_idx // 4
+
+    st = SmemAllocator().allocate(Storage)
+    sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (128, Dp, 1)
+    sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (128, Dp, STAGES)
+    q_bar = st.q_mbar.data_ptr()
+    if warp_idx == 0:
+        cpasync.prefetch_descriptor(tma_q)
+        cpasync.prefetch_descriptor(tma_k)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_init(q_bar, 1)
+    # create() initializes the stage barriers, then fences and syncs the CTA (q_bar included)
+    k_pipe = pipeline.PipelineTmaAsync.create(
+        barrier_storage=st.k_mbar.data_ptr(),
+        num_stages=STAGES,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # consumer warps
+        tx_count=TILE_N * DP * ELEM_BYTES,
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+    )
+
+    if m_blk * TILE_M < L:  # CTA-uniform: tiles past this sequence's end do nothing
+        n_tiles = m_blk + 1  # key tiles 0..m_blk (causal)
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                mQ_s = cute.domain_offset((start, 0, 0), mQ)
+                mK_s = cute.domain_offset((start, 0, 0), mK)
+                gQ = cute.local_tile(mQ_s[None, None, p], (TILE_M, DP), (m_blk, 0))
+                gK = cute.local_tile(mK_s[None, None, p // (HP // HPK)], (TILE_N, DP), (None, 0))
+                tQsQ, tQgQ = cpasync.tma_partition(
+                    tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                    cute.group_modes(gQ, 0, 2),
+                )  # fmt: skip
+                tKsK, tKgK = cpasync.tma_partition(
+                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                    cute.group_modes(gK, 0, 2),
+                )  # fmt: skip
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(q_bar, TILE_M * DP * ELEM_BYTES)
+                cute.copy(tma_q, tQgQ, tQsQ[(None, 0)], tma_bar_ptr=q_bar)
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+                for j in cutlass.range(n_tiles, unroll=1):
+                    k_pipe.producer_acquire(prod)
+                    cute.copy(
+                        tma_k, tKgK[(None, j)], tKsK[(None, prod.index)],
+                        tma_bar_ptr=k_pipe.producer_get_barrier(prod),
+                    )  # fmt: skip
+                    k_pipe.producer_commit(prod)
+                    prod.advance()
+                k_pipe.producer_tail(prod)
+        else:  # consumer warpgroups: scores, block maxima, top-k lists, sorted write-out
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            wg_mma = mma_first.get_slice((wg_idx - 1) * 128)
+            thr_mma = mma_first.get_slice(tidx - 128)
+            tSrQ = mma_first.make_fragment_A(wg_mma.partition_A(sQ))
+            tSrK = mma_first.make_fragment_B(wg_mma.partition_B(sK))
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), Float32)
+            acc_rc = _acc_rows_cols(acc)
+            crd = _acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+            n_rows = cute.size(acc_rc, mode=[0])  # 2
+            n_cols = cute.size(acc_rc, mode=[1])  # 32
+            SLABS = TILE_N // BLOCK  # key blocks per tile
+            per_slab = n_cols // SLABS  # a thread's columns of one block (columns ascend with c)
+
+            topv = cute.make_rmem_tensor((n_rows, TOPK), Float32)
+            topi = cute.make_rmem_tensor((n_rows, TOPK), Int32)
+            topv.fill(-Float32.inf)
+            topi.fill(-1)
+            slabmx = cute.make_rmem_tensor((n_rows, SLABS), Float32)
+            q0 = m_blk * TILE_M  # sequence-local position of the tile's first query
+
+            cute.arch.mbarrier_wait(q_bar, 0)
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+            k_pipe.consumer_wait(cons)
+            _issue_scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
+            for j in cutlass.range(n_tiles, unroll=1):
+                warpgroup.wait_group(0)
+                k_pipe.consumer_release(cons)  # the stage is free: the scores are in registers
+                cons.advance()
+                for r in cutlass.range_constexpr(n_rows):
+                    row = q0 + crd[r, 0][0]
+                    for sl in cutlass.range_constexpr(SLABS):
+                        mx = -Float32.inf
+                        if j == n_tiles - 1:  # diagonal tile: causal mask and the sequence's end
+                            vals = []
+                            for cc in cutlass.range_constexpr(per_slab):
+                                c = sl * per_slab + cc
+                                col = j * TILE_N + crd[r, c][1]
+                                v = acc_rc[r, c]
+                                if col > row or col >= L:
+                                    v = -Float32.inf
+                                vals.append(v)
+                            mx = _max_of(vals)
+                        else:
+                            vals = []
+                            for cc in cutlass.range_constexpr(per_slab):
+                                vals.append(acc_rc[r, sl * per_slab + cc])
+                            mx = _max_of(vals)
+                        slabmx[r, sl] = mx
+                if j + 1 < n_tiles:  # the next tile's MMA runs during this tile's insertion
+                    k_pipe.consumer_wait(cons)
+                    _issue_scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
+                for r in cutlass.range_constexpr(n_rows):
+                    row = q0 + crd[r, 0][0]
+                    own = row // BLOCK
+                    for sl in cutlass.range_constexpr(SLABS):
+                        mx = slabmx[r, sl]
+                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+                        blk = j * SLABS + sl
+                        cv = mx
+                        if blk == own:
+                            cv = Float32.inf  # the own block is always kept
+                        ci = blk
+                        if cv > topv[r, TOPK - 1]:  # most blocks of a long row skip the insertion
+                            for t in cutlass.range_constexpr(TOPK):
+                                if cv > topv[r, t]:
+                                    ov = topv[r, t]
+                                    oi = topi[r, t]
+                                    topv[r, t] = cv
+                                    topi[r, t] = ci
+                                    cv = ov
+                                    ci = oi
+
+            # ascending block numbers, -1 last: odd-even transposition sort, -1 read as +inf
+            big = Int32(2147483647)
+            for r in cutlass.range_constexpr(n_rows):
+                keys = []
+                for t in cutlass.range_constexpr(TOPK):
+                    k = topi[r, t]
+                    keys.append(big if k < 0 else k)
+                for rnd in cutlass.range_constexpr(TOPK):
+                    for h in cutlass.range_constexpr((TOPK - rnd % 2) // 2):
+                        t = rnd % 2 + 2 * h
+                        lo = cutlass.min(keys[t], keys[t + 1])
+                        hi = cutlass.max(keys[t], keys[t + 1])
+                        keys[t] = lo
+                        keys[t + 1] = hi
+                row = q0 + crd[r, 0][0]
+                if crd[r, 0][1] == 0 and row < L:  # the quad leader of a row in the sequence
+                    for t in cutlass.range_constexpr(TOPK):
+                        k = keys[t]
+                        mIdx[start + row, p, t] = -1 if k == big else k
+
+
+@cute.jit
+def select_host(
+    mQ: cute.Tensor,
+    mK: cute.Tensor,
+    mCu: cute.Tensor,
+    mIdx: cute.Tensor,
+    n_mblk: Int32,
+    stream: cuda.CUstream,
+    block_size: Constexpr,
+):
+    """Launch: ``mQ (T, Dp, Hp)``, ``mK (T, Dp, Hpk)`` views of the proxy tensors, ``mCu (N+1,)``,
+    ``mIdx (T, Hp, K)``; grid (Hp * N, n_mblk = ceil(max_seqlen / 128))."""
+    DP, HP = mQ.shape[1], mQ.shape[2]
+    HPK = mK.shape[2]
+    TOPK = mIdx.shape[2]
+    dtype = mQ.element_type
+    tile = (TILE_M, TILE_N, DP)
+
+    def make_mma():
+        return sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            atom_layout_mnk=(2, 1, 1), tiler_mn=(64, TILE_N),
+        )  # fmt: skip
+
+    mma_first, mma_rest = make_mma(), make_mma()
+    sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, dtype, 1)
+    sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, dtype, STAGES)
+    tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.slice_(sQ_layout, (None, None, 0)), (TILE_M, DP)
+    )
+    tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, DP)
+    )
+
+    @cute.struct
+    class Storage:
+        k_mbar: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+        q_mbar: cute.struct.MemRange[cutlass.Int64, 1]
+        sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+
+    assert Storage.__sizeof__() <= cutlass.memory.get_smem_capacity_in_bytes("sm_90")
+    grid = (HP * (mCu.shape[0] - 1), n_mblk, 1)
+    _select_kernel(
+        tma_q, tma_mQ, tma_k, tma_mK, mCu, mIdx, mma_first, mma_rest, sQ_layout, sK_layout,
+        Storage, HP, HPK, DP, block_size, TOPK, dtype.width // 8,
+    ).launch(grid=grid, block=(384, 1, 1), stream=stream)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# host: torch tensors in, indices out
+# ---------------------------------------------------------------------------------------------
+_compiled: dict = {}
+
+
+def _cute_tensor(t):
+    """A CuTe view of CUDA tensor ``t`` with a run-time outermost size (no recompilation when
+    the token or sequence count changes); other sizes and all strides stay static."""
+    from cutlass.cute.runtime import from_dlpack
+
+    ct = from_dlpack(t, assumed_align=16)
+    return ct.mark_compact_shape_dynamic(mode=0, stride_order=t.dim_order(), divisibility=1)
+
+
+def select(q_proxy, k_proxy, cu_seqlens, cfg):
+    """Backend op ``select`` (docs/design.md): ``indices (T, Hp, top_k)`` int32, ascending
+    sequence-local block numbers, -1 in unused slots.
+
+    ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` contiguous bf16/fp16 CUDA tensors,
+    ``cu_seqlens (N+1,)`` int32; ``cfg.max_seqlen`` bounds the grid (no host synchronization).
+    """
+    import torch
+
+    T, Hp, Dp = q_proxy.shape
+    Hpk = k_proxy.shape[1]
+    K = cfg.top_k
+    idx = torch.empty((T, Hp, K), dtype=torch.int32, device=q_proxy.device)
+    if T == 0:
+        return idx
+    # TMA needs 16-byte aligned bases: a view into a larger buffer may not be
+    qp, kp = (x if x.data_ptr() % 16 == 0 else x.clone() for x in (q_proxy, k_proxy))
+    args = (
+        _cute_tensor(qp.permute(0, 2, 1)),  # (T, Dp, Hp): one TMA box = 128 tokens of one head
+        _cute_tensor(kp.permute(0, 2, 1)),
+        _cute_tensor(cu_seqlens),
+        _cute_tensor(idx),
+    )
+    n_mblk = Int32(max(1, -(-cfg.max_seqlen // TILE_M)))
+    stream = cuda.CUstream(torch.cuda.current_stream(q_proxy.device).cuda_stream)
+    key = (q_proxy.dtype, Dp, Hp, Hpk, K, cfg.block_size, q_proxy.device.index)
+    fn = _compiled.get(key)
+    if fn is None:
+        fn = cute.compile(select_host, *args, n_mblk, stream, cfg.block_size)
+        _compiled[key] = fn
+    fn(*args, n_mblk, stream)
+    return idx

@@ -1,0 +1,170 @@
+"""GPU tests of the CuTe backend (``pytest -m gpu``; Hopper with nvidia-cutlass-dsl).
+
+Selection: the CuTe kernel against the torch reference and the Triton kernel (same block sets,
+near-ties accepted, see ``testing.selection_mismatch``), the index format (ascending, -1 last,
+``min(top_k, own + 1)`` entries, the own block kept), every slot written (poisoned output), no
+host synchronization, and the mix that ``auto`` runs (CuTe selection, Triton attention).
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flash_msa
+from flash_msa import backends, reference, testing
+from flash_msa.problem import Config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs an sm_90 GPU",
+    ),
+]
+
+
+def _cute():
+    pytest.importorskip("cutlass")
+    module, why = backends.load("cute")
+    assert module is not None, why
+    assert module.unavailable_reason() is None
+    return module
+
+
+def _case(lengths, Hp, Hpk, Dp, b, top_k, dtype, seed=0, kind="random"):
+    T = sum(lengths)
+    qp, kp = testing.make_inputs(
+        1, T, Hp, Hpk, Hp, Hpk, 16, Dp, dtype=dtype, seed=seed, kind=kind, device="cuda"
+    )[:2]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cfg = Config(b, 16**-0.5, max(lengths), Dp**-0.5, top_k, False, True)
+    return qp[0].contiguous(), kp[0].contiguous(), cu.cuda(), cfg
+
+
+def _poisoned_select(monkeypatch, module, qp, kp, cu, cfg):
+    from flash_msa.cute import selection
+
+    real = torch.empty
+
+    def empty(*a, **kw):  # every slot must be written by the kernel
+        return real(*a, **kw).fill_(-7)
+
+    monkeypatch.setattr(selection.torch, "empty", empty)
+    try:
+        return module.select(qp, kp, cu, cfg)
+    finally:
+        monkeypatch.setattr(selection.torch, "empty", real)
+
+
+def _check_format(idx, cu, b):
+    """Ascending valid entries, then -1; min(K, own + 1) of them; the own block among them."""
+    T, Hp, K = idx.shape
+    lens = (cu[1:] - cu[:-1]).tolist()
+    pos = torch.cat([torch.arange(n, device=idx.device) for n in lens])  # sequence-local
+    own = (pos // b)[:, None, None]
+    valid = idx >= 0
+    n_valid = valid.sum(-1)
+    assert (n_valid == torch.clamp(own[..., 0] + 1, max=K)).all(), "entry count"
+    assert (valid[..., 1:] <= valid[..., :-1]).all(), "-1 only after the valid entries"
+    big = torch.where(valid, idx, torch.iinfo(torch.int32).max)
+    assert (big[..., 1:] > big[..., :-1])[valid[..., 1:]].all(), "ascending, no duplicates"
+    assert ((idx == own) & valid).any(-1).all(), "own block kept"
+    assert (idx[valid] <= own.expand_as(idx)[valid]).all(), "no future block"
+
+
+CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype
+    ((8192,), 4, 1, 128, 128, 16, torch.bfloat16),  # anchor proxy heads
+    ((3000, 1, 700, 129), 2, 1, 64, 64, 8, torch.bfloat16),  # varlen, block 64, Dp 64
+    ((1500,), 4, 2, 128, 128, 1, torch.float16),  # top_k 1, Hpk 2, fp16
+    ((2000, 4000), 8, 2, 64, 128, 16, torch.float16),
+    ((4100,), 4, 4, 128, 64, 12, torch.bfloat16),  # top_k not a power of two, block 64
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-k{c[5]}")
+@pytest.mark.parametrize("kind", ["random", "local"])
+def test_cute_select_matches_reference_and_triton(case, kind, monkeypatch):
+    cute_be, triton_be = _cute(), backends.load("triton")[0]
+    qp, kp, cu, cfg = _case(*case, kind=kind)
+    idx = _poisoned_select(monkeypatch, cute_be, qp, kp, cu, cfg)
+    _check_format(idx, cu, cfg.block_size)
+    for other in (reference.select(qp, kp, cu, cfg), triton_be.select(qp, kp, cu, cfg)):
+        bad = testing.selection_mismatch(
+            idx.cpu(), other.cpu(), qp.cpu(), kp.cpu(), cfg.block_size, cfg.proxy_scale, cu.cpu()
+        )
+        assert bad == 0
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_cute_select_hypothesis_runtime_sizes(data):
+    """Run-time sizes (lengths, number of sequences) and a few static ones (top_k, block)."""
+    cute_be = _cute()
+    b = data.draw(st.sampled_from([64, 128]), label="block")
+    lengths = data.draw(st.lists(st.integers(1, 900), min_size=1, max_size=5), label="lengths")
+    top_k = data.draw(st.sampled_from([1, 3, 16]), label="top_k")
+    seed = data.draw(st.integers(0, 10_000), label="seed")
+    qp, kp, cu, cfg = _case(lengths, 4, 1, 64, b, top_k, torch.bfloat16, seed=seed)
+    idx = cute_be.select(qp, kp, cu, cfg)
+    _check_format(idx, cu, b)
+    ref = reference.select(qp, kp, cu, cfg)
+    bad = testing.selection_mismatch(
+        idx.cpu(), ref.cpu(), qp.cpu(), kp.cpu(), b, cfg.proxy_scale, cu.cpu()
+    )
+    assert bad == 0
+
+
+def test_cute_select_is_sync_free_and_graph_capturable():
+    cute_be = _cute()
+    qp, kp, cu, cfg = _case((3000, 700), 4, 1, 128, 128, 16, torch.bfloat16)
+    first = cute_be.select(qp, kp, cu, cfg)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = cute_be.select(qp, kp, cu, cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first, again)  # deterministic
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cute_be.select(qp, kp, cu, cfg)
+    qp.copy_(torch.randn_like(qp))
+    graph.replay()
+    assert torch.equal(captured, cute_be.select(qp, kp, cu, cfg))
+
+
+def test_auto_mixes_cute_selection_with_triton_attention(monkeypatch):
+    _cute()
+    monkeypatch.setenv("FLASH_MSA_BACKEND", "auto")
+    info = next(v for k, v in flash_msa.info()["devices"].items() if k.startswith("cuda"))["ops"]
+    assert info["select"]["backend"] == "cute"
+    assert info["fwd"]["backend"] == "triton" and info["bwd"]["backend"] == "triton"
+    xs = [
+        x.requires_grad_()
+        for x in testing.make_inputs(1, 3000, 8, 2, 4, 1, 64, 64, device="cuda", seed=4)
+    ]
+    with torch.no_grad():
+        idx_cute = flash_msa.select_blocks(xs[0], xs[1], 8)
+        monkeypatch.setenv("FLASH_MSA_BACKEND", "triton")
+        idx_triton = flash_msa.select_blocks(xs[0], xs[1], 8)
+        monkeypatch.setenv("FLASH_MSA_BACKEND", "auto")
+    assert torch.equal(idx_cute, idx_triton), "a near-tie on these inputs: pick another seed"
+    out, kl = flash_msa.msa_attention(*xs, 8)
+    (out.float().square().mean() + kl).backward()
+    grads = [x.grad.clone() for x in xs]
+    for x in xs:
+        x.grad = None
+    monkeypatch.setenv("FLASH_MSA_BACKEND", "triton")
+    out_t, kl_t = flash_msa.msa_attention(*xs, 8)
+    (out_t.float().square().mean() + kl_t).backward()
+    # same selection -> the same Triton kernels on the same data
+    torch.testing.assert_close(out, out_t, rtol=0, atol=0)
+    torch.testing.assert_close(kl, kl_t, rtol=0, atol=0)
+    for a, x in zip(grads, xs):
+        torch.testing.assert_close(a, x.grad, rtol=1e-2, atol=1e-4)  # fp32 atomics' order
+    monkeypatch.setenv("FLASH_MSA_BACKEND", "cute")
+    with pytest.raises(flash_msa.BackendError, match="not implemented"):
+        flash_msa.msa_attention(*xs, 8)
+    idx = flash_msa.select_blocks(xs[0], xs[1], 8)
+    assert idx.shape == (1, 3000, 4, 8)
