@@ -31,6 +31,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass import Constexpr, Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
@@ -311,11 +312,15 @@ _compiled: dict = {}
 
 def _cute_tensor(t):
     """A CuTe view of CUDA tensor ``t`` with a run-time outermost size (no recompilation when
-    the token or sequence count changes); other sizes and all strides stay static."""
+    the token or sequence count changes); other sizes stay static.
+
+    The mode order is given outermost first by descending stride, ties to the lower mode (what
+    CuTe deduces; ``Tensor.dim_order()`` differs when a size-1 mode repeats a stride)."""
     from cutlass.cute.runtime import from_dlpack
 
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
     ct = from_dlpack(t, assumed_align=16)
-    return ct.mark_compact_shape_dynamic(mode=0, stride_order=t.dim_order(), divisibility=1)
+    return ct.mark_compact_shape_dynamic(mode=0, stride_order=order, divisibility=1)
 
 
 def select(q_proxy, k_proxy, cu_seqlens, cfg):
@@ -325,8 +330,6 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg):
     ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` contiguous bf16/fp16 CUDA tensors,
     ``cu_seqlens (N+1,)`` int32; ``cfg.max_seqlen`` bounds the grid (no host synchronization).
     """
-    import torch
-
     T, Hp, Dp = q_proxy.shape
     Hpk = k_proxy.shape[1]
     K = cfg.top_k
