@@ -337,7 +337,8 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg):
     if T == 0:
         return idx
     # TMA needs 16-byte aligned bases: a view into a larger buffer may not be
-    qp, kp = (x if x.data_ptr() % 16 == 0 else x.clone() for x in (q_proxy, k_proxy))
+    qp, kp = (x.detach() for x in (q_proxy, k_proxy))  # DLPack refuses autograd leaves
+    qp, kp = (x if x.data_ptr() % 16 == 0 else x.clone() for x in (qp, kp))
     args = (
         _cute_tensor(qp.permute(0, 2, 1)),  # (T, Dp, Hp): one TMA box = 128 tokens of one head
         _cute_tensor(kp.permute(0, 2, 1)),
