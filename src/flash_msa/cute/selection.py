@@ -44,6 +44,7 @@ TILE_N = 128  # keys per pipeline stage (one or two key blocks)
 STAGES = 4  # key tiles in flight
 PRODUCER_REGS, CONSUMER_REGS = 24, 240  # 128 * 24 + 256 * 240 = 168 * 384
 MAX_TOPK = 16
+SPLIT_ROWS = True  # a quad's lane pairs keep one row's list each (else every lane keeps both)
 
 
 def _acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
@@ -99,6 +100,7 @@ def _select_kernel(
     BLOCK: Constexpr,
     TOPK: Constexpr,
     ELEM_BYTES: Constexpr,
+    SPLIT: Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     mma_first.set(warpgroup.Field.ACCUMULATE, False)
@@ -181,8 +183,12 @@ def _select_kernel(
             SLABS = TILE_N // BLOCK  # key blocks per tile
             per_slab = n_cols // SLABS  # a thread's columns of one block (columns ascend with c)
 
-            topv = cute.make_rmem_tensor((n_rows, TOPK), Float32)
-            topi = cute.make_rmem_tensor((n_rows, TOPK), Int32)
+            # SPLIT: the two lanes 4q, 4q+1 of a quad keep row 0's list, 4q+2, 4q+3 row 1's
+            # (else every lane keeps both): half the insertion work and list registers
+            n_lists = 1 if SPLIT else n_rows
+            half = (tidx % 4) // 2  # the row this lane keeps when SPLIT
+            topv = cute.make_rmem_tensor((n_lists, TOPK), Float32)
+            topi = cute.make_rmem_tensor((n_lists, TOPK), Int32)
             topv.fill(-Float32.inf)
             topi.fill(-1)
             q0 = m_blk * TILE_M  # sequence-local position of the tile's first query
@@ -206,9 +212,10 @@ def _select_kernel(
                     cons_w.advance()
                     k_pipe.consumer_release(cons_r)  # tile j's stage: its scores are in registers
                     cons_r.advance()
+                    cand = []  # per row: the quad-reduced maximum of each block
                     for r in cutlass.range_constexpr(n_rows):
                         row = q0 + crd[r, 0][0]
-                        own = row // BLOCK
+                        cand.append([])
                         for sl in cutlass.range_constexpr(SLABS):
                             mx = -Float32.inf
                             if j >= n_tiles - 1:  # diagonal (or padding) tile: causal, seq end
@@ -229,27 +236,36 @@ def _select_kernel(
                             # the 4 lanes of a quad hold the same row
                             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
                             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+                            cand[r].append(mx)
+                    for li in cutlass.range_constexpr(n_lists):
+                        row = q0 + crd[li, 0][0]
+                        if cutlass.const_expr(SPLIT):
+                            row = q0 + (crd[0, 0][0] if half == 0 else crd[1, 0][0])
+                        own = row // BLOCK
+                        for sl in cutlass.range_constexpr(SLABS):
+                            cv = cand[li][sl]
+                            if cutlass.const_expr(SPLIT):
+                                cv = cand[0][sl] if half == 0 else cand[1][sl]
                             blk = j * SLABS + sl
-                            cv = mx
                             if blk == own:
                                 cv = Float32.inf  # the own block is always kept
                             ci = blk
-                            if cv > topv[r, TOPK - 1]:  # most blocks of a long row skip this
+                            if cv > topv[li, TOPK - 1]:  # most blocks of a long row skip this
                                 for t in cutlass.range_constexpr(TOPK):
-                                    if cv > topv[r, t]:
-                                        ov = topv[r, t]
-                                        oi = topi[r, t]
-                                        topv[r, t] = cv
-                                        topi[r, t] = ci
+                                    if cv > topv[li, t]:
+                                        ov = topv[li, t]
+                                        oi = topi[li, t]
+                                        topv[li, t] = cv
+                                        topi[li, t] = ci
                                         cv = ov
                                         ci = oi
 
             # ascending block numbers, -1 last: odd-even transposition sort, -1 read as +inf
             big = Int32(2147483647)
-            for r in cutlass.range_constexpr(n_rows):
+            for li in cutlass.range_constexpr(n_lists):
                 keys = []
                 for t in cutlass.range_constexpr(TOPK):
-                    k = topi[r, t]
+                    k = topi[li, t]
                     keys.append(big if k < 0 else k)
                 for rnd in cutlass.range_constexpr(TOPK):
                     for h in cutlass.range_constexpr((TOPK - rnd % 2) // 2):
@@ -258,8 +274,12 @@ def _select_kernel(
                         hi = cutlass.max(keys[t], keys[t + 1])
                         keys[t] = lo
                         keys[t + 1] = hi
-                row = q0 + crd[r, 0][0]
-                if crd[r, 0][1] == 0 and row < L:  # the quad leader of a row in the sequence
+                row = q0 + crd[li, 0][0]
+                writer = crd[li, 0][1] == 0  # the quad leader of the row
+                if cutlass.const_expr(SPLIT):
+                    row = q0 + (crd[0, 0][0] if half == 0 else crd[1, 0][0])
+                    writer = tidx % 2 == 0  # lanes 4q (row 0) and 4q + 2 (row 1)
+                if writer and row < L:
                     for t in cutlass.range_constexpr(TOPK):
                         k = keys[t]
                         mIdx[start + row, p, t] = -1 if k == big else k
@@ -274,6 +294,7 @@ def select_host(
     n_mblk: Int32,
     stream: cuda.CUstream,
     block_size: Constexpr,
+    split_rows: Constexpr = True,
 ):
     """Launch: ``mQ (T, Dp, Hp)``, ``mK (T, Dp, Hpk)`` views of the proxy tensors, ``mCu (N+1,)``,
     ``mIdx (T, Hp, K)``; grid (Hp * N, n_mblk = ceil(max_seqlen / 128))."""
@@ -310,7 +331,7 @@ def select_host(
     grid = (HP * (mCu.shape[0] - 1), n_mblk, 1)
     _select_kernel(
         tma_q, tma_mQ, tma_k, tma_mK, mCu, mIdx, mma_first, mma_rest, sQ_layout, sK_layout,
-        Storage, HP, HPK, DP, block_size, TOPK, dtype.width // 8,
+        Storage, HP, HPK, DP, block_size, TOPK, dtype.width // 8, split_rows,
     ).launch(grid=grid, block=(384, 1, 1), stream=stream)  # fmt: skip
 
 
@@ -357,10 +378,10 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg):
     )
     n_mblk = Int32(max(1, -(-cfg.max_seqlen // TILE_M)))
     stream = cuda.CUstream(torch.cuda.current_stream(q_proxy.device).cuda_stream)
-    key = (q_proxy.dtype, Dp, Hp, Hpk, K, cfg.block_size, q_proxy.device.index)
+    key = (q_proxy.dtype, Dp, Hp, Hpk, K, cfg.block_size, SPLIT_ROWS, q_proxy.device.index)
     fn = _compiled.get(key)
     if fn is None:
-        fn = cute.compile(select_host, *args, n_mblk, stream, cfg.block_size)
+        fn = cute.compile(select_host, *args, n_mblk, stream, cfg.block_size, SPLIT_ROWS)
         _compiled[key] = fn
     fn(*args, n_mblk, stream)
     return idx
