@@ -7,9 +7,9 @@ rows each). Per key tile the consumers compute the 128 x 128 score tile with war
 (``m64n128k16``, operands in swizzled shared memory), max-pool each row over every key block
 (one block per tile for block size 128, two for 64), and offer the block maxima to a descending
 top-k list kept in registers. Only the diagonal tile is masked (causal, and keys past the
-sequence end). Two accumulators alternate: the MMA of tile j+1 is issued before the epilogue
-of tile j (row maxima, shuffles, insertion) and runs under it; an odd tile count is padded
-with one tile past the diagonal, which the causal mask empties.
+sequence end). The MMA of tile j+1 is issued after tile j's row maxima and runs under its
+top-k insertion (two alternating accumulators, so that it also runs under the row maxima,
+measured 11-22% slower on the H200: docs/perf-notes.md).
 
 Selection rule (identical to the reference and the Triton kernel): the own block enters with
 rank +inf; a block enters the list only if its maximum is strictly greater than the list's last
@@ -136,9 +136,6 @@ def _select_kernel(
 
     if m_blk * TILE_M < L:  # CTA-uniform: tiles past this sequence's end do nothing
         n_tiles = m_blk + 1  # key tiles 0..m_blk (causal)
-        # the consumers alternate two accumulators over pairs of tiles: an odd count gets one
-        # more tile, past the diagonal, which the causal mask empties (no block enters)
-        n_pad = (n_tiles + 1) // 2 * 2
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
@@ -158,7 +155,7 @@ def _select_kernel(
                     cute.arch.mbarrier_arrive_and_expect_tx(q_bar, TILE_M * DP * ELEM_BYTES)
                 cute.copy(tma_q, tQgQ, tQsQ[(None, 0)], tma_bar_ptr=q_bar)
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-                for j in cutlass.range(n_pad, unroll=1):
+                for j in cutlass.range(n_tiles, unroll=1):
                     k_pipe.producer_acquire(prod)
                     cute.copy(
                         tma_k, tKgK[(None, j)], tKsK[(None, prod.index)],
@@ -173,10 +170,8 @@ def _select_kernel(
             thr_mma = mma_first.get_slice(tidx - 128)
             tSrQ = mma_first.make_fragment_A(wg_mma.partition_A(sQ))
             tSrK = mma_first.make_fragment_B(wg_mma.partition_B(sK))
-            accs = [  # ping-pong: tile j + 1's MMA runs during tile j's whole epilogue
-                cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), Float32)
-                for _ in range(2)
-            ]
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), Float32)
+            acc_rc = _acc_rows_cols(acc)
             crd = _acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
             n_rows = cute.size(crd, mode=[0])  # 2
             n_cols = cute.size(crd, mode=[1])  # 32
@@ -194,71 +189,65 @@ def _select_kernel(
             q0 = m_blk * TILE_M  # sequence-local position of the tile's first query
 
             cute.arch.mbarrier_wait(q_bar, 0)
-            cons_w = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-            cons_r = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-            k_pipe.consumer_wait(cons_w)
-            _issue_scores(mma_first, mma_rest, accs[0], tSrQ, tSrK, cons_w.index)
-            cons_w.advance()
-            for jj in cutlass.range(0, n_pad, 2, unroll=1):
-                for h in cutlass.range_constexpr(2):
-                    j = jj + h
-                    acc_rc = _acc_rows_cols(accs[h])
-                    if j + 1 < n_pad:  # issue tile j + 1, then wait for tile j only
-                        k_pipe.consumer_wait(cons_w)
-                        _issue_scores(mma_first, mma_rest, accs[1 - h], tSrQ, tSrK, cons_w.index)
-                        warpgroup.wait_group(1)
-                    else:
-                        warpgroup.wait_group(0)
-                    cons_w.advance()
-                    k_pipe.consumer_release(cons_r)  # tile j's stage: its scores are in registers
-                    cons_r.advance()
-                    cand = []  # per row: the quad-reduced maximum of each block
-                    for r in cutlass.range_constexpr(n_rows):
-                        row = q0 + crd[r, 0][0]
-                        cand.append([])
-                        for sl in cutlass.range_constexpr(SLABS):
-                            mx = -Float32.inf
-                            if j >= n_tiles - 1:  # diagonal (or padding) tile: causal, seq end
-                                vals = []
-                                for cc in cutlass.range_constexpr(per_slab):
-                                    c = sl * per_slab + cc
-                                    col = j * TILE_N + crd[r, c][1]
-                                    v = acc_rc[r, c]
-                                    if col > row or col >= L:
-                                        v = -Float32.inf
-                                    vals.append(v)
-                                mx = _max_of(vals)
-                            else:
-                                vals = []
-                                for cc in cutlass.range_constexpr(per_slab):
-                                    vals.append(acc_rc[r, sl * per_slab + cc])
-                                mx = _max_of(vals)
-                            # the 4 lanes of a quad hold the same row
-                            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-                            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-                            cand[r].append(mx)
-                    for li in cutlass.range_constexpr(n_lists):
-                        row = q0 + crd[li, 0][0]
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+            k_pipe.consumer_wait(cons)
+            _issue_scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
+            for j in cutlass.range(n_tiles, unroll=1):
+                warpgroup.wait_group(0)
+                k_pipe.consumer_release(cons)  # the stage is free: the scores are in registers
+                cons.advance()
+                cand = []  # per row and block: this thread's maximum, then the quad's
+                for r in cutlass.range_constexpr(n_rows):
+                    row = q0 + crd[r, 0][0]
+                    cand.append([])
+                    for sl in cutlass.range_constexpr(SLABS):
+                        mx = -Float32.inf
+                        if j == n_tiles - 1:  # diagonal tile: causal mask, sequence end
+                            vals = []
+                            for cc in cutlass.range_constexpr(per_slab):
+                                c = sl * per_slab + cc
+                                col = j * TILE_N + crd[r, c][1]
+                                v = acc_rc[r, c]
+                                if col > row or col >= L:
+                                    v = -Float32.inf
+                                vals.append(v)
+                            mx = _max_of(vals)
+                        else:
+                            vals = []
+                            for cc in cutlass.range_constexpr(per_slab):
+                                vals.append(acc_rc[r, sl * per_slab + cc])
+                            mx = _max_of(vals)
+                        cand[r].append(mx)
+                if j + 1 < n_tiles:  # the next tile's MMA runs during this tile's insertion
+                    k_pipe.consumer_wait(cons)
+                    _issue_scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
+                for r in cutlass.range_constexpr(n_rows):  # the 4 lanes of a quad share a row
+                    for sl in cutlass.range_constexpr(SLABS):
+                        mx = cand[r][sl]
+                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+                        cand[r][sl] = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+                for li in cutlass.range_constexpr(n_lists):
+                    row = q0 + crd[li, 0][0]
+                    if cutlass.const_expr(SPLIT):
+                        row = q0 + (crd[0, 0][0] if half == 0 else crd[1, 0][0])
+                    own = row // BLOCK
+                    for sl in cutlass.range_constexpr(SLABS):
+                        cv = cand[li][sl]
                         if cutlass.const_expr(SPLIT):
-                            row = q0 + (crd[0, 0][0] if half == 0 else crd[1, 0][0])
-                        own = row // BLOCK
-                        for sl in cutlass.range_constexpr(SLABS):
-                            cv = cand[li][sl]
-                            if cutlass.const_expr(SPLIT):
-                                cv = cand[0][sl] if half == 0 else cand[1][sl]
-                            blk = j * SLABS + sl
-                            if blk == own:
-                                cv = Float32.inf  # the own block is always kept
-                            ci = blk
-                            if cv > topv[li, TOPK - 1]:  # most blocks of a long row skip this
-                                for t in cutlass.range_constexpr(TOPK):
-                                    if cv > topv[li, t]:
-                                        ov = topv[li, t]
-                                        oi = topi[li, t]
-                                        topv[li, t] = cv
-                                        topi[li, t] = ci
-                                        cv = ov
-                                        ci = oi
+                            cv = cand[0][sl] if half == 0 else cand[1][sl]
+                        blk = j * SLABS + sl
+                        if blk == own:
+                            cv = Float32.inf  # the own block is always kept
+                        ci = blk
+                        if cv > topv[li, TOPK - 1]:  # most blocks of a long row skip this
+                            for t in cutlass.range_constexpr(TOPK):
+                                if cv > topv[li, t]:
+                                    ov = topv[li, t]
+                                    oi = topi[li, t]
+                                    topv[li, t] = cv
+                                    topi[li, t] = ci
+                                    cv = ov
+                                    ci = oi
 
             # ascending block numbers, -1 last: odd-even transposition sort, -1 read as +inf
             big = Int32(2147483647)
