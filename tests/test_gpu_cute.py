@@ -79,6 +79,9 @@ CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype
     ((1500,), 4, 2, 128, 128, 1, torch.float16),  # top_k 1, Hpk 2, fp16
     ((2000, 4000), 8, 2, 64, 128, 16, torch.float16),
     ((4100,), 4, 4, 128, 64, 12, torch.bfloat16),  # top_k not a power of two, block 64
+    ((9000, 300), 4, 1, 128, 128, 64, torch.bfloat16),  # top_k 64: lists over two lanes
+    ((5000,), 2, 1, 64, 64, 17, torch.float16),  # odd top_k > 16, block 64
+    ((6000,), 4, 2, 128, 128, 40, torch.bfloat16),
 ]
 
 
@@ -103,7 +106,7 @@ def test_cute_select_hypothesis_runtime_sizes(data):
     cute_be = _cute()
     b = data.draw(st.sampled_from([64, 128]), label="block")
     lengths = data.draw(st.lists(st.integers(1, 900), min_size=1, max_size=5), label="lengths")
-    top_k = data.draw(st.sampled_from([1, 3, 16]), label="top_k")
+    top_k = data.draw(st.sampled_from([1, 3, 16, 33]), label="top_k")
     seed = data.draw(st.integers(0, 10_000), label="seed")
     qp, kp, cu, cfg = _case(lengths, 4, 1, 64, b, top_k, torch.bfloat16, seed=seed)
     idx = cute_be.select(qp, kp, cu, cfg)
@@ -113,6 +116,21 @@ def test_cute_select_hypothesis_runtime_sizes(data):
         idx.cpu(), ref.cpu(), qp.cpu(), kp.cpu(), b, cfg.proxy_scale, cu.cpu()
     )
     assert bad == 0
+
+
+def test_cute_select_keeps_ties_in_block_order():
+    """Equal block maxima: the lower block wins a tie, the list order survives evictions."""
+    cute_be = _cute()
+    S, Dp = 128 * 40, 128
+    qp = torch.zeros(S, 1, Dp, dtype=torch.bfloat16, device="cuda")
+    qp[:, :, 0] = 1.0
+    kp = torch.zeros(S, 1, Dp, dtype=torch.bfloat16, device="cuda")
+    kp[::128, :, 0] = torch.tensor([1.0, 2.0, 2.0, 0.5] * 10, dtype=torch.bfloat16)[:, None]
+    cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+    for top_k in (5, 24):
+        cfg = Config(128, 1.0, S, Dp**-0.5, top_k, False, True)
+        got = cute_be.select(qp, kp, cu, cfg)
+        assert torch.equal(got, reference.select(qp, kp, cu, cfg)), top_k
 
 
 def test_cute_select_is_sync_free_and_graph_capturable():

@@ -39,6 +39,8 @@ def configurations():
     yield "select fp16 Dp=128 b=128 k=16 Hp=4 Hpk=1", "fp16", 128, 4, 1, 16, 128
     yield "select bf16 Dp=128 b=128 k=1 Hp=2 Hpk=2", "bf16", 128, 2, 2, 1, 128
     yield "select bf16 Dp=64 b=64 k=8 Hp=8 Hpk=2", "bf16", 64, 8, 2, 8, 64
+    for Dp, block, K in ((128, 128, 64), (128, 64, 64), (64, 128, 32), (64, 64, 17)):
+        yield f"select bf16 Dp={Dp} b={block} k={K} Hp=4 Hpk=1", "bf16", Dp, 4, 1, K, block
 
 
 def compile_select(dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int) -> dict:

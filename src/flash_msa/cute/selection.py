@@ -22,8 +22,8 @@ Layouts: ``q_proxy (T, Hp, Dp)`` and ``k_proxy (T, Hpk, Dp)`` are seen as ``(T, 
 (strides ``(heads*Dp, 1, Dp)``) so that one TMA box is 128 tokens x Dp of one head; a sequence
 starts at ``cu_seqlens[s]`` through a domain offset of the TMA coordinates.
 
-Limits: Dp in {64, 128}, block size in {64, 128}, top_k <= 16 (the list lives in registers:
-2 rows x top_k x (score, block) per thread), bf16 or fp16.
+Limits: Dp in {64, 128}, block size in {64, 128}, top_k <= 64 (the lists live in registers: a
+lane keeps one row's list, or half of it beyond 16 entries), bf16 or fp16.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import Constexpr, Float32, Int32
+from cutlass import Boolean, Constexpr, Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
@@ -43,8 +43,7 @@ TILE_M = 128  # query tokens per CTA (two consumer warpgroups x 64 rows)
 TILE_N = 128  # keys per pipeline stage (one or two key blocks)
 STAGES = 4  # key tiles in flight
 PRODUCER_REGS, CONSUMER_REGS = 24, 240  # 128 * 24 + 256 * 240 = 168 * 384
-MAX_TOPK = 16
-SPLIT_ROWS = True  # a quad's lane pairs keep one row's list each (else every lane keeps both)
+MAX_TOPK = 64
 
 
 def _acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
@@ -67,6 +66,26 @@ def _max_of(vals):
             nxt.append(vals[-1])
         vals = nxt
     return vals[0]
+
+
+def _sort_ascending(keys):
+    """Bitonic sorting network (trace-time unrolled) over a Python list of DSL integers whose
+    length is a power of two: ``n/2 * log2(n) * (log2(n) + 1) / 2`` compare-exchanges (672 for
+    64 entries; an odd-even transposition network needs 2016, which ptxas compiles for minutes)."""
+    n = len(keys)
+    k = 2
+    while k <= n:
+        j = k // 2
+        while j > 0:
+            for i in range(n):
+                m = i ^ j
+                if m > i:
+                    lo = cutlass.min(keys[i], keys[m])
+                    hi = cutlass.max(keys[i], keys[m])
+                    keys[i], keys[m] = (lo, hi) if i & k == 0 else (hi, lo)
+            j //= 2
+        k *= 2
+    return keys
 
 
 def _issue_scores(mma_first, mma_rest, acc, tSrQ, tSrK, stage):
@@ -100,7 +119,6 @@ def _select_kernel(
     BLOCK: Constexpr,
     TOPK: Constexpr,
     ELEM_BYTES: Constexpr,
-    SPLIT: Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     mma_first.set(warpgroup.Field.ACCUMULATE, False)
@@ -178,12 +196,15 @@ def _select_kernel(
             SLABS = TILE_N // BLOCK  # key blocks per tile
             per_slab = n_cols // SLABS  # a thread's columns of one block (columns ascend with c)
 
-            # SPLIT: the two lanes 4q, 4q+1 of a quad keep row 0's list, 4q+2, 4q+3 row 1's
-            # (else every lane keeps both): half the insertion work and list registers
-            n_lists = 1 if SPLIT else n_rows
-            half = (tidx % 4) // 2  # the row this lane keeps when SPLIT
-            topv = cute.make_rmem_tensor((n_lists, TOPK), Float32)
-            topi = cute.make_rmem_tensor((n_lists, TOPK), Int32)
+            # a quad's four lanes hold the same two rows: lanes 4q, 4q+1 keep row 0's top-k
+            # list and 4q+2, 4q+3 row 1's; up to 16 entries both lanes of a pair keep the whole
+            # list, beyond that lane 4q(+2) keeps its upper half and 4q+1(+3) its lower half
+            LANES = 1 if TOPK <= 16 else 2  # lanes per list
+            HALF = (TOPK + LANES - 1) // LANES  # entries per lane
+            my_row = (tidx % 4) // 2  # which of the thread's two rows this lane's list is for
+            lower = tidx % 2 == 1  # the lower half's lane (LANES == 2)
+            topv = cute.make_rmem_tensor(HALF, Float32)
+            topi = cute.make_rmem_tensor(HALF, Int32)
             topv.fill(-Float32.inf)
             topi.fill(-1)
             q0 = m_blk * TILE_M  # sequence-local position of the tile's first query
@@ -226,52 +247,56 @@ def _select_kernel(
                         mx = cand[r][sl]
                         mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
                         cand[r][sl] = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-                for li in cutlass.range_constexpr(n_lists):
-                    row = q0 + crd[li, 0][0]
-                    if cutlass.const_expr(SPLIT):
-                        row = q0 + (crd[0, 0][0] if half == 0 else crd[1, 0][0])
-                    own = row // BLOCK
-                    for sl in cutlass.range_constexpr(SLABS):
-                        cv = cand[li][sl]
-                        if cutlass.const_expr(SPLIT):
-                            cv = cand[0][sl] if half == 0 else cand[1][sl]
-                        blk = j * SLABS + sl
-                        if blk == own:
-                            cv = Float32.inf  # the own block is always kept
-                        ci = blk
-                        if cv > topv[li, TOPK - 1]:  # most blocks of a long row skip this
-                            for t in cutlass.range_constexpr(TOPK):
-                                if cv > topv[li, t]:
-                                    ov = topv[li, t]
-                                    oi = topi[li, t]
-                                    topv[li, t] = cv
-                                    topi[li, t] = ci
-                                    cv = ov
-                                    ci = oi
+                row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
+                own = row // BLOCK
+                for sl in cutlass.range_constexpr(SLABS):
+                    cv = cand[0][sl] if my_row == 0 else cand[1][sl]
+                    blk = j * SLABS + sl
+                    if blk == own:
+                        cv = Float32.inf  # the own block is always kept
+                    ci = blk
+                    # sorted insertion: the first slot the candidate beats strictly (ties keep
+                    # the lower block: blocks arrive in ascending order), then every later
+                    # entry moves down one slot and the last one drops out
+                    shift = Boolean(False)
+                    if cutlass.const_expr(LANES == 2):
+                        # the lower half's candidate is the upper half's last entry when the
+                        # block enters the upper half (it then goes first in the lower half)
+                        up_v = cute.arch.shuffle_sync_bfly(topv[HALF - 1], offset=1)
+                        up_i = cute.arch.shuffle_sync_bfly(topi[HALF - 1], offset=1)
+                        if lower and cv > up_v:
+                            cv = up_v
+                            ci = up_i
+                            shift = Boolean(True)
+                    if shift or cv > topv[HALF - 1]:  # most blocks of a long row skip this
+                        for t in cutlass.range_constexpr(HALF):
+                            if shift or cv > topv[t]:
+                                ov = topv[t]
+                                oi = topi[t]
+                                topv[t] = cv
+                                topi[t] = ci
+                                cv = ov
+                                ci = oi
+                                shift = Boolean(True)
 
             # ascending block numbers, -1 last: odd-even transposition sort, -1 read as +inf
             big = Int32(2147483647)
-            for li in cutlass.range_constexpr(n_lists):
-                keys = []
+            keys = []
+            for t in cutlass.range_constexpr(HALF):
+                keys.append(topi[t])
+            if cutlass.const_expr(LANES == 2):  # the upper lane gathers the lower half
+                for t in cutlass.range_constexpr(HALF):
+                    keys.append(cute.arch.shuffle_sync_bfly(topi[t], offset=1))
+            keys = keys[:TOPK]  # the list is sorted by score: its first TOPK entries are kept
+            for t in cutlass.range_constexpr(TOPK):
+                keys[t] = big if keys[t] < 0 else keys[t]
+            P2 = 1 << (TOPK - 1).bit_length()  # the network needs a power of two
+            keys = _sort_ascending(keys + [big] * (P2 - TOPK))
+            row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
+            if tidx % 2 == 0 and row < L:  # lanes 4q (row 0) and 4q+2 (row 1) write
                 for t in cutlass.range_constexpr(TOPK):
-                    k = topi[li, t]
-                    keys.append(big if k < 0 else k)
-                for rnd in cutlass.range_constexpr(TOPK):
-                    for h in cutlass.range_constexpr((TOPK - rnd % 2) // 2):
-                        t = rnd % 2 + 2 * h
-                        lo = cutlass.min(keys[t], keys[t + 1])
-                        hi = cutlass.max(keys[t], keys[t + 1])
-                        keys[t] = lo
-                        keys[t + 1] = hi
-                row = q0 + crd[li, 0][0]
-                writer = crd[li, 0][1] == 0  # the quad leader of the row
-                if cutlass.const_expr(SPLIT):
-                    row = q0 + (crd[0, 0][0] if half == 0 else crd[1, 0][0])
-                    writer = tidx % 2 == 0  # lanes 4q (row 0) and 4q + 2 (row 1)
-                if writer and row < L:
-                    for t in cutlass.range_constexpr(TOPK):
-                        k = keys[t]
-                        mIdx[start + row, p, t] = -1 if k == big else k
+                    k = keys[t]
+                    mIdx[start + row, p, t] = -1 if k == big else k
 
 
 @cute.jit
@@ -283,7 +308,6 @@ def select_host(
     n_mblk: Int32,
     stream: cuda.CUstream,
     block_size: Constexpr,
-    split_rows: Constexpr = True,
 ):
     """Launch: ``mQ (T, Dp, Hp)``, ``mK (T, Dp, Hpk)`` views of the proxy tensors, ``mCu (N+1,)``,
     ``mIdx (T, Hp, K)``; grid (Hp * N, n_mblk = ceil(max_seqlen / 128))."""
@@ -320,7 +344,7 @@ def select_host(
     grid = (HP * (mCu.shape[0] - 1), n_mblk, 1)
     _select_kernel(
         tma_q, tma_mQ, tma_k, tma_mK, mCu, mIdx, mma_first, mma_rest, sQ_layout, sK_layout,
-        Storage, HP, HPK, DP, block_size, TOPK, dtype.width // 8, split_rows,
+        Storage, HP, HPK, DP, block_size, TOPK, dtype.width // 8,
     ).launch(grid=grid, block=(384, 1, 1), stream=stream)  # fmt: skip
 
 
@@ -367,10 +391,10 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg):
     )
     n_mblk = Int32(max(1, -(-cfg.max_seqlen // TILE_M)))
     stream = cuda.CUstream(torch.cuda.current_stream(q_proxy.device).cuda_stream)
-    key = (q_proxy.dtype, Dp, Hp, Hpk, K, cfg.block_size, SPLIT_ROWS, q_proxy.device.index)
+    key = (q_proxy.dtype, Dp, Hp, Hpk, K, cfg.block_size, q_proxy.device.index)
     fn = _compiled.get(key)
     if fn is None:
-        fn = cute.compile(select_host, *args, n_mblk, stream, cfg.block_size, SPLIT_ROWS)
+        fn = cute.compile(select_host, *args, n_mblk, stream, cfg.block_size)
         _compiled[key] = fn
     fn(*args, n_mblk, stream)
     return idx
