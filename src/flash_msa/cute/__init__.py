@@ -1,10 +1,12 @@
 """CuTe DSL backend (nvidia-cutlass-dsl) for Hopper SM90.
 
-What exists: ``select`` (proxy block selection, ``selection.py``) for sm_90. The sparse forward
-and backward are not written yet: ``unsupported_reason`` says so, ``auto`` then runs them on the
-Triton backend within the same autograd step (the ops share one tensor contract, see
-docs/design.md), and ``FLASH_MSA_BACKEND=cute`` raises :class:`~flash_msa.BackendError` for them.
-Blackwell (sm_100) kernels are not written yet either.
+What exists: ``select`` (proxy block selection, ``selection.py``) for sm_90, checked on an
+H200. ``sparse_fwd.py`` holds the forward's per-block attention kernel, which compiles but has
+not run on a GPU yet, so no op uses it. The forward and backward ops are not available here:
+``unsupported_reason`` says so, ``auto`` then runs them on the Triton backend within the same
+autograd step (the ops share one tensor contract, see docs/design.md), and
+``FLASH_MSA_BACKEND=cute`` raises :class:`~flash_msa.BackendError` for them. Blackwell (sm_100)
+kernels are not written yet either.
 
 Kernels are compiled on first use per static configuration (dtype, head dims, head counts,
 top_k, block size) and cached in-process; sequence lengths, token counts and the number of

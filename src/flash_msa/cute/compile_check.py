@@ -43,6 +43,50 @@ def configurations():
         yield f"select bf16 Dp={Dp} b={block} k={K} Hp=4 Hpk=1", "bf16", Dp, 4, 1, K, block
 
 
+def fwd_configurations():
+    """(name, dtype, H, Hkv, Hs, D, K, block) of the forward-partials kernels checked."""
+    for D in (64, 128):
+        for block in (64, 128):
+            yield f"fwd bf16 anchor D={D} b={block}", "bf16", 16, 2, 4, D, 16, block
+    yield "fwd bf16 paper D=128 b=128", "bf16", 64, 4, 4, 128, 16, 128
+    yield "fwd fp16 Hs<Hkv D=64 b=64", "fp16", 8, 4, 2, 64, 8, 64
+
+
+def compile_fwd(dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: int) -> dict:
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float16, Float32, Int32, Int64
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    from ..triton_ref.sparse_fwd import geometry
+    from .sparse_fwd import CHUNK, partials_host
+
+    dt = {"bf16": BFloat16, "fp16": Float16}[dtype]
+    G, G2, R, _ = geometry(H, Hkv, Hs, CHUNK)
+    T = cute.sym_int32(symbol="T")
+    sym = cute.sym_int32
+    q = make_fake_tensor(dt, (cute.sym_int32(symbol="TH"), D), stride=(D, 1), assumed_align=16)
+    k = make_fake_tensor(dt, (T, D, Hkv), stride=(Hkv * D, 1, D), assumed_align=16)
+    v = make_fake_tensor(dt, (T, D, Hkv), stride=(Hkv * D, 1, D), assumed_align=16)
+    vec = [
+        make_fake_compact_tensor(ty, (sym(symbol=n),), assumed_align=16)
+        for ty, n in ((Int64, "E"), (Int32, "W"), (Int64, "W"), (Int64, "W"), (Int32, "NB"))
+    ]
+    vec.append(make_fake_compact_tensor(Int32, (sym(symbol="NB"),), assumed_align=16))
+    o = make_fake_tensor(dt, (sym(symbol="P"), D), stride=(D, 1), assumed_align=16)
+    lse = make_fake_compact_tensor(Float32, (sym(symbol="P"),), assumed_align=16)
+    opts = "--gpu-arch sm_90a --keep-cubin --keep-ptx"
+    c = cute.compile(
+        partials_host, q, k, v, *vec, o, lse, Float32(1.0), Int32(0), Int32(1),
+        make_fake_stream(), H, Hs, K, G, G2, R, block, options=opts,
+    )  # fmt: skip
+    ptx = c.artifacts.PTX
+    return dict(
+        _resources(c.artifacts.CUBIN),
+        wgmma="wgmma.mma_async" in ptx,
+        tma="cp.async.bulk.tensor" in ptx,
+    )
+
+
 def compile_select(dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int) -> dict:
     import cutlass.cute as cute
     from cutlass import BFloat16, Float16, Int32
@@ -70,10 +114,17 @@ def main() -> int:
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["CUTE_DSL_DUMP_DIR"] = tmp  # --keep-* also write files: keep them out of CWD
+        only = sys.argv[1] if len(sys.argv) > 1 else ""  # a name prefix: "select" or "fwd"
         for name, *cfg in configurations():
-            res = compile_select(*cfg)
-            bad += res["stack"] > 0 or res["local"] > 0
-            print(json.dumps(dict(kernel=name, **res)), flush=True)
+            if name.startswith(only):
+                res = compile_select(*cfg)
+                bad += res["stack"] > 0 or res["local"] > 0
+                print(json.dumps(dict(kernel=name, **res)), flush=True)
+        for name, *cfg in fwd_configurations():
+            if name.startswith(only):
+                res = compile_fwd(*cfg)
+                bad += res["stack"] > 0 or res["local"] > 0
+                print(json.dumps(dict(kernel=name, **res)), flush=True)
     return 1 if bad else 0
 
 

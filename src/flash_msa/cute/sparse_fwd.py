@@ -1,0 +1,373 @@
+"""Sparse main forward on Hopper (sm_90a) in CuTe DSL: per-block attention partials, key-outer.
+
+STATUS: compiles for sm_90a without spills (``compile_check``); **not yet run on a GPU and not
+registered** (``flash_msa.cute.unsupported_reason`` still sends the forward to Triton). The next
+step is the GPU check against ``flash_msa.triton_ref.sparse_fwd`` (same work list, same partial
+buffers), then wiring it into a CuTe ``fwd`` that keeps Triton's combine, proxy-LSE and KL pass.
+
+Same decomposition as the Triton forward (docs/algorithm.md, "Main attention: key-outer over a
+reverse index"): one CTA per work item = (selection head p, key block, up to TW query tokens
+that kept it). The CTA is one warpgroup (128 threads, M = 64 rows per chunk). Per KV sub-group
+of G2 heads it loads the block's K and V tiles once by TMA (a one-shot mbarrier), then for each
+chunk of 64 rows (BT tokens x G2 heads, row = token-major) it
+
+1. gathers the rows' queries by cp.async (16-byte pieces, row index from ``PERM``) into a
+   128B-swizzled shared tile,
+2. computes S = Q K^T by warpgroup MMA (``m64nBLOCKk16``, both operands in shared memory),
+3. masks keys past the block's end or after the row's token, takes the row max and
+   ``P = exp2((S - max) * scale * log2 e)`` in registers (quad shuffles for the row reductions),
+4. computes O = P V by warpgroup MMA with P from registers and V through a transposed
+   (MN-major) view of its shared tile,
+5. writes the normalized partial ``O / l`` (input dtype) and its natural-log LSE to the row's
+   slot of the ``(C, H, K, D)`` / ``(C, H, K)`` partial buffers of the Triton forward.
+
+One block per item means no online softmax: the combine merges a query's K partials by LSE.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Constexpr, Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from .selection import _acc_rows_cols
+
+CHUNK = 64  # rows per chunk: one warpgroup's MMA M
+THREADS = 128
+LN2 = 0.6931471805599453
+
+
+def _acc_as_a(t: cute.Tensor) -> cute.Tensor:
+    """A ``((2, 2, V), M, N)`` accumulator-shaped register tensor as a wgmma register-A fragment
+    ``((2, 2, 2), M, (V / 2, N))``: two neighbouring 8-column groups make one k16 slice."""
+    s, d = t.layout.shape, t.layout.stride
+    shape = ((s[0][0], s[0][1], 2), s[1], (s[0][2] // 2, s[2]))
+    stride = ((d[0][0], d[0][1], d[0][2]), d[1], (d[0][2] * 2, d[2]))
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+@cute.kernel
+def _partials_kernel(
+    mQ: cute.Tensor,  # (T * H, D): row t * H + h
+    tma_k: cute.CopyAtom,
+    mK: cute.Tensor,  # TMA coordinates of k seen as (T, D, Hkv)
+    tma_v: cute.CopyAtom,
+    mV: cute.Tensor,
+    mPerm: cute.Tensor,  # (E,) int64 flat entries token * Hs * K + head * K + slot
+    mItemList: cute.Tensor,  # (W,) int32
+    mItemStart: cute.Tensor,  # (W,) int64
+    mItemEnd: cute.Tensor,  # (W,) int64
+    mBlkStart: cute.Tensor,  # (NB,) int32
+    mBlkEnd: cute.Tensor,  # (NB,) int32
+    mO: cute.Tensor,  # (C * H * K, D) partial outputs, input dtype
+    mL: cute.Tensor,  # (C * H * K,) fp32 partial LSEs
+    scale_log2: Float32,
+    tok0: Int32,
+    NB: Int32,
+    mma_qk: cute.TiledMma,
+    mma_qk_acc: cute.TiledMma,
+    mma_pv: cute.TiledMma,
+    mma_pv_acc: cute.TiledMma,
+    sQ_layout: cute.ComposedLayout,
+    sK_layout: cute.ComposedLayout,
+    gather: cute.TiledCopy,
+    Storage: Constexpr,
+    H: Constexpr,
+    HKV: Constexpr,
+    HS: Constexpr,
+    K: Constexpr,
+    D: Constexpr,
+    G: Constexpr,
+    G2: Constexpr,
+    R: Constexpr,
+    BLOCK: Constexpr,
+    ELEM_BYTES: Constexpr,
+):
+    tidx, _, _ = cute.arch.thread_idx()
+    mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+    mma_qk_acc.set(warpgroup.Field.ACCUMULATE, True)
+    mma_pv.set(warpgroup.Field.ACCUMULATE, False)  # one block: O = P V, first k-slice writes
+    mma_pv_acc.set(warpgroup.Field.ACCUMULATE, True)
+    w, _, _ = cute.arch.block_idx()
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+    st = SmemAllocator().allocate(Storage)
+    sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, D)
+    sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (BLOCK, D, 1)
+    sV = st.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+    sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))  # (D, BLOCK, 1)
+    kv_bar = st.kv_mbar.data_ptr()
+    if warp_idx == 0:
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_init(kv_bar, 1)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+
+    e0 = mItemStart[w]
+    e1 = mItemEnd[w]
+    if e0 < e1:  # CTA-uniform: empty work items (the grid is a worst-case bound) do nothing
+        lst = mItemList[w]
+        p = lst // NB
+        gb = lst % NB
+        ks = mBlkStart[gb]  # packed position of the block's first key
+        ke = mBlkEnd[gb]
+
+        thr_qk = mma_qk.get_slice(tidx)
+        thr_pv = mma_pv.get_slice(tidx)
+        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((CHUNK, BLOCK)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((CHUNK, D)), Float32)
+        S_rc = _acc_rows_cols(acc_S)
+        O_rc = _acc_rows_cols(acc_O)
+        cS = _acc_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((CHUNK, BLOCK))))
+        cO = _acc_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((CHUNK, D))))
+        n_rows = cute.size(S_rc, mode=[0])  # 2
+        rP = cute.make_rmem_tensor_like(acc_S, mQ.element_type)
+        tOrP = _acc_as_a(rP)
+
+        thr_g = gather.get_slice(tidx)
+        tGsQ = thr_g.partition_D(sQ)  # ((8, 1), passes, 1)
+        tGcQ = thr_g.partition_D(cute.make_identity_tensor((CHUNK, D)))
+        g_col = tGcQ[0, 0, 0][1]
+        BT = CHUNK // G2  # tokens per chunk
+        n_chunks = (e1 - e0 + BT - 1) // BT
+
+        for r in cutlass.range_constexpr(R):
+            h0 = p * G + r * G2  # first main head of this KV sub-group
+            kvh = h0 // (H // HKV)
+            gK = cute.local_tile(
+                cute.domain_offset((ks, 0, 0), mK)[None, None, kvh], (BLOCK, D), (0, 0)
+            )
+            gV = cute.local_tile(
+                cute.domain_offset((ks, 0, 0), mV)[None, None, kvh], (BLOCK, D), (0, 0)
+            )
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                cute.group_modes(gK, 0, 2),
+            )  # fmt: skip
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                cute.group_modes(gV, 0, 2),
+            )  # fmt: skip
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(kv_bar, 2 * BLOCK * D * ELEM_BYTES)
+                cute.copy(tma_k, tKgK, tKsK[(None, 0)], tma_bar_ptr=kv_bar)
+                cute.copy(tma_v, tVgV, tVsV[(None, 0)], tma_bar_ptr=kv_bar)
+            cute.arch.mbarrier_wait(kv_bar, r % 2)
+
+            for ch in cutlass.range(n_chunks, unroll=1):
+                c = e0 + ch * BT
+                # 1. gather: pad rows (past the item's end) re-load the last valid row
+                for ps in cutlass.range_constexpr(cute.size(tGsQ, mode=[1])):
+                    row = tGcQ[0, ps, 0][0]
+                    e = cutlass.min(c + row // G2, e1 - 1)
+                    t = mPerm[e] // (HS * K)
+                    qrow = t * H + h0 + row % G2
+                    off = cute.assume(Int64(qrow) * mQ.stride[0] + g_col, divby=8)
+                    src = cute.make_tensor(mQ.iterator + off, cute.make_layout(((8, 1),)))
+                    cute.copy(gather, src, tGsQ[None, ps, 0])
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
+
+                # 2. S = Q K^T
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    mma = mma_qk if kb == 0 else mma_qk_acc
+                    cute.gemm(mma, acc_S, tSrQ[None, None, kb], tSrK[None, None, kb, 0], acc_S)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # 3. mask and exponentiate (each thread: 2 rows, BLOCK / 4 columns)
+                row_max = []
+                row_sum = []
+                for i in cutlass.range_constexpr(n_rows):
+                    row = cS[i, 0][0]
+                    e = cutlass.min(c + row // G2, e1 - 1)
+                    t = mPerm[e] // (HS * K)
+                    mx = -Float32.inf
+                    for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
+                        kpos = ks + cS[i, j][1]
+                        if kpos >= ke or kpos > t:
+                            S_rc[i, j] = -Float32.inf
+                        mx = cute.arch.fmax(mx, S_rc[i, j])
+                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+                    mx = Float32(0.0) if mx == -Float32.inf else mx  # a row with no key
+                    ssum = Float32(0.0)
+                    for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
+                        pv = cute.math.exp2(
+                            S_rc[i, j] * scale_log2 - mx * scale_log2, fastmath=True
+                        )
+                        S_rc[i, j] = pv
+                        ssum += pv
+                    ssum += cute.arch.shuffle_sync_bfly(ssum, offset=1)
+                    ssum += cute.arch.shuffle_sync_bfly(ssum, offset=2)
+                    row_max.append(mx)
+                    row_sum.append(ssum)
+
+                # 4. O = P V (P from registers)
+                rP.store(acc_S.load().to(mQ.element_type))
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    mma = mma_pv if kb == 0 else mma_pv_acc
+                    cute.gemm(mma, acc_O, tOrP[None, None, kb], tOrV[None, None, kb, 0], acc_O)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # 5. normalized partial and natural-log LSE into the row's slot
+                for i in cutlass.range_constexpr(n_rows):
+                    row = cO[i, 0][0]
+                    e = c + row // G2
+                    if e < e1:
+                        flat = mPerm[e]
+                        t = flat // (HS * K)
+                        slot = flat % K
+                        part = ((t - tok0) * H + h0 + row % G2) * K + slot
+                        ssum = row_sum[i]
+                        inv = Float32(0.0) if ssum == 0.0 else cute.arch.rcp_approx(ssum)
+                        for j in cutlass.range_constexpr(cute.size(O_rc, mode=[1])):
+                            mO[part, cO[i, j][1]] = (O_rc[i, j] * inv).to(mO.element_type)
+                        if cO[i, 0][1] == 0:
+                            lse = -Float32.inf
+                            if ssum > 0.0:
+                                lse = (row_max[i] * scale_log2 + cute.math.log2(ssum)) * LN2
+                            mL[part] = lse
+                cute.arch.sync_threads()  # sQ is overwritten by the next chunk's gather
+            cute.arch.sync_threads()  # sK / sV are overwritten by the next sub-group's TMA
+
+
+@cute.jit
+def partials_host(
+    mQ: cute.Tensor,
+    mK: cute.Tensor,
+    mV: cute.Tensor,
+    mPerm: cute.Tensor,
+    mItemList: cute.Tensor,
+    mItemStart: cute.Tensor,
+    mItemEnd: cute.Tensor,
+    mBlkStart: cute.Tensor,
+    mBlkEnd: cute.Tensor,
+    mO: cute.Tensor,
+    mL: cute.Tensor,
+    scale_log2: Float32,
+    tok0: Int32,
+    NB: Int32,
+    stream: cuda.CUstream,
+    H: Constexpr,
+    HS: Constexpr,
+    K: Constexpr,
+    G: Constexpr,
+    G2: Constexpr,
+    R: Constexpr,
+    BLOCK: Constexpr,
+):
+    """Launch one CTA per work item. ``mQ (T*H, D)``; ``mK``, ``mV`` the ``(T, D, Hkv)`` views;
+    the work list of ``flash_msa.triton_ref.worklist``; partial buffers ``mO (C*H*K, D)``,
+    ``mL (C*H*K,)``."""
+    D = mQ.shape[1]
+    HKV = mK.shape[2]
+    dtype = mQ.element_type
+
+    def make_qk():
+        return sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(CHUNK, BLOCK),
+        )  # fmt: skip
+
+    def make_pv():
+        return sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(CHUNK, D),
+            a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+
+    mma_qk, mma_qk_acc = make_qk(), make_qk()
+    mma_pv, mma_pv_acc = make_pv(), make_pv()
+    sQ_layout = cute.slice_(
+        sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (CHUNK, BLOCK, D), dtype, 1),
+        (None, None, 0),
+    )
+    sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (CHUNK, BLOCK, D), dtype, 1)
+    tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)), (BLOCK, D)
+    )
+    tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), mV, cute.slice_(sK_layout, (None, None, 0)), (BLOCK, D)
+    )
+    tpr = D // 8  # threads per row: 16-byte pieces
+    gather = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+            num_bits_per_copy=128,
+        ),
+        cute.make_layout((THREADS // tpr, tpr), stride=(tpr, 1)),
+        cute.make_layout((1, 8)),
+    )  # fmt: skip
+
+    @cute.struct
+    class Storage:
+        kv_mbar: cute.struct.MemRange[cutlass.Int64, 1]
+        sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+        sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+
+    assert Storage.__sizeof__() <= cutlass.memory.get_smem_capacity_in_bytes("sm_90")
+    _partials_kernel(
+        mQ, tma_k, tma_mK, tma_v, tma_mV, mPerm, mItemList, mItemStart, mItemEnd, mBlkStart,
+        mBlkEnd, mO, mL, scale_log2, tok0, NB, mma_qk, mma_qk_acc, mma_pv, mma_pv_acc, sQ_layout,
+        sK_layout,
+        gather, Storage, H, HKV, HS, K, D, G, G2, R, BLOCK, dtype.width // 8,
+    ).launch(grid=(mItemList.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# host: the partials of one query chunk over a Triton work list
+# ---------------------------------------------------------------------------------------------
+_compiled: dict = {}
+
+
+def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
+    """Fill ``o_part (C, H, K, D)`` and ``l_part (C, H, K)`` (the Triton forward's partial
+    buffers, for packed tokens ``tok0 .. tok0 + C``) from work list ``wl``
+    (``flash_msa.triton_ref.worklist.build``). Unverified on a GPU: see the module docstring."""
+    import math
+
+    import torch
+
+    from ..triton_ref.sparse_fwd import geometry
+    from .selection import _cute_tensor
+
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    G, G2, R, _ = geometry(H, Hkv, num_sel_heads, CHUNK)
+    args = (
+        _cute_tensor(q.view(T * H, D)),
+        _cute_tensor(k.permute(0, 2, 1)),  # (T, D, Hkv): one TMA box = a key block of one head
+        _cute_tensor(v.permute(0, 2, 1)),
+        *(_cute_tensor(x) for x in wl[:6]),  # perm, item_list, item_start/end, block_start/end
+        _cute_tensor(o_part.view(-1, D)),
+        _cute_tensor(l_part.view(-1)),
+    )
+    scalars = (
+        Float32(cfg.softmax_scale * math.log2(math.e)),
+        Int32(tok0),
+        Int32(wl.num_blocks),
+        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream),
+    )
+    static = (H, num_sel_heads, wl.slots, G, G2, R, cfg.block_size)
+    key = (q.dtype, D, Hkv, *static, q.device.index)
+    fn = _compiled.get(key)
+    if fn is None:
+        fn = cute.compile(partials_host, *args, *scalars, *static)
+        _compiled[key] = fn
+    fn(*args, *scalars)
