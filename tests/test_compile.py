@@ -22,7 +22,8 @@ def test_triton_kernels_compile_for_sm90_without_spills(kernel):
     for r in rows:
         assert r["spill_bytes"] == 0, r
         assert r["shared_bytes"] <= 232448, r
-        assert r["wgmma"] or r["kernel"].startswith("combine"), r  # combine has no MMA
+        # combine has no MMA; the proxy-only forward's MMA has BT = 32 rows (< wgmma's M = 64)
+        assert r["wgmma"] or r["kernel"].startswith(("combine", "fwd-proxy-only")), r
     assert res.returncode == 0, res.stderr
 
 

@@ -362,3 +362,35 @@ def test_proxy_gradient_made_by_the_forward_only_when_training(monkeypatch):
     kl.backward()
     assert seen == [(False, False), (True, False), (True, True)]
     assert all(x.grad is not None for x in xs[:2])
+
+
+def test_fwd_with_partials_from_another_kernel(monkeypatch):
+    """The hook the CuTe forward uses: per-block partials from another implementation (here the
+    Triton kernel's main part alone), proxy LSE partials, combine and KL from this forward."""
+    from flash_msa.triton_ref import sparse_fwd
+
+    _poison_empty(monkeypatch)
+    lengths, H, Hkv, Hp, D, b, top_k = (70, 1, 200), 8, 2, 4, 16, 64, 3
+    T = sum(lengths)
+    qp, kp, q, k, v = (
+        x[0].to(DEV) for x in testing.make_inputs(1, T, H, Hkv, Hp, 1, D, D, dtype=torch.float32)
+    )
+    cu = _cu(lengths).to(DEV)
+    cfg = Config(b, D**-0.5, max(lengths), D**-0.5, top_k, False, True)
+    idx = reference.select(qp, kp, cu, cfg)
+    calls = []
+
+    def main(q, k, v, wl, o_part, l_part, Hs, cfg, tok0):
+        calls.append(tok0)
+        G, G2, R, BT = sparse_fwd.geometry(H, Hkv, Hs, 128)
+        sparse_fwd._fwd_kernel[(wl.num_items,)](
+            q, k, v, q, k, *wl[:6], o_part, l_part, l_part, cfg.softmax_scale, 1.0, tok0,
+            H=H, Hkv=Hkv, Hs=Hs, Hpk=1, K=wl.slots, D=D, Dp=16, G=G, G2=G2, R=R, BLOCK=b,
+            BT=BT, NB=wl.num_blocks, PREC="ieee", HAS_PROXY=False, PREFETCH=True, num_warps=8,
+        )  # fmt: skip
+
+    mine = sparse_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp, main=main)
+    ref = sparse_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp)
+    assert calls == [0]
+    for name, a, r in zip(["out", "lse", "proxy_lse", "kl"], mine, ref):
+        torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)

@@ -19,7 +19,7 @@ from ..problem import Problem
 
 _DTYPES = ("bfloat16", "float16")
 _NOT_YET = {
-    "fwd": "the CuTe sparse forward is not implemented yet (auto runs it on Triton)",
+    "fwd": "the CuTe sparse forward has not been checked on a GPU yet (auto runs it on Triton)",
     "bwd": "the CuTe backward is not implemented yet (auto runs it on Triton)",
 }
 

@@ -371,3 +371,14 @@ def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
         fn = cute.compile(partials_host, *args, *scalars, *static)
         _compiled[key] = fn
     fn(*args, *scalars)
+
+
+def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):
+    """Backend op ``fwd`` for given indices: the Triton forward with :func:`partials` doing the
+    per-block attention (combine, proxy LSE and KL pass are Triton's). Not registered yet:
+    ``flash_msa.cute.unsupported_reason`` refuses the forward until it has run on a GPU."""
+    from ..triton_ref.sparse_fwd import fwd as triton_fwd
+
+    return triton_fwd(
+        q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad, main=partials
+    )

@@ -86,18 +86,27 @@ def configurations():
                 def geo(rows, H=H, Hkv=Hkv, Hs=Hs):
                     return dict(zip(("G", "G2", "R", "BT"), sparse_fwd.geometry(H, Hkv, Hs, rows)))
 
+                fwd_base = dict(
+                    base,
+                    Hpk=Hpk,
+                    Dp=D,
+                    HAS_PROXY=True,
+                    PREFETCH=sparse_fwd.FWD_PREFETCH,
+                    **geo(128),
+                )
                 yield (
                     f"fwd {tag}",
                     sparse_fwd._fwd_kernel,
                     sparse_fwd.SIGNATURE["fwd"],
-                    dict(
-                        base,
-                        Hpk=Hpk,
-                        Dp=D,
-                        HAS_PROXY=True,
-                        PREFETCH=sparse_fwd.FWD_PREFETCH,
-                        **geo(128),
-                    ),
+                    dict(fwd_base, HAS_MAIN=True),
+                    8,
+                    sparse_fwd.FWD_STAGES,
+                )
+                yield (  # proxy LSE partials only (the CuTe forward makes the main partials)
+                    f"fwd-proxy-only {tag}",
+                    sparse_fwd._fwd_kernel,
+                    sparse_fwd.SIGNATURE["fwd"],
+                    dict(fwd_base, HAS_MAIN=False),
                     8,
                     sparse_fwd.FWD_STAGES,
                 )

@@ -81,6 +81,7 @@ def _fwd_kernel(
     HAS_PROXY: tl.constexpr,
     PREC: tl.constexpr,
     PREFETCH: tl.constexpr,
+    HAS_MAIN: tl.constexpr = True,  # False: only the proxy LSE partials (another kernel did O)
 ):
     w = tl.program_id(0)
     e0 = tl.load(ITEM_START + w)
@@ -89,38 +90,39 @@ def _fwd_kernel(
         return
     p, kpos, m_k = _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK)
     o_d = tl.arange(0, D)
-    for r in tl.static_range(R):
-        h0 = p * G + r * G2  # first main head of this KV sub-group
-        kvh = h0 // (H // Hkv)
-        p_kv = (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
-        b_k = tl.load(Kt + p_kv, mask=m_k[:, None], other=0.0)  # [BLOCK, D]
-        b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
-        nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
-        for c in range(e0, e1, BT):
-            if not PREFETCH:
-                nxt = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
-            t, slot, hj, m_r = nxt
-            row = t * H + h0 + hj  # [BM] (token, head)
-            b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
-            if PREFETCH:  # the next chunk's entries load while this one computes
-                nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BM, BLOCK]
-            keep = m_k[None, :] & (kpos[None, :] <= t[:, None])
-            b_s = tl.where(keep, b_s, float("-inf"))
-            b_m = tl.max(b_s, axis=1)
-            b_m = tl.where(b_m == float("-inf"), 0.0, b_m)  # a row with no visible key
-            b_p = tl.exp(b_s - b_m[:, None])
-            b_l = tl.sum(b_p, axis=1)
-            b_o = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [BM, D]
-            b_o = b_o / tl.where(b_l > 0, b_l, 1.0)[:, None]
-            b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
-            part = ((t - tok0) * H + h0 + hj) * K + slot  # chunk-local partial row
-            tl.store(
-                O_PART + part[:, None] * D + o_d[None, :],
-                b_o.to(O_PART.dtype.element_ty),
-                mask=m_r[:, None],
-            )
-            tl.store(L_PART + part, b_lse, mask=m_r)
+    if HAS_MAIN:
+        for r in tl.static_range(R):
+            h0 = p * G + r * G2  # first main head of this KV sub-group
+            kvh = h0 // (H // Hkv)
+            p_kv = (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
+            b_k = tl.load(Kt + p_kv, mask=m_k[:, None], other=0.0)  # [BLOCK, D]
+            b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
+            nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
+            for c in range(e0, e1, BT):
+                if not PREFETCH:
+                    nxt = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
+                t, slot, hj, m_r = nxt
+                row = t * H + h0 + hj  # [BM] (token, head)
+                b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+                if PREFETCH:  # the next chunk's entries load while this one computes
+                    nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
+                b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BM, BLOCK]
+                keep = m_k[None, :] & (kpos[None, :] <= t[:, None])
+                b_s = tl.where(keep, b_s, float("-inf"))
+                b_m = tl.max(b_s, axis=1)
+                b_m = tl.where(b_m == float("-inf"), 0.0, b_m)  # a row with no visible key
+                b_p = tl.exp(b_s - b_m[:, None])
+                b_l = tl.sum(b_p, axis=1)
+                b_o = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [BM, D]
+                b_o = b_o / tl.where(b_l > 0, b_l, 1.0)[:, None]
+                b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+                part = ((t - tok0) * H + h0 + hj) * K + slot  # chunk-local partial row
+                tl.store(
+                    O_PART + part[:, None] * D + o_d[None, :],
+                    b_o.to(O_PART.dtype.element_ty),
+                    mask=m_r[:, None],
+                )
+                tl.store(L_PART + part, b_lse, mask=m_r)
     if HAS_PROXY:
         o_dp = tl.arange(0, Dp)
         pk = p // (Hs // Hpk)
@@ -237,7 +239,18 @@ def combine_heads(H: int, K: int) -> int:
 PARTIAL_BYTES = 2 << 30  # the partial-output buffer of one query chunk stays below 2 GiB
 
 
-def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, proxy_grad=False):
+def fwd(
+    q,
+    k,
+    v,
+    indices,
+    cu_seqlens,
+    cfg: Config,
+    q_proxy=None,
+    k_proxy=None,
+    proxy_grad=False,
+    main=None,
+):
     """Backend op ``fwd`` (contract in docs/design.md) for given indices (not warmup).
 
     Queries are processed in chunks of C tokens (a static loop: C depends on shapes only) so
@@ -247,6 +260,10 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, p
     With ``proxy_grad`` and ``compute_kl`` the KL pass also accumulates the proxy gradient for
     ``dkl = 1`` (``Forward.proxy_grad``, fp32): the gradient is linear in ``dkl``, so ``bwd``
     only scales it instead of running a second pass that recomputes the same scores.
+
+    ``main``: another implementation of the per-block partials, called per chunk as
+    ``main(q, k, v, wl, o_part, l_part, Hs, cfg, tok0)`` (the CuTe backend's); this kernel then
+    only makes the proxy LSE partials. Combine, proxy LSE and KL pass stay the same.
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
@@ -279,13 +296,16 @@ def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, p
         idx = indices[c0:c1]
         wl = worklist.build(idx, cu_seqlens, cfg.block_size, ITEM_TOKENS, c0, T)
         items = (wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end)
-        _fwd_kernel[(wl.num_items,)](
-            q, k, v, qp_arg, kp_arg, *items, o_part, l_part, pl_part,
-            cfg.softmax_scale, cfg.proxy_scale or 1.0, c0,
-            H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
-            BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC=prec, HAS_PROXY=proxy,
-            PREFETCH=FWD_PREFETCH, num_warps=8, num_stages=FWD_STAGES,
-        )  # fmt: skip
+        if main is not None:
+            main(q, k, v, wl, o_part, l_part, Hs, cfg, c0)
+        if main is None or proxy:
+            _fwd_kernel[(wl.num_items,)](
+                q, k, v, qp_arg, kp_arg, *items, o_part, l_part, pl_part,
+                cfg.softmax_scale, cfg.proxy_scale or 1.0, c0,
+                H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
+                BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC=prec, HAS_PROXY=proxy,
+                PREFETCH=FWD_PREFETCH, HAS_MAIN=main is None, num_warps=8, num_stages=FWD_STAGES,
+            )  # fmt: skip
         _combine_kernel[(c1 - c0, triton.cdiv(H, HB))](
             o_part, l_part, idx, out[c0:c1], lse[c0:c1],
             H=H, Hs=Hs, K=K, KP2=KP2, D=D, G=G, HB=HB, HAS_O=True,
