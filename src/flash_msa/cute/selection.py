@@ -34,7 +34,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import Boolean, Constexpr, Float32, Int32
+from cutlass import Boolean, Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
@@ -296,7 +296,7 @@ def _select_kernel(
             if tidx % 2 == 0 and row < L:  # lanes 4q (row 0) and 4q+2 (row 1) write
                 for t in cutlass.range_constexpr(TOPK):
                     k = keys[t]
-                    mIdx[start + row, p, t] = -1 if k == big else k
+                    mIdx[Int64(start + row), p, t] = -1 if k == big else k  # 64-bit offset
 
 
 @cute.jit

@@ -350,6 +350,13 @@ def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
     T, H, D = q.shape
     Hkv = k.shape[1]
     G, G2, R, _ = geometry(H, Hkv, num_sel_heads, CHUNK)
+    if G2 * R != G or G2 & (G2 - 1) or D not in (64, 128) or cfg.block_size not in (64, 128):
+        raise ValueError(  # the sub-groups must tile the group exactly (else heads are skipped)
+            f"CuTe forward partials: unsupported heads/dims (H={H}, Hkv={Hkv}, "
+            f"Hs={num_sel_heads}, D={D}, block {cfg.block_size})"
+        )
+    # TMA and the 16-byte cp.async gather need 16-byte aligned bases
+    q, k, v = (x if x.data_ptr() % 16 == 0 else x.clone() for x in (q, k, v))
     args = (
         _cute_tensor(q.view(T * H, D)),
         _cute_tensor(k.permute(0, 2, 1)),  # (T, D, Hkv): one TMA box = a key block of one head
