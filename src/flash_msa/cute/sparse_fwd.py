@@ -51,6 +51,11 @@ def _acc_as_a(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
+def _loads_before(r: int, g2: int, kv_group: int) -> int:
+    """K/V tile loads issued before sub-group ``r``'s (trace time): one per new KV head."""
+    return sum(1 for i in range(r) if i == 0 or (i * g2) % kv_group == 0)
+
+
 @cute.kernel
 def _partials_kernel(
     mQ: cute.Tensor,  # (T * H, D): row t * H + h
@@ -142,26 +147,29 @@ def _partials_kernel(
         for r in cutlass.range_constexpr(R):
             h0 = p * G + r * G2  # first main head of this KV sub-group
             kvh = h0 // (H // HKV)
-            gK = cute.local_tile(
-                cute.domain_offset((ks, 0, 0), mK)[None, None, kvh], (BLOCK, D), (0, 0)
-            )
-            gV = cute.local_tile(
-                cute.domain_offset((ks, 0, 0), mV)[None, None, kvh], (BLOCK, D), (0, 0)
-            )
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                cute.group_modes(gK, 0, 2),
-            )  # fmt: skip
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                cute.group_modes(gV, 0, 2),
-            )  # fmt: skip
-            if warp_idx == 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(kv_bar, 2 * BLOCK * D * ELEM_BYTES)
-                cute.copy(tma_k, tKgK, tKsK[(None, 0)], tma_bar_ptr=kv_bar)
-                cute.copy(tma_v, tVgV, tVsV[(None, 0)], tma_bar_ptr=kv_bar)
-            cute.arch.mbarrier_wait(kv_bar, r % 2)
+            # K/V change only where a sub-group starts a new KV head (static: p * G is a
+            # multiple of the KV group or inside one); reloading the same tile is skipped
+            if cutlass.const_expr(r == 0 or (r * G2) % (H // HKV) == 0):
+                gK = cute.local_tile(
+                    cute.domain_offset((ks, 0, 0), mK)[None, None, kvh], (BLOCK, D), (0, 0)
+                )
+                gV = cute.local_tile(
+                    cute.domain_offset((ks, 0, 0), mV)[None, None, kvh], (BLOCK, D), (0, 0)
+                )
+                tKsK, tKgK = cpasync.tma_partition(
+                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                    cute.group_modes(gK, 0, 2),
+                )  # fmt: skip
+                tVsV, tVgV = cpasync.tma_partition(
+                    tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                    cute.group_modes(gV, 0, 2),
+                )  # fmt: skip
+                if warp_idx == 0:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(kv_bar, 2 * BLOCK * D * ELEM_BYTES)
+                    cute.copy(tma_k, tKgK, tKsK[(None, 0)], tma_bar_ptr=kv_bar)
+                    cute.copy(tma_v, tVgV, tVsV[(None, 0)], tma_bar_ptr=kv_bar)
+                cute.arch.mbarrier_wait(kv_bar, _loads_before(r, G2, H // HKV) % 2)
 
             for ch in cutlass.range(n_chunks, unroll=1):
                 c = e0 + ch * BT
@@ -243,7 +251,7 @@ def _partials_kernel(
                                 lse = (row_max[i] * scale_log2 + cute.math.log2(ssum)) * LN2
                             mL[part] = lse
                 cute.arch.sync_threads()  # sQ is overwritten by the next chunk's gather
-            cute.arch.sync_threads()  # sK / sV are overwritten by the next sub-group's TMA
+            cute.arch.sync_threads()  # sK / sV may be overwritten by the next sub-group's TMA
 
 
 @cute.jit
