@@ -278,7 +278,7 @@ class _MSAFunction(torch.autograd.Function):
         # bwd_be is None under torch.no_grad(), where needs_input_grad still says True
         proxy_grad = bwd_be is not None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         use_proxy = cfg.compute_kl or proxy_grad
-        res = fwd_be.fwd(
+        out, lse, proxy_lse, kl, unit = fwd_be.fwd(
             q,
             k,
             v,
@@ -289,7 +289,6 @@ class _MSAFunction(torch.autograd.Function):
             k_proxy if use_proxy else None,
             proxy_grad=proxy_grad,
         )
-        out, lse, proxy_lse, kl, unit = res
         if kl is None:  # compute_kl=False: the value is 0, the gradient stays exact
             kl = torch.zeros((), dtype=lse.dtype, device=q.device)
         ctx.save_for_backward(
@@ -303,7 +302,7 @@ class _MSAFunction(torch.autograd.Function):
             k_proxy if proxy_grad else None,
             proxy_lse if proxy_grad else None,
             cu_seqlens,
-            *(unit if proxy_grad and unit is not None else (None, None)),
+            *(unit or (None, None)),  # Forward.proxy_grad: made only when asked
         )
         ctx.cfg, ctx.bwd_be = cfg, bwd_be
         return out, kl

@@ -9,26 +9,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 
-def _resources(cubin: bytes) -> dict:
-    import triton
+def _compile(host, *args) -> dict:
+    """Compile ``host`` for sm_90a; cuobjdump's counts and whether the PTX uses wgmma and TMA."""
+    import cutlass.cute as cute
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        out = subprocess.run(
-            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    finally:
-        os.unlink(f.name)
-    line = next(x for x in out.splitlines() if "REG:" in x)
-    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
-    return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "LOCAL")}
+    from ..triton_ref.compile_check import cubin_resources
+
+    c = cute.compile(host, *args, options="--gpu-arch sm_90a --keep-cubin --keep-ptx")
+    ptx = c.artifacts.PTX
+    return dict(
+        cubin_resources(c.artifacts.CUBIN),
+        wgmma="wgmma.mma_async" in ptx,
+        tma="cp.async.bulk.tensor" in ptx,
+    )
 
 
 def configurations():
@@ -62,9 +59,9 @@ def compile_fwd(dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: in
 
     dt = {"bf16": BFloat16, "fp16": Float16}[dtype]
     G, G2, R, _ = geometry(H, Hkv, Hs, CHUNK)
-    T = cute.sym_int32(symbol="T")
     sym = cute.sym_int32
-    q = make_fake_tensor(dt, (cute.sym_int32(symbol="TH"), D), stride=(D, 1), assumed_align=16)
+    T = sym(symbol="T")
+    q = make_fake_tensor(dt, (sym(symbol="TH"), D), stride=(D, 1), assumed_align=16)
     k = make_fake_tensor(dt, (T, D, Hkv), stride=(Hkv * D, 1, D), assumed_align=16)
     v = make_fake_tensor(dt, (T, D, Hkv), stride=(Hkv * D, 1, D), assumed_align=16)
     vec = [
@@ -74,17 +71,10 @@ def compile_fwd(dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: in
     vec.append(make_fake_compact_tensor(Int32, (sym(symbol="NB"),), assumed_align=16))
     o = make_fake_tensor(dt, (sym(symbol="P"), D), stride=(D, 1), assumed_align=16)
     lse = make_fake_compact_tensor(Float32, (sym(symbol="P"),), assumed_align=16)
-    opts = "--gpu-arch sm_90a --keep-cubin --keep-ptx"
-    c = cute.compile(
+    return _compile(
         partials_host, q, k, v, *vec, o, lse, Float32(1.0), Int32(0), Int32(1),
-        make_fake_stream(), H, Hs, K, G, G2, R, block, options=opts,
+        make_fake_stream(), H, Hs, K, G, G2, R, block,
     )  # fmt: skip
-    ptx = c.artifacts.PTX
-    return dict(
-        _resources(c.artifacts.CUBIN),
-        wgmma="wgmma.mma_async" in ptx,
-        tma="cp.async.bulk.tensor" in ptx,
-    )
 
 
 def compile_select(dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int) -> dict:
@@ -100,14 +90,7 @@ def compile_select(dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int) -
     k = make_fake_tensor(dt, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16)
     cu = make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="N1"),), assumed_align=16)
     idx = make_fake_tensor(Int32, (T, Hp, K), stride=(Hp * K, K, 1), assumed_align=16)
-    opts = "--gpu-arch sm_90a --keep-cubin --keep-ptx"
-    c = cute.compile(select_host, q, k, cu, idx, Int32(1), make_fake_stream(), block, options=opts)
-    ptx = c.artifacts.PTX
-    return dict(
-        _resources(c.artifacts.CUBIN),
-        wgmma="wgmma.mma_async" in ptx,
-        tma="cp.async.bulk.tensor" in ptx,
-    )
+    return _compile(select_host, q, k, cu, idx, Int32(1), make_fake_stream(), block)
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ Selection rule (identical to the reference and the Triton kernel): the own block
 rank +inf; a block enters the list only if its maximum is strictly greater than the list's last
 (smallest) entry, so ties keep the lower block (tiles arrive in ascending order); a block with no
 visible key never enters. At the end each row's kept blocks are sorted ascending, unused slots
-are -1, and the quad leader writes them: the only output is ``indices (T, Hp, K)`` int32.
+are -1, and one lane per row writes them: the only output is ``indices (T, Hp, K)`` int32.
 
 The scale is not applied: ``proxy_scale > 0`` (validated by the API) does not change the order.
 Layouts: ``q_proxy (T, Hp, Dp)`` and ``k_proxy (T, Hpk, Dp)`` are seen as ``(T, Dp, heads)``
@@ -39,23 +39,13 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from .common import acc_rows_cols, aligned, cute_tensor, launch, stream
+
 TILE_M = 128  # query tokens per CTA (two consumer warpgroups x 64 rows)
 TILE_N = 128  # keys per pipeline stage (one or two key blocks)
 STAGES = 4  # key tiles in flight
 PRODUCER_REGS, CONSUMER_REGS = 24, 240  # 128 * 24 + 256 * 240 = 168 * 384
 MAX_TOPK = 64
-
-
-def _acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
-    """View a thread's m64nNk16 accumulator ``((2, 2, V), M, N)`` as ``(rows, cols)``.
-
-    Mode 0 of the fragment is (column pair, row half, 8-column group): a thread holds two rows
-    and, for each, columns ``2 * (lane % 4) + {0, 1} + 8 * v``, so column index ``c`` of the view
-    lies in key column ``8 * (c // 2) + ...`` (ascending with ``c``)."""
-    s, d = t.layout.shape, t.layout.stride
-    shape = ((s[0][1], s[1]), (s[0][0], s[0][2], s[2]))
-    stride = ((d[0][1], d[1]), (d[0][0], d[0][2], d[2]))
-    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
 def _max_of(vals):
@@ -189,8 +179,8 @@ def _select_kernel(
             tSrQ = mma_first.make_fragment_A(wg_mma.partition_A(sQ))
             tSrK = mma_first.make_fragment_B(wg_mma.partition_B(sK))
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), Float32)
-            acc_rc = _acc_rows_cols(acc)
-            crd = _acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+            acc_rc = acc_rows_cols(acc)
+            crd = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
             n_rows = cute.size(crd, mode=[0])  # 2
             n_cols = cute.size(crd, mode=[1])  # 32
             SLABS = TILE_N // BLOCK  # key blocks per tile
@@ -351,22 +341,6 @@ def select_host(
 # ---------------------------------------------------------------------------------------------
 # host: torch tensors in, indices out
 # ---------------------------------------------------------------------------------------------
-_compiled: dict = {}
-
-
-def _cute_tensor(t):
-    """A CuTe view of CUDA tensor ``t`` with a run-time outermost size (no recompilation when
-    the token or sequence count changes); other sizes stay static.
-
-    The mode order is given outermost first by descending stride, ties to the lower mode (what
-    CuTe deduces; ``Tensor.dim_order()`` differs when a size-1 mode repeats a stride)."""
-    from cutlass.cute.runtime import from_dlpack
-
-    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
-    ct = from_dlpack(t, assumed_align=16)
-    return ct.mark_compact_shape_dynamic(mode=0, stride_order=order, divisibility=1)
-
-
 def select(q_proxy, k_proxy, cu_seqlens, cfg):
     """Backend op ``select`` (docs/design.md): ``indices (T, Hp, top_k)`` int32, ascending
     sequence-local block numbers, -1 in unused slots.
@@ -380,21 +354,14 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg):
     idx = torch.empty((T, Hp, K), dtype=torch.int32, device=q_proxy.device)
     if T == 0:
         return idx
-    # TMA needs 16-byte aligned bases: a view into a larger buffer may not be
-    qp, kp = (x.detach() for x in (q_proxy, k_proxy))  # DLPack refuses autograd leaves
-    qp, kp = (x if x.data_ptr() % 16 == 0 else x.clone() for x in (qp, kp))
-    args = (
-        _cute_tensor(qp.permute(0, 2, 1)),  # (T, Dp, Hp): one TMA box = 128 tokens of one head
-        _cute_tensor(kp.permute(0, 2, 1)),
-        _cute_tensor(cu_seqlens),
-        _cute_tensor(idx),
+    runtime = (
+        cute_tensor(aligned(q_proxy).permute(0, 2, 1)),  # (T, Dp, Hp): a TMA box = one head
+        cute_tensor(aligned(k_proxy).permute(0, 2, 1)),
+        cute_tensor(cu_seqlens),
+        cute_tensor(idx),
+        Int32(max(1, -(-cfg.max_seqlen // TILE_M))),
+        stream(q_proxy.device),
     )
-    n_mblk = Int32(max(1, -(-cfg.max_seqlen // TILE_M)))
-    stream = cuda.CUstream(torch.cuda.current_stream(q_proxy.device).cuda_stream)
     key = (q_proxy.dtype, Dp, Hp, Hpk, K, cfg.block_size, q_proxy.device.index)
-    fn = _compiled.get(key)
-    if fn is None:
-        fn = cute.compile(select_host, *args, n_mblk, stream, cfg.block_size)
-        _compiled[key] = fn
-    fn(*args, n_mblk, stream)
+    launch(select_host, key, runtime, (cfg.block_size,))
     return idx

@@ -35,7 +35,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from .selection import _acc_rows_cols
+from .common import acc_rows_cols, aligned, cute_tensor, launch, stream
 
 CHUNK = 64  # rows per chunk: one warpgroup's MMA M
 THREADS = 128
@@ -129,10 +129,10 @@ def _partials_kernel(
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
         acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((CHUNK, BLOCK)), Float32)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((CHUNK, D)), Float32)
-        S_rc = _acc_rows_cols(acc_S)
-        O_rc = _acc_rows_cols(acc_O)
-        cS = _acc_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((CHUNK, BLOCK))))
-        cO = _acc_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((CHUNK, D))))
+        S_rc = acc_rows_cols(acc_S)
+        O_rc = acc_rows_cols(acc_O)
+        cS = acc_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((CHUNK, BLOCK))))
+        cO = acc_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((CHUNK, D))))
         n_rows = cute.size(S_rc, mode=[0])  # 2
         rP = cute.make_rmem_tensor_like(acc_S, mQ.element_type)
         tOrP = _acc_as_a(rP)
@@ -341,19 +341,13 @@ def partials_host(
 # ---------------------------------------------------------------------------------------------
 # host: the partials of one query chunk over a Triton work list
 # ---------------------------------------------------------------------------------------------
-_compiled: dict = {}
-
-
 def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
     """Fill ``o_part (C, H, K, D)`` and ``l_part (C, H, K)`` (the Triton forward's partial
     buffers, for packed tokens ``tok0 .. tok0 + C``) from work list ``wl``
     (``flash_msa.triton_ref.worklist.build``). Unverified on a GPU: see the module docstring."""
     import math
 
-    import torch
-
     from ..triton_ref.sparse_fwd import geometry
-    from .selection import _cute_tensor
 
     T, H, D = q.shape
     Hkv = k.shape[1]
@@ -363,29 +357,20 @@ def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
             f"CuTe forward partials: unsupported heads/dims (H={H}, Hkv={Hkv}, "
             f"Hs={num_sel_heads}, D={D}, block {cfg.block_size})"
         )
-    # TMA and the 16-byte cp.async gather need 16-byte aligned bases
-    q, k, v = (x if x.data_ptr() % 16 == 0 else x.clone() for x in (q, k, v))
-    args = (
-        _cute_tensor(q.view(T * H, D)),
-        _cute_tensor(k.permute(0, 2, 1)),  # (T, D, Hkv): one TMA box = a key block of one head
-        _cute_tensor(v.permute(0, 2, 1)),
-        *(_cute_tensor(x) for x in wl[:6]),  # perm, item_list, item_start/end, block_start/end
-        _cute_tensor(o_part.view(-1, D)),
-        _cute_tensor(l_part.view(-1)),
-    )
-    scalars = (
+    runtime = (
+        cute_tensor(aligned(q).view(T * H, D)),
+        cute_tensor(aligned(k).permute(0, 2, 1)),  # (T, D, Hkv): a TMA box = one head's block
+        cute_tensor(aligned(v).permute(0, 2, 1)),
+        *(cute_tensor(x) for x in wl[:6]),  # perm, item_list, item_start/end, block_start/end
+        cute_tensor(o_part.view(-1, D)),
+        cute_tensor(l_part.view(-1)),
         Float32(cfg.softmax_scale * math.log2(math.e)),
         Int32(tok0),
         Int32(wl.num_blocks),
-        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream),
+        stream(q.device),
     )
     static = (H, num_sel_heads, wl.slots, G, G2, R, cfg.block_size)
-    key = (q.dtype, D, Hkv, *static, q.device.index)
-    fn = _compiled.get(key)
-    if fn is None:
-        fn = cute.compile(partials_host, *args, *scalars, *static)
-        _compiled[key] = fn
-    fn(*args, *scalars)
+    launch(partials_host, (q.dtype, D, Hkv, *static, q.device.index), runtime, static)
 
 
 def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):

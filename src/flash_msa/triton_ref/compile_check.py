@@ -2,7 +2,8 @@
 
 Run as ``python -m flash_msa.triton_ref.compile_check [prefix]`` in a process *without*
 ``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit`` functions). Prints one JSON line
-per kernel configuration: name, registers, spill (local) bytes, whether the PTX uses wgmma.
+per kernel configuration: name, registers, spill bytes (stack + local), whether the PTX uses
+wgmma. Exit status 1 if a configuration spills more than its ``SPILL_BUDGET``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from triton.compiler import ASTSource
 SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KB)
 
 
-def _resources(cubin: bytes) -> dict:
+def cubin_resources(cubin: bytes) -> dict:
+    """``{"reg", "stack", "local"}`` of a cubin by ``cuobjdump --dump-resource-usage`` (the one
+    bundled with Triton). Spills show up as stack (CuTe) or local (Triton) bytes."""
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
@@ -35,7 +38,37 @@ def _resources(cubin: bytes) -> dict:
         os.unlink(f.name)
     line = next(x for x in out.splitlines() if "REG:" in x)
     fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
-    return {"registers": int(fields["REG"]), "spill_bytes": int(fields["LOCAL"])}
+    return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "LOCAL")}
+
+
+def _resources(cubin: bytes) -> dict:
+    res = cubin_resources(cubin)
+    return {"registers": res["reg"], "spill_bytes": res["stack"] + res["local"]}
+
+
+# Spill bytes (ptxas stack frame) per kernel family, the largest over Triton 3.6.0 (the H200
+# host), 3.7.1 and 3.9.0 (CI) when the check began counting the stack on 2026-11-29. Before, it
+# read only cuobjdump's LOCAL, which stays 0 for Triton kernels, and so reported no spills while
+# 40-44 of the 96 configurations spill (all at 255 registers with 8 warps; the main backward at
+# the anchor shape by 1280-1752 bytes). Removing them is open work (docs/perf-notes.md,
+# "Spills"); until then no configuration may spill more than its family's figure, and kernels
+# of families not listed may not spill at all.
+SPILL_BUDGET = {
+    "select": 216,  # top_k 64 only
+    "fwd": 320,
+    "bwd": 1752,
+    "kl+grad": 2240,
+    "kl": 720,
+    "proxy-grad": 1264,
+    "dense-bwd": 152,
+    "dense-proxy": 40,
+}
+
+
+def spill_budget(name: str) -> int:
+    """Largest spill (bytes) allowed for configuration ``name`` (0 unless listed above)."""
+    family = name.split()[0]
+    return SPILL_BUDGET.get(family, 0)
 
 
 def compile_kernel(
@@ -207,7 +240,7 @@ def main() -> int:
         if not name.startswith(only):
             continue
         res = compile_kernel(fn, sig, consts, warps, stages)
-        bad += res["spill_bytes"] > 0 or res["shared_bytes"] > SHARED_LIMIT
+        bad += res["spill_bytes"] > spill_budget(name) or res["shared_bytes"] > SHARED_LIMIT
         print(json.dumps(dict(kernel=name, **res)), flush=True)
     return 1 if bad else 0
 
