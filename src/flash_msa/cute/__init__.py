@@ -1,12 +1,16 @@
 """CuTe DSL backend (nvidia-cutlass-dsl) for Hopper SM90.
 
-What exists: ``select`` (proxy block selection, ``selection.py``) for sm_90, checked on an
-H200. ``sparse_fwd.py`` holds the forward's per-block attention kernel, which compiles but has
-not run on a GPU yet, so no op uses it. The forward and backward ops are not available here:
-``unsupported_reason`` says so, ``auto`` then runs them on the Triton backend within the same
-autograd step (the ops share one tensor contract, see docs/design.md), and
-``FLASH_MSA_BACKEND=cute`` raises :class:`~flash_msa.BackendError` for them. Blackwell (sm_100)
-kernels are not written yet either.
+What exists, for sm_90, checked on an H200:
+
+* ``select``: proxy block selection (``selection.py``);
+* ``fwd`` (sparse, not warmup): the per-block main attention is the CuTe kernel of
+  ``sparse_fwd.py``; the combine of the partials, the proxy LSE and the KL value run as Triton
+  kernels inside the same op (``flash_msa.triton_ref.sparse_fwd.fwd``'s partials hook).
+
+The backward and the dense warmup forward are not available here: ``unsupported_reason`` says
+so, ``auto`` then runs them on the Triton backend within the same autograd step (the ops share
+one tensor contract, see docs/design.md), and ``FLASH_MSA_BACKEND=cute`` raises
+:class:`~flash_msa.BackendError` for them. Blackwell (sm_100) kernels are not written yet.
 
 Kernels are compiled on first use per static configuration (dtype, head dims, head counts,
 top_k, block size) and cached in-process; sequence lengths, token counts and the number of
@@ -18,10 +22,7 @@ from __future__ import annotations
 from ..problem import Problem
 
 _DTYPES = ("bfloat16", "float16")
-_NOT_YET = {
-    "fwd": "the CuTe sparse forward has not been checked on a GPU yet (auto runs it on Triton)",
-    "bwd": "the CuTe backward is not implemented yet (auto runs it on Triton)",
-}
+_NOT_YET = {"bwd": "the CuTe backward is not implemented yet (auto runs it on Triton)"}
 
 
 def unavailable_reason() -> str | None:
@@ -43,17 +44,19 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
         return f"CuTe kernels exist for sm_90 (Hopper) only so far, not sm_{major}{minor}"
     if op in _NOT_YET:
         return _NOT_YET[op]
-    from .selection import MAX_TOPK, TILE_M
-
     cfg = problem.cfg
     if cfg.warmup:
-        return "warmup has no selection"
+        return "warmup (dense attention, no selection) is not on CuTe (auto runs it on Triton)"
     if str(problem.dtype).removeprefix("torch.") not in _DTYPES:
-        return f"CuTe selection needs bf16 or fp16 inputs, not {problem.dtype}"
+        return f"CuTe kernels need bf16 or fp16 inputs, not {problem.dtype}"
+    if cfg.block_size not in (64, 128):
+        return f"CuTe kernels need block_size 64 or 128, not {cfg.block_size}"
+    if op == "fwd":
+        return _fwd_reason(problem)
+    from .selection import MAX_TOPK, TILE_M
+
     if problem.proxy_head_dim not in (64, 128):
         return f"CuTe selection needs Dp in (64, 128), not {problem.proxy_head_dim}"
-    if cfg.block_size not in (64, 128):
-        return f"CuTe selection needs block_size 64 or 128, not {cfg.block_size}"
     if cfg.top_k > MAX_TOPK:
         return f"CuTe selection keeps top_k <= {MAX_TOPK} blocks in registers, not {cfg.top_k}"
     if -(-cfg.max_seqlen // TILE_M) > 65535:
@@ -63,6 +66,20 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
     return None
 
 
+def _fwd_reason(problem: Problem) -> str | None:
+    """The forward's limits: its own kernel's, and the Triton passes' it runs inside the op."""
+    from ..triton_ref import unsupported_reason as triton_reason
+    from .sparse_fwd import head_geometry_reason
+
+    if problem.head_dim not in (64, 128):
+        return f"the CuTe forward needs head_dim 64 or 128, not {problem.head_dim}"
+    why = head_geometry_reason(problem.num_heads, problem.num_kv_heads, problem.num_sel_heads)
+    if why is not None:
+        return why
+    why = triton_reason("fwd", problem)
+    return None if why is None else f"its Triton passes cannot run: {why}"
+
+
 def select(q_proxy, k_proxy, cu_seqlens, cfg):
     """Backend op ``select``: see :func:`flash_msa.cute.selection.select`."""
     from .selection import select as _select
@@ -70,9 +87,11 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg):
     return _select(q_proxy, k_proxy, cu_seqlens, cfg)
 
 
-def fwd(*args, **kwargs):
-    """Not implemented on this backend (``unsupported_reason`` says so before a call)."""
-    raise NotImplementedError(_NOT_YET["fwd"])
+def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):
+    """Backend op ``fwd``: see :func:`flash_msa.cute.sparse_fwd.fwd`."""
+    from .sparse_fwd import fwd as _fwd
+
+    return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad)
 
 
 def bwd(*args, **kwargs):

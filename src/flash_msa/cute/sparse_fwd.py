@@ -1,9 +1,8 @@
 """Sparse main forward on Hopper (sm_90a) in CuTe DSL: per-block attention partials, key-outer.
 
-STATUS: compiles for sm_90a without spills (``compile_check``); **not yet run on a GPU and not
-registered** (``flash_msa.cute.unsupported_reason`` still sends the forward to Triton). The next
-step is the GPU check against ``flash_msa.triton_ref.sparse_fwd`` (same work list, same partial
-buffers), then wiring it into a CuTe ``fwd`` that keeps Triton's combine, proxy-LSE and KL pass.
+The CuTe backend's ``fwd`` (:func:`fwd`): this kernel makes the per-block partials, Triton's
+combine, proxy-LSE and KL passes do the rest. Checked on an H200 against the Triton kernel
+(same work list, same partial buffers) and the reference (tests/test_gpu_cute.py).
 
 Same decomposition as the Triton forward (docs/algorithm.md, "Main attention: key-outer over a
 reverse index"): one CTA per work item = (selection head p, key block, up to TW query tokens
@@ -341,10 +340,27 @@ def partials_host(
 # ---------------------------------------------------------------------------------------------
 # host: the partials of one query chunk over a Triton work list
 # ---------------------------------------------------------------------------------------------
+def head_geometry_reason(H: int, Hkv: int, Hs: int) -> str | None:
+    """Why the kernel cannot cover these head counts (``None`` if it can): each selection
+    head's G = H / Hs main heads are visited in R sub-groups of G2 heads sharing one KV head,
+    which must tile the group exactly (else heads would be skipped), G2 a power of two."""
+    from ..triton_ref.sparse_fwd import geometry
+
+    if H % Hs or H % Hkv:
+        return f"H={H} must be a multiple of the selection heads ({Hs}) and KV heads ({Hkv})"
+    G, G2, R, _ = geometry(H, Hkv, Hs, CHUNK)
+    if G2 * R != G or G2 & (G2 - 1):
+        return (
+            f"H={H}, Hkv={Hkv}, Hs={Hs}: the {G} heads of a selection head do not split into "
+            "sub-groups of a power-of-two number of heads sharing one KV head"
+        )
+    return None
+
+
 def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
     """Fill ``o_part (C, H, K, D)`` and ``l_part (C, H, K)`` (the Triton forward's partial
     buffers, for packed tokens ``tok0 .. tok0 + C``) from work list ``wl``
-    (``flash_msa.triton_ref.worklist.build``). Unverified on a GPU: see the module docstring."""
+    (``flash_msa.triton_ref.worklist.build``)."""
     import math
 
     from ..triton_ref.sparse_fwd import geometry
@@ -352,11 +368,11 @@ def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
     T, H, D = q.shape
     Hkv = k.shape[1]
     G, G2, R, _ = geometry(H, Hkv, num_sel_heads, CHUNK)
-    if G2 * R != G or G2 & (G2 - 1) or D not in (64, 128) or cfg.block_size not in (64, 128):
-        raise ValueError(  # the sub-groups must tile the group exactly (else heads are skipped)
-            f"CuTe forward partials: unsupported heads/dims (H={H}, Hkv={Hkv}, "
-            f"Hs={num_sel_heads}, D={D}, block {cfg.block_size})"
-        )
+    why = head_geometry_reason(H, Hkv, num_sel_heads)
+    if why is None and (D not in (64, 128) or cfg.block_size not in (64, 128)):
+        why = f"head_dim {D} / block_size {cfg.block_size}: each must be 64 or 128"
+    if why is not None:
+        raise ValueError(f"CuTe forward partials: {why}")
     runtime = (
         cute_tensor(aligned(q).view(T * H, D)),
         cute_tensor(aligned(k).permute(0, 2, 1)),  # (T, D, Hkv): a TMA box = one head's block
@@ -375,8 +391,8 @@ def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
 
 def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):
     """Backend op ``fwd`` for given indices: the Triton forward with :func:`partials` doing the
-    per-block attention (combine, proxy LSE and KL pass are Triton's). Not registered yet:
-    ``flash_msa.cute.unsupported_reason`` refuses the forward until it has run on a GPU."""
+    per-block attention (combine, proxy LSE and KL pass are Triton's). Limits:
+    ``flash_msa.cute.unsupported_reason("fwd", ...)``."""
     from ..triton_ref.sparse_fwd import fwd as triton_fwd
 
     return triton_fwd(
