@@ -16,7 +16,7 @@ import torch
 
 import flash_msa
 from flash_msa import bench, testing
-from flash_msa.triton_ref import proxy, sparse_bwd, sparse_fwd
+from flash_msa.triton_ref import proxy, sparse_bwd, sparse_fwd, tiles
 
 KNOBS = {  # name -> (module, attribute)
     "fwd_stages": (sparse_fwd, "FWD_STAGES"),
@@ -24,19 +24,32 @@ KNOBS = {  # name -> (module, attribute)
     "grad_in_fwd": (sparse_fwd, "PROXY_GRAD_IN_FWD"),
     "proxy_prefetch": (proxy, "PROXY_PREFETCH"),
     "bwd_prefetch": (sparse_bwd, "BWD_PREFETCH"),
-    "bwd_rows": (sparse_bwd, "BWD_ROWS"),
+    "bwd_tiles": (sparse_bwd, "BWD_TILES"),
+    "proxy_tiles": (proxy, "PROXY_TILES"),
+    "fwd_rows": (sparse_fwd, "FWD_ROWS"),
 }
 
+SPILLING_V4 = {"bwd_tiles": ((128, 128),), "proxy_tiles": ((128, 128),), "fwd_rows": (128,)}
 CONFIGS = [  # the shipped defaults first; each later one changes a few knobs
     {},
-    {"fwd_stages": 3, "fwd_prefetch": False, "proxy_prefetch": False, "grad_in_fwd": False},
-    {"grad_in_fwd": False},
+    SPILLING_V4,  # the v4 tiles (they spill at D=128, block 128)
+    {"bwd_tiles": ((128, 64),)},  # spills 152 B at the anchor shape
+    {"bwd_tiles": ((64, 32),)},
+    {"proxy_tiles": ((64, 32),)},
+    {"proxy_tiles": ((128, 64),)},  # spills in the KL+gradient pass
+    {"fwd_rows": (32,)},
     {"bwd_prefetch": True},
-    {"fwd_prefetch": False},
-    {"proxy_prefetch": False},
-    {"fwd_stages": 3},
-    {"fwd_stages": 2},
 ]
+
+
+def _table(kernel_name, cfg):
+    """The candidate table a kernel used under knob settings ``cfg`` (for the printout)."""
+    tables = {
+        "_bwd_kernel": cfg["bwd_tiles"],
+        "_proxy_kernel": cfg["proxy_tiles"],
+        "_fwd_kernel": cfg["fwd_rows"],
+    }
+    return tuple(tables.get(kernel_name, ()))
 
 
 def profile(step, n=3):
@@ -90,8 +103,10 @@ def main():
             ms = bench._time(step, iters=7)
             per = profile(step)
             kernels = ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items(), key=lambda x: -x[1]))
+            chosen = [(k[0], v) for k, v in tiles._chosen.items() if k[1] == _table(k[0], cfg)]
             print(
-                f"{change or 'defaults'}: step {ms:.3f} ms (kernels {sum(per.values()):.2f}: "
+                f"{change or 'defaults'}: tiles {chosen}; step {ms:.3f} ms "
+                f" (kernels {sum(per.values()):.2f}: "
                 f"{kernels}); rel diff vs first: grads {err:.1e}, kl {kl_err:.1e}",
                 flush=True,
             )

@@ -170,6 +170,23 @@ def test_fwd_in_query_chunks_equals_reference(monkeypatch):
     _check(*case, rel_atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "tile", [(32, 32), (64, 32), (32, 64)], ids=lambda t: "x".join(map(str, t))
+)
+@pytest.mark.parametrize("in_fwd", [False, True], ids=["grad-pass", "grad-in-fwd"])
+def test_fwd_bwd_with_split_key_blocks_equals_reference(tile, in_fwd, monkeypatch):
+    """The smaller tile candidates (tiles.pick takes them on a GPU when larger ones spill): key
+    blocks split over block // BN programs, fewer MMA rows, in every sparse pass."""
+    from flash_msa.triton_ref import proxy, sparse_bwd, sparse_fwd
+
+    _poison_empty(monkeypatch)
+    monkeypatch.setattr(sparse_bwd, "BWD_TILES", (tile,))
+    monkeypatch.setattr(proxy, "PROXY_TILES", (tile,))
+    monkeypatch.setattr(sparse_fwd, "FWD_ROWS", (tile[0],))
+    for case in [((300,), 8, 2, 4, 1, 16, 16, 64, 3), ((70, 1, 200), 4, 4, 2, 1, 16, 32, 128, 2)]:
+        _check(*_fwd_bwd_case(*case, torch.float32, in_fwd=in_fwd), rel_atol=1e-5)
+
+
 def test_fwd_bwd_fp16_tolerance_rule(monkeypatch):
     _poison_empty(monkeypatch)
     case = _fwd_bwd_case((260,), 8, 2, 4, 1, 32, 32, 64, 3, torch.float16, in_fwd=True)
@@ -243,6 +260,13 @@ def test_warmup_fp32_equals_reference(case, monkeypatch):
         ),
     )
     _check(*_warmup_case(*case, torch.float32), rel_atol=1e-5)
+
+
+def test_warmup_with_the_smallest_tiles_equals_reference(monkeypatch):
+    from flash_msa.triton_ref import dense
+
+    monkeypatch.setattr(dense, "DENSE_TILES", ((32, 32, 4),))
+    _check(*_warmup_case((150, 1, 70), 8, 2, 4, 1, 16, 16, torch.float32), rel_atol=1e-5)
 
 
 def test_warmup_fp16_tolerance_rule():

@@ -1,9 +1,11 @@
 """Compile every Triton kernel of the package for sm_90a without a GPU and report resources.
 
 Run as ``python -m flash_msa.triton_ref.compile_check [prefix]`` in a process *without*
-``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit`` functions). Prints one JSON line
-per kernel configuration: name, registers, spill bytes (stack + local), whether the PTX uses
-wgmma. Exit status 1 if a configuration spills more than its ``SPILL_BUDGET``.
+``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit`` functions). For each kernel
+configuration it compiles the tile candidates in the order the host code tries them
+(``tiles.pick``) and prints one JSON line for the one that would run: name, tile, registers,
+spill bytes (stack + local), shared memory, whether the PTX uses wgmma. Exit status 1 if a
+configuration has no spill-free candidate or exceeds the shared memory of a block.
 """
 
 from __future__ import annotations
@@ -46,31 +48,6 @@ def _resources(cubin: bytes) -> dict:
     return {"registers": res["reg"], "spill_bytes": res["stack"] + res["local"]}
 
 
-# Spill bytes (ptxas stack frame) per kernel family, the largest over Triton 3.6.0 (the H200
-# host), 3.7.1 and 3.9.0 (CI) when the check began counting the stack on 2026-11-29. Before, it
-# read only cuobjdump's LOCAL, which stays 0 for Triton kernels, and so reported no spills while
-# 40-44 of the 96 configurations spill (all at 255 registers with 8 warps; the main backward at
-# the anchor shape by 1280-1752 bytes). Removing them is open work (docs/perf-notes.md,
-# "Spills"); until then no configuration may spill more than its family's figure, and kernels
-# of families not listed may not spill at all.
-SPILL_BUDGET = {
-    "select": 216,  # top_k 64 only
-    "fwd": 320,
-    "bwd": 1752,
-    "kl+grad": 2240,
-    "kl": 720,
-    "proxy-grad": 1264,
-    "dense-bwd": 152,
-    "dense-proxy": 40,
-}
-
-
-def spill_budget(name: str) -> int:
-    """Largest spill (bytes) allowed for configuration ``name`` (0 unless listed above)."""
-    family = name.split()[0]
-    return SPILL_BUDGET.get(family, 0)
-
-
 def compile_kernel(
     fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int = 90
 ) -> dict:
@@ -79,6 +56,7 @@ def compile_kernel(
     Pointer arguments are marked 16-byte aligned, as the JIT specializes them for torch's
     allocations: without that, loads and atomics compile to scalar instructions and the
     register and shared-memory counts do not describe the kernel that runs."""
+    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     sig = {name: sig[name] for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
@@ -94,19 +72,22 @@ def compile_kernel(
 
 
 def configurations():
-    """(name, fn, signature, constexprs, num_warps, num_stages) of every shipped kernel config."""
-    from . import proxy, selection, sparse_bwd, sparse_fwd
+    """(name, fn, signature, candidates) of every shipped kernel configuration; a candidate is
+    ``(tile, constexprs, num_warps, num_stages)``, in the order the host code tries them
+    (``tiles.pick`` runs the first that compiles without spills)."""
+    from . import dense, proxy, selection, sparse_bwd, sparse_fwd
 
     for Dp in (64, 128):
         for block in (64, 128):
             for top_k in (16, 64):
                 for G in (1, 4):
-                    cfg = selection.launch_config(G, Dp, block, top_k, "bf16")
+                    consts, warps, stages = selection.launch_config(G, Dp, block, top_k, "bf16")
+                    cands = [(w, consts, w, stages) for w in dict.fromkeys((warps, 8))]
                     yield (
                         f"select bf16 Dp={Dp} b={block} k={top_k} G={G}",
                         selection._select_kernel,
                         selection.SIGNATURE("bf16"),
-                        *cfg,
+                        cands,
                     )
     # (name, H, Hkv, Hs, Hpk): the anchor and paper shapes, and a selection spanning 2 KV heads
     shapes = [("anchor", 16, 2, 4, 1), ("paper", 64, 4, 4, 1), ("Hs<Hkv", 8, 4, 2, 1)]
@@ -114,120 +95,73 @@ def configurations():
         for D in (64, 128):
             for block in (64, 128):
                 tag = f"{name} D={D} b={block}"
-                base = dict(H=H, Hkv=Hkv, Hs=Hs, K=16, D=D, BLOCK=block, PREC="tf32")
+                base = dict(H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=16, D=D, Dp=D, BLOCK=block)
+                base.update(PREC="tf32")
 
                 def geo(rows, H=H, Hkv=Hkv, Hs=Hs):
                     return dict(zip(("G", "G2", "R", "BT"), sparse_fwd.geometry(H, Hkv, Hs, rows)))
 
-                fwd_base = dict(
-                    base,
-                    Hpk=Hpk,
-                    Dp=D,
-                    HAS_PROXY=True,
-                    PREFETCH=sparse_fwd.FWD_PREFETCH,
-                    **geo(128),
-                )
-                yield (
-                    f"fwd {tag}",
-                    sparse_fwd._fwd_kernel,
-                    sparse_fwd.SIGNATURE["fwd"],
-                    dict(fwd_base, HAS_MAIN=True),
-                    8,
-                    sparse_fwd.FWD_STAGES,
-                )
-                yield (  # proxy LSE partials only (the CuTe forward makes the main partials)
-                    f"fwd-proxy-only {tag}",
-                    sparse_fwd._fwd_kernel,
-                    sparse_fwd.SIGNATURE["fwd"],
-                    dict(fwd_base, HAS_MAIN=False),
-                    8,
-                    sparse_fwd.FWD_STAGES,
-                )
-                yield (
-                    f"bwd {tag}",
-                    sparse_bwd._bwd_kernel,
-                    sparse_bwd.SIGNATURE,
-                    dict(base, PREFETCH=sparse_bwd.BWD_PREFETCH, **geo(sparse_bwd.BWD_ROWS)),
-                    8,
-                    1,
-                )
-                modes = (  # name, KL value, gradient, tile rows
-                    ("kl", True, False, 128),
-                    ("kl+grad", True, True, 128),
-                    ("proxy-grad", False, True, sparse_bwd.PROXY_GRAD_ROWS),
-                )
-                for mode, kl_value, grad, rows in modes:
-                    yield (
-                        f"{mode} {tag}",
-                        proxy._proxy_kernel,
-                        proxy.SIGNATURE,
-                        dict(
-                            base,
-                            Hpk=Hpk,
-                            Dp=D,
-                            KL_VALUE=kl_value,
-                            GRAD=grad,
-                            PREFETCH=proxy.PROXY_PREFETCH,
-                            **geo(rows),
-                        ),
-                        8,
-                        1,
-                    )
-    from . import dense
+                for fam, has_main in (("fwd", True), ("fwd-proxy-only", False)):
+                    fixed = dict(base, HAS_PROXY=True, PREFETCH=sparse_fwd.FWD_PREFETCH)
+                    fixed.update(HAS_MAIN=has_main)
+                    cands = [
+                        (rows, dict(fixed, **geo(rows)), 8, sparse_fwd.FWD_STAGES)
+                        for rows in sparse_fwd.FWD_ROWS
+                    ]
+                    yield f"{fam} {tag}", sparse_fwd._fwd_kernel, sparse_fwd.SIGNATURE["fwd"], cands
+                fixed = dict(base, PREFETCH=sparse_bwd.BWD_PREFETCH)
+                cands = [
+                    ((rows, BN), dict(fixed, BN=BN, **geo(rows)), 8, sparse_bwd.BWD_STAGES)
+                    for rows, BN in sparse_bwd.candidates(sparse_bwd.BWD_TILES, block)
+                ]
+                yield f"bwd {tag}", sparse_bwd._bwd_kernel, sparse_bwd.SIGNATURE, cands
+                modes = (("kl", True, False), ("kl+grad", True, True), ("proxy-grad", False, True))
+                for mode, kl_value, grad in modes:
+                    fixed = dict(base, KL_VALUE=kl_value, GRAD=grad, PREFETCH=proxy.PROXY_PREFETCH)
+                    cands = [
+                        ((rows, BN), dict(fixed, BN=BN, **geo(rows)), 8, 1)
+                        for rows, BN in sparse_bwd.candidates(proxy.PROXY_TILES, block)
+                    ]
+                    yield f"{mode} {tag}", proxy._proxy_kernel, proxy.SIGNATURE, cands
 
     for D in (64, 128):
-        common = dict(D=D, BM=dense.BM, BN=dense.BN, PREC="tf32")
+        common = dict(D=D, PREC="tf32")
+        fwd_consts = dict(common, BM=dense.BM, BN=dense.BN, H=16, Hk=2, HAS_V=True)
         yield (
             f"dense-fwd D={D}",
             dense._dense_fwd_kernel,
             dense.SIGNATURE["fwd"],
-            dict(common, H=16, Hk=2, HAS_V=True),
-            4,
-            3,
+            [((dense.BM, dense.BN), fwd_consts, 4, 3)],
         )
-        yield (
-            f"dense-bwd D={D}",
-            dense._dense_bwd_kernel,
-            dense.SIGNATURE["bwd"],
-            dict(common, H=16, Hkv=2),
-            4,
-            3,
-        )
-        G, G2, R, BT = sparse_fwd.geometry(16, 2, 4, 64)
-        yield (
-            f"dense-proxy D={D}",
-            dense._dense_proxy_kernel,
-            dense.SIGNATURE["proxy"],
-            dict(
-                H=16,
-                Hkv=2,
-                Hs=4,
-                Hpk=1,
-                D=D,
-                Dp=D,
-                G=G,
-                G2=G2,
-                R=R,
-                BT=BT,
-                BN=dense.BN,
-                KL_VALUE=True,
-                GRAD=True,
-                PREC="tf32",
-            ),
-            4,
-            3,
-        )
+        cands = [
+            (t, dict(common, H=16, Hkv=2, BM=t[0], BN=t[1]), t[2], 3) for t in dense.DENSE_TILES
+        ]
+        yield f"dense-bwd D={D}", dense._dense_bwd_kernel, dense.SIGNATURE["bwd"], cands
+        proxy_consts = dict(common, H=16, Hkv=2, Hs=4, Hpk=1, Dp=D, KL_VALUE=True, GRAD=True)
+        cands = []
+        for t in dense.DENSE_TILES:
+            G, G2, R, BT = sparse_fwd.geometry(16, 2, 4, t[0])
+            consts = dict(proxy_consts, G=G, G2=G2, R=R, BT=BT, BN=t[1])
+            cands.append((t, consts, t[2], 3))
+        yield f"dense-proxy D={D}", dense._dense_proxy_kernel, dense.SIGNATURE["proxy"], cands
     for K in (16, 64):
+        HB = sparse_fwd.combine_heads(16, K)
+        consts = dict(H=16, Hs=4, K=K, KP2=K, D=128, G=4, HB=HB, HAS_O=True)
         yield (
             f"combine K={K} D=128",
             sparse_fwd._combine_kernel,
             sparse_fwd.SIGNATURE["combine"],
-            dict(
-                H=16, Hs=4, K=K, KP2=K, D=128, G=4, HB=sparse_fwd.combine_heads(16, K), HAS_O=True
-            ),
-            4,
-            1,
+            [(HB, consts, 4, 1)],
         )
+
+
+def choose(fn, sig, cands) -> dict:
+    """Compile the candidates in order; the first without spills (as ``tiles.pick`` chooses at
+    run time), else the last one. Returns its resources plus ``tile`` and ``tried``."""
+    for i, (tile, consts, warps, stages) in enumerate(cands):
+        res = compile_kernel(fn, sig, consts, warps, stages)
+        if res["spill_bytes"] == 0 and res["shared_bytes"] <= SHARED_LIMIT or i == len(cands) - 1:
+            return dict(res, tile=tile, tried=i + 1)
 
 
 def main() -> int:
@@ -236,11 +170,11 @@ def main() -> int:
         return 2
     only = sys.argv[1] if len(sys.argv) > 1 else ""  # a kernel-name prefix, e.g. "bwd"
     bad = 0
-    for name, fn, sig, consts, warps, stages in configurations():
+    for name, fn, sig, cands in configurations():
         if not name.startswith(only):
             continue
-        res = compile_kernel(fn, sig, consts, warps, stages)
-        bad += res["spill_bytes"] > spill_budget(name) or res["shared_bytes"] > SHARED_LIMIT
+        res = choose(fn, sig, cands)
+        bad += res["spill_bytes"] > 0 or res["shared_bytes"] > SHARED_LIMIT
         print(json.dumps(dict(kernel=name, **res)), flush=True)
     return 1 if bad else 0
 

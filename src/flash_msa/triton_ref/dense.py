@@ -21,9 +21,13 @@ import triton
 import triton.language as tl
 
 from ..problem import Config, Forward, Grads, Saved
+from . import tiles
 from .sparse_fwd import geometry
 
-BM, BN = 64, 64  # query rows and keys per tile
+BM, BN = 64, 64  # query rows and keys per tile of the forward
+# (rows, keys, warps) candidates of the backward and the proxy pass, in order (tiles.py picks
+# the first that compiles without register spills)
+DENSE_TILES = ((64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4))
 
 
 @triton.jit
@@ -136,7 +140,7 @@ def _dense_proxy_kernel(
     o_r = tl.arange(0, BT * G2)  # main rows: token-major (token r // G2, head r % G2)
     ir = m0 + o_r // G2
     m_r = ir < L
-    kl_acc = tl.zeros([BT, BN], tl.float32)
+    kl_acc = tl.zeros([BT], tl.float32)
     b_dqp = tl.zeros([BT, Dp], tl.float32)
     if GRAD:
         coef = tl.load(DKL).to(tl.float32) * inv_rows
@@ -167,7 +171,8 @@ def _dense_proxy_kernel(
         b_logq = b_z - b_plse[:, None]
         if KL_VALUE:
             pos = keep & (b_tgt > 0)
-            kl_acc += tl.where(pos, b_tgt * (tl.log(tl.where(pos, b_tgt, 1.0)) - b_logq), 0.0)
+            b_kl = tl.where(pos, b_tgt * (tl.log(tl.where(pos, b_tgt, 1.0)) - b_logq), 0.0)
+            kl_acc += tl.sum(b_kl, axis=1)
         if GRAD:
             b_diff = (tl.where(keep, tl.exp(b_logq), 0.0) - b_tgt).to(b_qp.dtype)  # Q - target
             b_dqp += tl.dot(b_diff, b_kp, input_precision=PREC)
@@ -176,7 +181,7 @@ def _dense_proxy_kernel(
             tl.atomic_add(p_dkp, b_dkp, mask=m_j[:, None], sem="relaxed")
     if KL_VALUE:
         flat = (seq * Hs + p) * tl.num_programs(0) + pid
-        tl.store(KL_PART + flat, tl.sum(tl.sum(kl_acc, axis=1), axis=0))
+        tl.store(KL_PART + flat, tl.sum(kl_acc, axis=0))
     if GRAD:
         tl.store(
             DQP + prow[:, None] * Dp + o_dp[None, :], b_dqp * (coef * pscale), mask=m_t[:, None]
@@ -296,16 +301,30 @@ def _proxy_pass(
     (when ``dkl`` is given), over every visible key."""
     T, H, D = q.shape
     Hs, Dp = q_proxy.shape[1:]
-    G, G2, R, BT = geometry(H, k.shape[1], Hs, 64)
-    grid = (triton.cdiv(cfg.max_seqlen, BT), cu.numel() - 1, Hs)
-    kl_part = torch.zeros(grid[0] * grid[1] * Hs, dtype=torch.float32, device=q.device)
+    Hkv, Hpk = k.shape[1], k_proxy.shape[1]
     grad = dkl is not None
-    _dense_proxy_kernel[grid](
+    most = (triton.cdiv(cfg.max_seqlen, 16), cu.numel() - 1, Hs)  # grid at the smallest tile
+    kl_part = torch.zeros(most[0] * most[1] * Hs, dtype=torch.float32, device=q.device)
+    args = (
         q, k, q_proxy, k_proxy, cu, lse, proxy_lse, dkl if grad else lse, kl_part,
         dqp if grad else lse, dkp if grad else lse, cfg.softmax_scale, cfg.proxy_scale,
-        1.0 / (Hs * T), H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], D=D, Dp=Dp, G=G, G2=G2,
-        R=R, BT=BT, BN=BN, KL_VALUE=kl_value, GRAD=grad, PREC=_prec(q), num_warps=4,
+        1.0 / (Hs * T),
     )  # fmt: skip
+
+    def options(tile):
+        rows, keys, warps = tile
+        G, G2, R, BT = geometry(H, Hkv, Hs, rows)
+        return dict(
+            H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, D=D, Dp=Dp, G=G, G2=G2, R=R, BT=BT, BN=keys,
+            KL_VALUE=kl_value, GRAD=grad, PREC=_prec(q), num_warps=warps,
+        )  # fmt: skip
+
+    key = (q.dtype, H, Hkv, Hs, Hpk, D, Dp, kl_value, grad)
+    tile = tiles.pick(_dense_proxy_kernel, args, DENSE_TILES, options, key)
+    BT = options(tile)["BT"]
+    _dense_proxy_kernel[(triton.cdiv(cfg.max_seqlen, BT), cu.numel() - 1, Hs)](
+        *args, **options(tile)
+    )
     return kl_part.sum() / (Hs * T) if kl_value else None
 
 
@@ -339,10 +358,14 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
         dk = torch.zeros((T, Hkv, D), **f32)
         dv = torch.zeros((T, Hkv, D), **f32)
         delta = (dout.float() * out.float()).sum(-1)
-        _dense_bwd_kernel[(triton.cdiv(cfg.max_seqlen, BN), N, H)](
-            q, k, v, dout, delta, lse, cu_seqlens, dq, dk, dv, cfg.softmax_scale,
-            H=H, Hkv=Hkv, D=D, BM=BM, BN=BN, PREC=_prec(q), num_warps=4,
-        )  # fmt: skip
+        args = (q, k, v, dout, delta, lse, cu_seqlens, dq, dk, dv, cfg.softmax_scale)
+
+        def options(tile):
+            rows, keys, warps = tile
+            return dict(H=H, Hkv=Hkv, D=D, BM=rows, BN=keys, PREC=_prec(q), num_warps=warps)
+
+        tile = tiles.pick(_dense_bwd_kernel, args, DENSE_TILES, options, (q.dtype, H, Hkv, D))
+        _dense_bwd_kernel[(triton.cdiv(cfg.max_seqlen, tile[1]), N, H)](*args, **options(tile))
     if dkl is not None:
         dqp = torch.zeros(q_proxy.shape, **f32)
         dkp = torch.zeros(k_proxy.shape, **f32)

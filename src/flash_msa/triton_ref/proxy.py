@@ -17,9 +17,11 @@ would underflow fp16; it is applied to the fp32 results.
 
 from __future__ import annotations
 
+import torch
 import triton.language as tl
 from triton import jit
 
+from . import tiles
 from .sparse_fwd import _item_block, _item_rows
 
 
@@ -80,7 +82,7 @@ def _proxy_kernel(
     G: tl.constexpr,
     G2: tl.constexpr,
     R: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BN: tl.constexpr,  # keys per program: the block's part program_id(1) (BN <= block size)
     BT: tl.constexpr,
     NB,  # runtime: it changes with the number of packed sequences
     KL_VALUE: tl.constexpr,
@@ -93,14 +95,15 @@ def _proxy_kernel(
     e1 = tl.load(ITEM_END + w)
     if e0 >= e1:
         return
-    p, kpos, m_k = _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK)
+    sub = tl.program_id(1)
+    p, kpos, m_k = _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN, sub)
     o_d = tl.arange(0, D)
     o_dp = tl.arange(0, Dp)
     pk = p // (Hs // Hpk)
     p_kp = KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
-    b_kp = tl.load(p_kp, mask=m_k[:, None], other=0.0)  # [BLOCK, Dp]
-    kl_acc = tl.zeros([BT, BLOCK], tl.float32)
-    b_dkp = tl.zeros([BLOCK, Dp], tl.float32)
+    b_kp = tl.load(p_kp, mask=m_k[:, None], other=0.0)  # [BN, Dp]
+    kl_acc = tl.zeros([BT], tl.float32)
+    b_dkp = tl.zeros([BN, Dp], tl.float32)
     if GRAD:
         coef = tl.load(DKL).to(tl.float32) * inv_rows
     # with one KV sub-group (R == 1) the key tile stays in registers for the whole item
@@ -120,7 +123,7 @@ def _proxy_kernel(
         if PREFETCH:  # the next chunk's entries load while this one computes
             nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
             nxt1 = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
-        b_tgt = tl.zeros([BT, BLOCK], tl.float32)
+        b_tgt = tl.zeros([BT, BN], tl.float32)
         for r in tl.static_range(R):
             h0 = p * G + r * G2
             kvh = h0 // (H // Hkv)
@@ -130,15 +133,15 @@ def _proxy_kernel(
                 p_k = Kt + (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
                 b_k = tl.load(p_k, mask=m_k[:, None], other=0.0)
             b_p, _, _ = _probs(Q, LSE, b_k, tr, hj, m_r, h0, kpos, m_k, scale, H, D, PREC)
-            b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BLOCK]), axis=1)
+            b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BN]), axis=1)
         b_tgt = b_tgt / G
-        b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale  # [BT, BLOCK]
+        b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale  # [BT, BN]
         keep = m_t[:, None] & m_k[None, :] & (kpos[None, :] <= t[:, None])
         b_logq = b_z - b_plse[:, None]
         if KL_VALUE:
             pos = keep & (b_tgt > 0)
             b_logt = tl.log(tl.where(pos, b_tgt, 1.0))
-            kl_acc += tl.where(pos, b_tgt * (b_logt - b_logq), 0.0)
+            kl_acc += tl.sum(tl.where(pos, b_tgt * (b_logt - b_logq), 0.0), axis=1)
         if GRAD:
             b_diff = (tl.where(keep, tl.exp(b_logq), 0.0) - b_tgt).to(b_qp.dtype)  # Q - target
             b_dqp = tl.dot(b_diff, b_kp, input_precision=PREC) * (coef * pscale)  # [BT, Dp]
@@ -147,10 +150,19 @@ def _proxy_kernel(
             )
             b_dkp += tl.dot(tl.trans(b_diff), b_qp, input_precision=PREC)
     if KL_VALUE:
-        tl.store(KL_PART + w, tl.sum(tl.sum(kl_acc, axis=1), axis=0))
+        tl.store(KL_PART + w * tl.num_programs(1) + sub, tl.sum(kl_acc, axis=0))
     if GRAD:
         p_dkp = DKP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
         tl.atomic_add(p_dkp, b_dkp * (coef * pscale), mask=m_k[:, None], sem="relaxed")
+
+
+PROXY_PREFETCH = True  # load the next chunk's PERM entries one iteration ahead
+
+
+# (rows, BN) candidates of the proxy pass, in order of preference (tiles.py picks the first
+# that compiles without spills): MMA rows per token chunk, keys per program (a key block is
+# split over block // BN programs; each re-gathers the block's query rows)
+PROXY_TILES = ((128, 128), (128, 64), (64, 128), (64, 64), (128, 32), (32, 64), (64, 32), (32, 32))
 
 
 PROXY_PREFETCH = True  # load the next chunk's PERM entries one iteration ahead
@@ -183,28 +195,47 @@ def launch(
     proxy_lse,
     wl,
     cfg,
-    geometry,
     *,
-    kl_part=None,
+    kl_value=False,
     dkl=None,
     dqp=None,
     dkp=None,
     num_stages=1,
 ):
-    """Run the proxy pass over work list ``wl``: the KL partials into ``kl_part`` and/or the
-    gradients into ``dqp``/``dkp`` (fp32) when ``dkl`` is given."""
+    """Run the proxy pass over work list ``wl``: with ``kl_value``, returns the fp32 KL partials
+    (one per program; their sum is the item's KL sum), and/or adds the gradients to
+    ``dqp``/``dkp`` (fp32) when ``dkl`` is given."""
+    from .sparse_bwd import candidates
+    from .sparse_fwd import geometry
+
     T, H, D = q.shape
     Hs, Dp = q_proxy.shape[1:]
-    G, G2, R, BT = geometry
     grad = dkl is not None
-    _proxy_kernel[(wl.num_items,)](
+    block = cfg.block_size
+    cands = candidates(PROXY_TILES, block)
+    most = wl.num_items * (block // min(t[1] for t in cands))  # programs at the smallest BN
+    kl_part = torch.zeros(most, dtype=torch.float32, device=q.device)
+    args = (
         q, k, q_proxy, k_proxy, lse, proxy_lse, dkl if grad else lse,
         wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end,
-        kl_part if kl_part is not None else lse, dqp if grad else lse, dkp if grad else lse,
+        kl_part, dqp if grad else lse, dkp if grad else lse,
         cfg.softmax_scale, cfg.proxy_scale, 1.0 / (Hs * T),
-        H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], K=wl.slots, D=D,
-        Dp=Dp, G=G, G2=G2, R=R, BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks,
-        KL_VALUE=kl_part is not None, GRAD=grad,
-        PREC="ieee" if q.dtype.itemsize == 4 else "tf32", PREFETCH=PROXY_PREFETCH, num_warps=8,
-        num_stages=num_stages,
     )  # fmt: skip
+
+    def options(tile):
+        rows, BN = tile
+        G, G2, R, BT = geometry(H, k.shape[1], Hs, rows)
+        return dict(
+            H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], K=wl.slots, D=D,
+            Dp=Dp, G=G, G2=G2, R=R, BN=BN, BT=BT, NB=wl.num_blocks,
+            KL_VALUE=kl_value, GRAD=grad,
+            PREC="ieee" if q.dtype.itemsize == 4 else "tf32", PREFETCH=PROXY_PREFETCH, num_warps=8,
+            num_stages=num_stages,
+        )  # fmt: skip
+
+    key = (q.dtype, H, k.shape[1], Hs, k_proxy.shape[1], wl.slots, D, Dp, block, kl_value, grad)
+    key += (PROXY_PREFETCH, num_stages)
+    tile = tiles.pick(_proxy_kernel, args, cands, options, key)
+    splits = block // tile[1]
+    _proxy_kernel[(wl.num_items, splits)](*args, **options(tile))
+    return kl_part[: wl.num_items * splits] if kl_value else None

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..problem import Config
+from . import tiles
 
 
 @triton.jit
@@ -115,10 +116,16 @@ def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config):
     consts, num_warps, num_stages = launch_config(Hp // Hpk, Dp, cfg.block_size, cfg.top_k, dtype)
     consts.update(Hp=Hp, Hpk=Hpk)
     grid = (triton.cdiv(cfg.max_seqlen, consts["BT"]), cu_seqlens.numel() - 1, Hpk)
-    _select_kernel[grid](
-        q_proxy, k_proxy, cu_seqlens, indices, cfg.proxy_scale,
-        num_warps=num_warps, num_stages=num_stages, **consts,
-    )  # fmt: skip
+    args = (q_proxy, k_proxy, cu_seqlens, indices, cfg.proxy_scale)
+
+    def options(warps):
+        return dict(num_warps=warps, num_stages=num_stages, **consts)
+
+    # more warps (more registers per tile) if the table's choice spills (top_k 64)
+    cands = tuple(dict.fromkeys((num_warps, 8)))
+    key = (dtype, *sorted(consts.items()), num_stages)
+    warps = tiles.pick(_select_kernel, args, cands, options, key)
+    _select_kernel[grid](*args, **options(warps))
     return indices
 
 

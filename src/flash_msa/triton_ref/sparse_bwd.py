@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..problem import Config, Grads, Saved
 from . import proxy as proxy_pass
-from . import worklist
+from . import tiles, worklist
 from .proxy import _probs
 from .sparse_fwd import ITEM_TOKENS, _item_block, _item_rows, geometry
 
@@ -53,7 +53,7 @@ def _bwd_kernel(
     G: tl.constexpr,
     G2: tl.constexpr,
     R: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BN: tl.constexpr,  # keys per program: the block's part program_id(1) (BN <= block size)
     BT: tl.constexpr,
     NB,  # runtime: it changes with the number of packed sequences
     PREC: tl.constexpr,
@@ -64,16 +64,16 @@ def _bwd_kernel(
     e1 = tl.load(ITEM_END + w)
     if e0 >= e1:
         return
-    p, kpos, m_k = _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK)
+    p, kpos, m_k = _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN, tl.program_id(1))
     o_d = tl.arange(0, D)
     for r in tl.static_range(R):
         h0 = p * G + r * G2
         kvh = h0 // (H // Hkv)
         p_kv = (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
-        b_k = tl.load(Kt + p_kv, mask=m_k[:, None], other=0.0)  # [BLOCK, D]
+        b_k = tl.load(Kt + p_kv, mask=m_k[:, None], other=0.0)  # [BN, D]
         b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
-        b_dk = tl.zeros([BLOCK, D], tl.float32)
-        b_dv = tl.zeros([BLOCK, D], tl.float32)
+        b_dk = tl.zeros([BN, D], tl.float32)
+        b_dv = tl.zeros([BN, D], tl.float32)
         nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
         for c in range(e0, e1, BT):
             if not PREFETCH:
@@ -86,7 +86,7 @@ def _bwd_kernel(
                 nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
             b_p, b_q, _ = _probs(Q, LSE, b_k, t, hj, m_r, h0, kpos, m_k, scale, H, D, PREC)
             b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
-            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)  # [BM, BLOCK]
+            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)  # [BM, BN]
             b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
             b_dq = tl.dot(b_ds, b_k, input_precision=PREC) * scale
             tl.atomic_add(
@@ -110,8 +110,17 @@ SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (b
     scale="fp32",
 )
 
-BWD_ROWS = 128  # MMA rows per tile of the main backward (shared memory bound)
-PROXY_GRAD_ROWS = 128  # MMA rows per tile of the proxy-gradient pass
+# (rows, BN) candidates of the main backward, in order of preference (tiles.py picks the first
+# that compiles without spills): MMA rows per token chunk, keys per program (a key block is
+# split over block // BN programs; each re-gathers the block's query rows)
+BWD_TILES = ((128, 128), (128, 64), (64, 128), (64, 64), (128, 32), (32, 64), (64, 32), (32, 32))
+
+
+def candidates(table, block: int) -> tuple[tuple[int, int], ...]:
+    """The ``(rows, BN)`` entries of ``table`` that fit a key block of ``block`` keys."""
+    return tuple(t for t in table if t[1] <= block)
+
+
 BWD_STAGES = 1  # software-pipelining stages of both loops
 BWD_PREFETCH = False  # load the next chunk's PERM entries one iteration ahead (main backward)
 
@@ -125,8 +134,6 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
     T, H, D = q.shape
     Hkv = k.shape[1]
     Hs, K = indices.shape[1:]
-    geo = geometry(H, Hkv, Hs, BWD_ROWS)
-    G, G2, R, BT = geo
     proxy_pass_needed = proxy and unit is None
     if main or proxy_pass_needed:
         wl = worklist.build(indices, cu_seqlens, cfg.block_size, ITEM_TOKENS)
@@ -137,34 +144,33 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
         dk = torch.zeros((T, Hkv, D), **f32)
         dv = torch.zeros((T, Hkv, D), **f32)
         delta = (dout.float() * out.float()).sum(-1)  # [T, H]
-        _bwd_kernel[(wl.num_items,)](
+        args = (
             q, k, v, dout, delta, lse,
             wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end,
             dq, dk, dv, cfg.softmax_scale,
-            H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, R=R, BLOCK=cfg.block_size, BT=BT,
-            NB=wl.num_blocks, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            PREFETCH=BWD_PREFETCH, num_warps=8, num_stages=BWD_STAGES,
         )  # fmt: skip
+
+        def options(tile):
+            rows, BN = tile
+            G, G2, R, BT = geometry(H, Hkv, Hs, rows)
+            return dict(
+                H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, R=R, BN=BN, BT=BT,
+                NB=wl.num_blocks, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                PREFETCH=BWD_PREFETCH, num_warps=8, num_stages=BWD_STAGES,
+            )  # fmt: skip
+
+        key = (q.dtype, H, Hkv, Hs, K, D, cfg.block_size, BWD_PREFETCH, BWD_STAGES)
+        tile = tiles.pick(_bwd_kernel, args, candidates(BWD_TILES, cfg.block_size), options, key)
+        _bwd_kernel[(wl.num_items, cfg.block_size // tile[1])](*args, **options(tile))
     if proxy and not proxy_pass_needed:  # the forward's KL pass made the gradient for dkl = 1
         dqp, dkp = (g * dkl for g in unit)
     elif proxy:
         dqp = torch.zeros(q_proxy.shape, **f32)
         dkp = torch.zeros(k_proxy.shape, **f32)
         proxy_pass.launch(
-            q,
-            k,
-            q_proxy,
-            k_proxy,
-            lse,
-            proxy_lse,
-            wl,
-            cfg,
-            geometry(H, Hkv, Hs, PROXY_GRAD_ROWS),
-            dkl=dkl,
-            dqp=dqp,
-            dkp=dkp,
-            num_stages=BWD_STAGES,
-        )
+            q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg,
+            dkl=dkl, dqp=dqp, dkp=dkp, num_stages=BWD_STAGES,
+        )  # fmt: skip
 
     def cast(x, like):
         return None if x is None else x.to(like.dtype)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..problem import Config, Forward
-from . import worklist
+from . import tiles, worklist
 
 
 @triton.jit
@@ -38,11 +38,12 @@ def _item_rows(PERM, c, e1, HsK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr
 
 
 @triton.jit
-def _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK: tl.constexpr):
-    """Selection head and key positions (packed, int64) of work item ``w``'s key block."""
+def _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN: tl.constexpr, sub=0):
+    """Selection head and key positions (packed, int64) of work item ``w``'s key block, or of
+    its ``sub``-th part of BN keys (kernels that split a block over programs)."""
     lst = tl.load(ITEM_LIST + w)
     gb = lst % NB
-    kpos = (tl.load(BLK_START + gb) + tl.arange(0, BLOCK)).to(tl.int64)
+    kpos = (tl.load(BLK_START + gb) + sub * BN + tl.arange(0, BN)).to(tl.int64)
     return lst // NB, kpos, kpos < tl.load(BLK_END + gb)
 
 
@@ -225,6 +226,7 @@ def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
     return G, G2, G // G2, max(16, rows // G2)
 
 
+FWD_ROWS = (128, 64, 32)  # MMA rows per token chunk, candidates in order (tiles.py)
 FWD_STAGES = 1  # software-pipelining stages of the main forward
 FWD_PREFETCH = True  # load the next chunk's PERM entries one iteration ahead
 PROXY_GRAD_IN_FWD = True  # training: the KL pass also makes the proxy gradient (dkl = 1)
@@ -268,13 +270,12 @@ def fwd(
     T, H, D = q.shape
     Hkv = k.shape[1]
     Hs, K = indices.shape[1:]
-    geo = geometry(H, Hkv, Hs, 128)
-    G, G2, R, BT = geo
+    G = H // Hs
     proxy = q_proxy is not None
     Dp = q_proxy.shape[2] if proxy else 16
     Hpk = k_proxy.shape[1] if proxy else 1
     f32 = dict(dtype=torch.float32, device=q.device)
-    C = min(T, max(BT, PARTIAL_BYTES // (H * K * D * q.element_size())))
+    C = min(T, max(1, PARTIAL_BYTES // (H * K * D * q.element_size())))
     o_part = torch.empty((C, H, K, D), dtype=q.dtype, device=q.device)  # normalized partials
     l_part = torch.empty((C, H, K), **f32)
     pl_part = torch.empty((C, Hs, K), **f32) if proxy else l_part
@@ -299,13 +300,25 @@ def fwd(
         if main is not None:
             main(q, k, v, wl, o_part, l_part, Hs, cfg, c0)
         if main is None or proxy:
-            _fwd_kernel[(wl.num_items,)](
+            args = (
                 q, k, v, qp_arg, kp_arg, *items, o_part, l_part, pl_part,
                 cfg.softmax_scale, cfg.proxy_scale or 1.0, c0,
-                H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
-                BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC=prec, HAS_PROXY=proxy,
-                PREFETCH=FWD_PREFETCH, HAS_MAIN=main is None, num_warps=8, num_stages=FWD_STAGES,
             )  # fmt: skip
+
+            def options(rows, NB=wl.num_blocks):
+                G, G2, R, BT = geometry(H, Hkv, Hs, rows)
+                return dict(
+                    H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
+                    BLOCK=cfg.block_size, BT=BT, NB=NB, PREC=prec, HAS_PROXY=proxy,
+                    PREFETCH=FWD_PREFETCH, HAS_MAIN=main is None, num_warps=8,
+                    num_stages=FWD_STAGES,
+                )  # fmt: skip
+
+            key = (q.dtype, H, Hkv, Hs, Hpk, K, D, Dp, cfg.block_size, proxy, main is None)
+            rows = tiles.pick(
+                _fwd_kernel, args, FWD_ROWS, options, (*key, FWD_PREFETCH, FWD_STAGES)
+            )
+            _fwd_kernel[(wl.num_items,)](*args, **options(rows))
         _combine_kernel[(c1 - c0, triton.cdiv(H, HB))](
             o_part, l_part, idx, out[c0:c1], lse[c0:c1],
             H=H, Hs=Hs, K=K, KP2=KP2, D=D, G=G, HB=HB, HAS_O=True,
@@ -319,10 +332,9 @@ def fwd(
         if cfg.compute_kl:
             from . import proxy as proxy_pass
 
-            kl_part = torch.zeros(wl.num_items, **f32)
             grad = dict(dkl=one, dqp=unit[0], dkp=unit[1]) if unit else {}
-            proxy_pass.launch(
-                q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, geo, kl_part=kl_part, **grad
+            kl_part = proxy_pass.launch(
+                q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, kl_value=True, **grad
             )
             kl_sum += kl_part.sum()
     kl = kl_sum / (Hs * T) if proxy and cfg.compute_kl else None

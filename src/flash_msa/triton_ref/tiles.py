@@ -1,0 +1,71 @@
+"""Tile choice without register spills: the first candidate whose compiled kernel has none.
+
+Triton kernels with 8 warps get at most 255 registers per thread; a tile that needs more makes
+ptxas spill to local memory (a stack frame), which costs memory traffic in the inner loop. How
+many registers a tile needs depends on the head counts, ``D``, the block size and the Triton
+version, so a fixed table cannot be right everywhere. Each kernel family therefore lists tile
+candidates in order of preference (largest first); :func:`pick` compiles them in that order
+for the call's actual arguments (``JITFunction.warmup``: compile only, nothing runs, no host
+synchronization) and keeps the first one whose cubin has no stack frame and no local memory
+(``cuobjdump --dump-resource-usage``, as ``compile_check`` reads it) and whose shared memory
+fits the device. The choice is cached per
+static configuration; the kernel launch that follows reuses the compiled binary.
+
+If every candidate spills (not the case for any configuration ``compile_check`` covers), the
+last one is used and a warning names the kernel. Under Triton's interpreter (CPU) nothing is
+compiled and the first candidate is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+
+from ..backends import interpreting
+
+log = logging.getLogger("flash_msa")
+
+_chosen: dict[tuple, object] = {}
+
+
+def spill_bytes(compiled) -> int:
+    """Stack + local bytes per thread of a compiled Triton kernel."""
+    from .compile_check import cubin_resources
+
+    try:
+        res = cubin_resources(compiled.asm["cubin"])
+    except (OSError, subprocess.CalledProcessError):  # no cuobjdump: the driver's local size
+        compiled._init_handles()
+        return 4 * compiled.n_spills
+    return res["stack"] + res["local"]
+
+
+def _shared_limit() -> int:
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return getattr(props, "shared_memory_per_block_optin", 232448)
+
+
+def pick(kernel, args, candidates, options, key):
+    """First of ``candidates`` whose kernel compiles without spills, for ``args``.
+
+    ``options(candidate)`` gives the launch keywords (constexprs, ``num_warps``,
+    ``num_stages``) of a candidate; ``key`` identifies the static configuration (it must
+    include everything ``options`` and the argument dtypes depend on)."""
+    key = (kernel.fn.__name__, tuple(candidates), *key)
+    if key in _chosen:
+        return _chosen[key]
+    if interpreting():
+        return candidates[0]
+    choice = None
+    for cand in candidates:
+        compiled = kernel.warmup(*args, grid=(1,), **options(cand))
+        if compiled.metadata.shared <= _shared_limit() and spill_bytes(compiled) == 0:
+            choice = cand
+            break
+    if choice is None:
+        choice = candidates[-1]
+        log.warning("flash_msa: every tile candidate of %s spills registers (%s)", key[0], key)
+    _chosen[key] = choice
+    return choice
