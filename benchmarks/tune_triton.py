@@ -29,15 +29,14 @@ KNOBS = {  # name -> (module, attribute)
     "fwd_rows": (sparse_fwd, "FWD_ROWS"),
 }
 
-SPILLING_V4 = {"bwd_tiles": ((128, 128),), "proxy_tiles": ((128, 128),), "fwd_rows": (128,)}
+SPILLING_V4 = {"bwd_tiles": ((128, 128, 1),), "proxy_tiles": ((128, 128),), "fwd_rows": (128,)}
 CONFIGS = [  # the shipped defaults first; each later one changes a few knobs
     {},
     SPILLING_V4,  # the v4 tiles (they spill at D=128, block 128)
-    {"bwd_tiles": ((128, 64),)},  # spills 152 B at the anchor shape
-    {"bwd_tiles": ((64, 32),)},
-    {"proxy_tiles": ((64, 32),)},
+    {"bwd_tiles": ((128, 64, 1),)},  # spills 80 B at the anchor shape
+    {"bwd_tiles": ((64, 64, 4),)},
+    {"bwd_tiles": ((32, 64, 1),)},
     {"proxy_tiles": ((128, 64),)},  # spills in the KL+gradient pass
-    {"fwd_rows": (32,)},
     {"bwd_prefetch": True},
 ]
 

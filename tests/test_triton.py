@@ -180,7 +180,7 @@ def test_fwd_bwd_with_split_key_blocks_equals_reference(tile, in_fwd, monkeypatc
     from flash_msa.triton_ref import proxy, sparse_bwd, sparse_fwd
 
     _poison_empty(monkeypatch)
-    monkeypatch.setattr(sparse_bwd, "BWD_TILES", (tile,))
+    monkeypatch.setattr(sparse_bwd, "BWD_TILES", ((*tile, 2),))  # dQ in 2 column slices
     monkeypatch.setattr(proxy, "PROXY_TILES", (tile,))
     monkeypatch.setattr(sparse_fwd, "FWD_ROWS", (tile[0],))
     for case in [((300,), 8, 2, 4, 1, 16, 16, 64, 3), ((70, 1, 200), 4, 4, 2, 1, 16, 32, 128, 2)]:

@@ -111,8 +111,8 @@ def configurations():
                     yield f"{fam} {tag}", sparse_fwd._fwd_kernel, sparse_fwd.SIGNATURE["fwd"], cands
                 fixed = dict(base, PREFETCH=sparse_bwd.BWD_PREFETCH)
                 cands = [
-                    ((rows, BN), dict(fixed, BN=BN, **geo(rows)), 8, sparse_bwd.BWD_STAGES)
-                    for rows, BN in sparse_bwd.candidates(sparse_bwd.BWD_TILES, block)
+                    (t, dict(fixed, BN=t[1], DQ_SPLIT=t[2], **geo(t[0])), 8, sparse_bwd.BWD_STAGES)
+                    for t in sparse_bwd.candidates(sparse_bwd.BWD_TILES, block)
                 ]
                 yield f"bwd {tag}", sparse_bwd._bwd_kernel, sparse_bwd.SIGNATURE, cands
                 modes = (("kl", True, False), ("kl+grad", True, True), ("proxy-grad", False, True))

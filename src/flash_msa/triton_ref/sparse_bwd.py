@@ -58,6 +58,7 @@ def _bwd_kernel(
     NB,  # runtime: it changes with the number of packed sequences
     PREC: tl.constexpr,
     PREFETCH: tl.constexpr,
+    DQ_SPLIT: tl.constexpr,  # dQ = dS K in DQ_SPLIT column slices (fewer live registers)
 ):
     w = tl.program_id(0)
     e0 = tl.load(ITEM_START + w)
@@ -88,10 +89,20 @@ def _bwd_kernel(
             b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)  # [BM, BN]
             b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
-            b_dq = tl.dot(b_ds, b_k, input_precision=PREC) * scale
-            tl.atomic_add(
-                DQ + row[:, None] * D + o_d[None, :], b_dq, mask=m_r[:, None], sem="relaxed"
-            )
+            if DQ_SPLIT == 1:
+                b_dq = tl.dot(b_ds, b_k, input_precision=PREC) * scale
+                tl.atomic_add(
+                    DQ + row[:, None] * D + o_d[None, :], b_dq, mask=m_r[:, None], sem="relaxed"
+                )
+            else:
+                for j in tl.static_range(DQ_SPLIT):
+                    o_j = j * (D // DQ_SPLIT) + tl.arange(0, D // DQ_SPLIT)
+                    p_kj = (kpos * Hkv + kvh)[:, None] * D + o_j[None, :]
+                    b_kj = tl.load(Kt + p_kj, mask=m_k[:, None], other=0.0)
+                    b_dq = tl.dot(b_ds, b_kj, input_precision=PREC) * scale
+                    tl.atomic_add(
+                        DQ + row[:, None] * D + o_j[None, :], b_dq, mask=m_r[:, None], sem="relaxed"
+                    )
             b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PREC)
         tl.atomic_add(DK + p_kv, b_dk * scale, mask=m_k[:, None], sem="relaxed")
         tl.atomic_add(DV + p_kv, b_dv, mask=m_k[:, None], sem="relaxed")
@@ -110,14 +121,18 @@ SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (b
     scale="fp32",
 )
 
-# (rows, BN) candidates of the main backward, in order of preference (tiles.py picks the first
-# that compiles without spills): MMA rows per token chunk, keys per program (a key block is
-# split over block // BN programs; each re-gathers the block's query rows)
-BWD_TILES = ((128, 128), (128, 64), (64, 128), (64, 64), (128, 32), (32, 64), (64, 32), (32, 32))
+# (rows, BN, DQ_SPLIT) candidates of the main backward, in order of preference (tiles.py picks
+# the first that compiles without spills): MMA rows per token chunk, keys per program (a key
+# block is split over block // BN programs; each re-gathers the block's query rows), column
+# slices of the dQ product (fewer live registers)
+BWD_TILES = (
+    (128, 128, 1), (128, 64, 1), (128, 64, 2), (128, 64, 4), (64, 64, 1), (64, 64, 4),
+    (128, 32, 1), (32, 64, 1), (64, 32, 1), (32, 32, 1),
+)  # fmt: skip
 
 
-def candidates(table, block: int) -> tuple[tuple[int, int], ...]:
-    """The ``(rows, BN)`` entries of ``table`` that fit a key block of ``block`` keys."""
+def candidates(table, block: int) -> tuple[tuple[int, ...], ...]:
+    """The entries ``(rows, BN, ...)`` of ``table`` that fit a key block of ``block`` keys."""
     return tuple(t for t in table if t[1] <= block)
 
 
@@ -151,10 +166,10 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
         )  # fmt: skip
 
         def options(tile):
-            rows, BN = tile
+            rows, BN, split = tile
             G, G2, R, BT = geometry(H, Hkv, Hs, rows)
             return dict(
-                H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, R=R, BN=BN, BT=BT,
+                H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, R=R, BN=BN, BT=BT, DQ_SPLIT=split,
                 NB=wl.num_blocks, PREC="ieee" if q.dtype == torch.float32 else "tf32",
                 PREFETCH=BWD_PREFETCH, num_warps=8, num_stages=BWD_STAGES,
             )  # fmt: skip
