@@ -277,8 +277,8 @@ def _fwd_case(lengths, H, Hkv, Hp, D, b, top_k, dtype, seed):
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(st.data())
-def test_cute_forward_hypothesis_runtime_sizes(data, monkeypatch):
+@given(data=st.data())
+def test_cute_forward_hypothesis_runtime_sizes(data):
     """The registered CuTe forward (via the backend module, as ``auto`` calls it) on drawn
     lengths / varlen splits, top_k, block, head layout and dtype, by the tolerance rule against
     the fp32 reference; partial buffers and outputs are poisoned (NaN) so unwritten rows fail."""
@@ -308,13 +308,10 @@ def test_cute_forward_hypothesis_runtime_sizes(data, monkeypatch):
 
         return make
 
-    for name in real:  # torch itself: the partials, out and LSE buffers of the op
-        monkeypatch.setattr(tri_fwd.torch, name, poisoned(name))
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # torch itself: partials, out and LSE buffers
+        for name in real:
+            mp.setattr(tri_fwd.torch, name, poisoned(name))
         mine = cute_be.fwd(q, k, v, idx, cu, cfg, qp, kp)
-    finally:
-        for name, fn in real.items():
-            monkeypatch.setattr(tri_fwd.torch, name, fn)
     exact = reference.fwd(q.float(), k.float(), v.float(), idx, cu, cfg, qp.float(), kp.float())
     same = reference.fwd(q, k, v, idx, cu, cfg, qp, kp, upcast=False)
     for i, name in enumerate(["out", "lse", "proxy_lse", "kl"]):
