@@ -31,7 +31,7 @@ def run_case(shape, S, kind):
         for x in testing.make_inputs(1, S, H, Hkv, Hp, Hpk, D, Dp, device="cuda", kind=kind, seed=0)
     )
     cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
-    cfg = Config(bench.BLOCK, D**-0.5, S, Dp**-0.5, bench.TOP_K, True, True)
+    cfg = Config(bench.BLOCK, D**-0.5, S, Dp**-0.5, bench.TOP_K, warmup=False, compute_kl=True)
     idx = tri_sel.select(qp, kp, cu, cfg)
     pairs = bench.sparse_pairs(idx[None], S, bench.BLOCK)
     flops = 4 * D * H * pairs

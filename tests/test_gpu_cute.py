@@ -272,7 +272,7 @@ def _fwd_case(lengths, H, Hkv, Hp, D, b, top_k, dtype, seed):
                                      seed=seed)
     )  # fmt: skip
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    cfg = Config(b, D**-0.5, max(lengths), D**-0.5, top_k, True, True)
+    cfg = Config(b, D**-0.5, max(lengths), D**-0.5, top_k, warmup=False, compute_kl=True)
     return q, k, v, qp, kp, cu.cuda(), cfg
 
 
