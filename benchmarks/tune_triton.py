@@ -22,21 +22,24 @@ KNOBS = {  # name -> (module, attribute)
     "fwd_stages": (sparse_fwd, "FWD_STAGES"),
     "fwd_prefetch": (sparse_fwd, "FWD_PREFETCH"),
     "grad_in_fwd": (sparse_fwd, "PROXY_GRAD_IN_FWD"),
-    "proxy_prefetch": (proxy, "PROXY_PREFETCH"),
     "bwd_prefetch": (sparse_bwd, "BWD_PREFETCH"),
     "bwd_tiles": (sparse_bwd, "BWD_TILES"),
     "proxy_tiles": (proxy, "PROXY_TILES"),
-    "fwd_rows": (sparse_fwd, "FWD_ROWS"),
+    "fwd_tiles": (sparse_fwd, "FWD_TILES"),
 }
 
-SPILLING_V4 = {"bwd_tiles": ((128, 128, 1),), "proxy_tiles": ((128, 128),), "fwd_rows": (128,)}
+SPILLING_V4 = {
+    "bwd_tiles": ((128, 128, 1),),
+    "proxy_tiles": ((128, 128, True),),
+    "fwd_tiles": ((128, 1),),
+}
 CONFIGS = [  # the shipped defaults first; each later one changes a few knobs
     {},
     SPILLING_V4,  # the v4 tiles (they spill at D=128, block 128)
     {"bwd_tiles": ((128, 64, 1),)},  # spills 80 B at the anchor shape
-    {"bwd_tiles": ((64, 64, 4),)},
-    {"bwd_tiles": ((32, 64, 1),)},
-    {"proxy_tiles": ((128, 64),)},  # spills in the KL+gradient pass
+    {"proxy_tiles": ((128, 32, True),)},  # the v5a choice
+    {"proxy_tiles": ((128, 64, True),)},  # spills in the KL+gradient pass
+    {"fwd_tiles": ((64, 1),)},  # the v5a choice
     {"bwd_prefetch": True},
 ]
 
@@ -46,7 +49,7 @@ def _table(kernel_name, cfg):
     tables = {
         "_bwd_kernel": cfg["bwd_tiles"],
         "_proxy_kernel": cfg["proxy_tiles"],
-        "_fwd_kernel": cfg["fwd_rows"],
+        "_fwd_kernel": cfg["fwd_tiles"],
     }
     return tuple(tables.get(kernel_name, ()))
 

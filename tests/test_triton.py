@@ -181,8 +181,8 @@ def test_fwd_bwd_with_split_key_blocks_equals_reference(tile, in_fwd, monkeypatc
 
     _poison_empty(monkeypatch)
     monkeypatch.setattr(sparse_bwd, "BWD_TILES", ((*tile, 2),))  # dQ in 2 column slices
-    monkeypatch.setattr(proxy, "PROXY_TILES", (tile,))
-    monkeypatch.setattr(sparse_fwd, "FWD_ROWS", (tile[0],))
+    monkeypatch.setattr(proxy, "PROXY_TILES", ((*tile, True),))
+    monkeypatch.setattr(sparse_fwd, "FWD_TILES", ((tile[0], 2),))  # O in 2 column slices
     for case in [((300,), 8, 2, 4, 1, 16, 16, 64, 3), ((70, 1, 200), 4, 4, 2, 1, 16, 32, 128, 2)]:
         _check(*_fwd_bwd_case(*case, torch.float32, in_fwd=in_fwd), rel_atol=1e-5)
 

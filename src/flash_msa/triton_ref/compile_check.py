@@ -105,8 +105,8 @@ def configurations():
                     fixed = dict(base, HAS_PROXY=True, PREFETCH=sparse_fwd.FWD_PREFETCH)
                     fixed.update(HAS_MAIN=has_main)
                     cands = [
-                        (rows, dict(fixed, **geo(rows)), 8, sparse_fwd.FWD_STAGES)
-                        for rows in sparse_fwd.FWD_ROWS
+                        (t, dict(fixed, OUT_SPLIT=t[1], **geo(t[0])), 8, sparse_fwd.FWD_STAGES)
+                        for t in sparse_fwd.FWD_TILES
                     ]
                     yield f"{fam} {tag}", sparse_fwd._fwd_kernel, sparse_fwd.SIGNATURE["fwd"], cands
                 fixed = dict(base, PREFETCH=sparse_bwd.BWD_PREFETCH)
@@ -117,10 +117,10 @@ def configurations():
                 yield f"bwd {tag}", sparse_bwd._bwd_kernel, sparse_bwd.SIGNATURE, cands
                 modes = (("kl", True, False), ("kl+grad", True, True), ("proxy-grad", False, True))
                 for mode, kl_value, grad in modes:
-                    fixed = dict(base, KL_VALUE=kl_value, GRAD=grad, PREFETCH=proxy.PROXY_PREFETCH)
+                    fixed = dict(base, KL_VALUE=kl_value, GRAD=grad)
                     cands = [
-                        ((rows, BN), dict(fixed, BN=BN, **geo(rows)), 8, 1)
-                        for rows, BN in sparse_bwd.candidates(proxy.PROXY_TILES, block)
+                        (t, dict(fixed, BN=t[1], PREFETCH=t[2], **geo(t[0])), 8, 1)
+                        for t in sparse_bwd.candidates(proxy.PROXY_TILES, block)
                     ]
                     yield f"{mode} {tag}", proxy._proxy_kernel, proxy.SIGNATURE, cands
 

@@ -156,16 +156,16 @@ def _proxy_kernel(
         tl.atomic_add(p_dkp, b_dkp * (coef * pscale), mask=m_k[:, None], sem="relaxed")
 
 
-PROXY_PREFETCH = True  # load the next chunk's PERM entries one iteration ahead
+# (rows, BN, PREFETCH) candidates of the proxy pass, in order of preference (tiles.py picks the
+# first that compiles without spills): MMA rows per token chunk, keys per program (a key block
+# is split over block // BN programs; each re-gathers the block's query rows), whether the next
+# chunk's PERM entries load one iteration ahead (it costs registers)
+PROXY_TILES = (
+    (128, 128, True), (128, 128, False), (128, 64, True), (128, 64, False), (64, 128, True),
+    (64, 64, True), (64, 64, False), (128, 32, True), (32, 64, True), (64, 32, True),
+    (32, 32, True),
+)  # fmt: skip
 
-
-# (rows, BN) candidates of the proxy pass, in order of preference (tiles.py picks the first
-# that compiles without spills): MMA rows per token chunk, keys per program (a key block is
-# split over block // BN programs; each re-gathers the block's query rows)
-PROXY_TILES = ((128, 128), (128, 64), (64, 128), (64, 64), (128, 32), (32, 64), (64, 32), (32, 32))
-
-
-PROXY_PREFETCH = True  # load the next chunk's PERM entries one iteration ahead
 
 SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (bf16 inputs)
     {k: "*bf16" for k in ("Q", "Kt", "QP", "KP")},
@@ -223,18 +223,18 @@ def launch(
     )  # fmt: skip
 
     def options(tile):
-        rows, BN = tile
+        rows, BN, prefetch = tile
         G, G2, R, BT = geometry(H, k.shape[1], Hs, rows)
         return dict(
             H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], K=wl.slots, D=D,
             Dp=Dp, G=G, G2=G2, R=R, BN=BN, BT=BT, NB=wl.num_blocks,
             KL_VALUE=kl_value, GRAD=grad,
-            PREC="ieee" if q.dtype.itemsize == 4 else "tf32", PREFETCH=PROXY_PREFETCH, num_warps=8,
+            PREC="ieee" if q.dtype.itemsize == 4 else "tf32", PREFETCH=prefetch, num_warps=8,
             num_stages=num_stages,
         )  # fmt: skip
 
     key = (q.dtype, H, k.shape[1], Hs, k_proxy.shape[1], wl.slots, D, Dp, block, kl_value, grad)
-    key += (PROXY_PREFETCH, num_stages)
+    key += (num_stages,)
     tile = tiles.pick(_proxy_kernel, args, cands, options, key)
     splits = block // tile[1]
     _proxy_kernel[(wl.num_items, splits)](*args, **options(tile))

@@ -83,6 +83,7 @@ def _fwd_kernel(
     PREC: tl.constexpr,
     PREFETCH: tl.constexpr,
     HAS_MAIN: tl.constexpr = True,  # False: only the proxy LSE partials (another kernel did O)
+    OUT_SPLIT: tl.constexpr = 1,  # O = P V in column slices (fewer live registers)
 ):
     w = tl.program_id(0)
     e0 = tl.load(ITEM_START + w)
@@ -114,15 +115,22 @@ def _fwd_kernel(
                 b_m = tl.where(b_m == float("-inf"), 0.0, b_m)  # a row with no visible key
                 b_p = tl.exp(b_s - b_m[:, None])
                 b_l = tl.sum(b_p, axis=1)
-                b_o = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [BM, D]
-                b_o = b_o / tl.where(b_l > 0, b_l, 1.0)[:, None]
                 b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
                 part = ((t - tok0) * H + h0 + hj) * K + slot  # chunk-local partial row
-                tl.store(
-                    O_PART + part[:, None] * D + o_d[None, :],
-                    b_o.to(O_PART.dtype.element_ty),
-                    mask=m_r[:, None],
-                )
+                b_pv = b_p.to(b_v.dtype)
+                b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
+                if OUT_SPLIT == 1:
+                    b_o = tl.dot(b_pv, b_v, input_precision=PREC) * b_inv[:, None]  # [BM, D]
+                    p_o = O_PART + part[:, None] * D + o_d[None, :]
+                    tl.store(p_o, b_o.to(O_PART.dtype.element_ty), mask=m_r[:, None])
+                else:  # O = P V in column slices of V (reloaded: L1/L2 hits), fewer registers
+                    for j in tl.static_range(OUT_SPLIT):
+                        o_j = j * (D // OUT_SPLIT) + tl.arange(0, D // OUT_SPLIT)
+                        p_vj = V + (kpos * Hkv + kvh)[:, None] * D + o_j[None, :]
+                        b_vj = tl.load(p_vj, mask=m_k[:, None], other=0.0)
+                        b_o = tl.dot(b_pv, b_vj, input_precision=PREC) * b_inv[:, None]
+                        p_o = O_PART + part[:, None] * D + o_j[None, :]
+                        tl.store(p_o, b_o.to(O_PART.dtype.element_ty), mask=m_r[:, None])
                 tl.store(L_PART + part, b_lse, mask=m_r)
     if HAS_PROXY:
         o_dp = tl.arange(0, Dp)
@@ -226,7 +234,9 @@ def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
     return G, G2, G // G2, max(16, rows // G2)
 
 
-FWD_ROWS = (128, 64, 32)  # MMA rows per token chunk, candidates in order (tiles.py)
+# (rows, OUT_SPLIT) candidates of the main forward, in order of preference (tiles.py picks the
+# first that compiles without spills): MMA rows per token chunk, column slices of O = P V
+FWD_TILES = ((128, 1), (128, 4), (128, 2), (64, 1), (64, 4), (64, 2), (32, 1))
 FWD_STAGES = 1  # software-pipelining stages of the main forward
 FWD_PREFETCH = True  # load the next chunk's PERM entries one iteration ahead
 PROXY_GRAD_IN_FWD = True  # training: the KL pass also makes the proxy gradient (dkl = 1)
@@ -305,20 +315,21 @@ def fwd(
                 cfg.softmax_scale, cfg.proxy_scale or 1.0, c0,
             )  # fmt: skip
 
-            def options(rows, NB=wl.num_blocks):
+            def options(tile, NB=wl.num_blocks):
+                rows, split = tile
                 G, G2, R, BT = geometry(H, Hkv, Hs, rows)
                 return dict(
                     H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
                     BLOCK=cfg.block_size, BT=BT, NB=NB, PREC=prec, HAS_PROXY=proxy,
-                    PREFETCH=FWD_PREFETCH, HAS_MAIN=main is None, num_warps=8,
+                    PREFETCH=FWD_PREFETCH, HAS_MAIN=main is None, OUT_SPLIT=split, num_warps=8,
                     num_stages=FWD_STAGES,
                 )  # fmt: skip
 
             key = (q.dtype, H, Hkv, Hs, Hpk, K, D, Dp, cfg.block_size, proxy, main is None)
-            rows = tiles.pick(
-                _fwd_kernel, args, FWD_ROWS, options, (*key, FWD_PREFETCH, FWD_STAGES)
+            tile = tiles.pick(
+                _fwd_kernel, args, FWD_TILES, options, (*key, FWD_PREFETCH, FWD_STAGES)
             )
-            _fwd_kernel[(wl.num_items,)](*args, **options(rows))
+            _fwd_kernel[(wl.num_items,)](*args, **options(tile))
         _combine_kernel[(c1 - c0, triton.cdiv(H, HB))](
             o_part, l_part, idx, out[c0:c1], lse[c0:c1],
             H=H, Hs=Hs, K=K, KP2=KP2, D=D, G=G, HB=HB, HAS_O=True,
