@@ -56,6 +56,13 @@ def run_case(shape, S, kind):
     def cute_partials():
         cute_fwd.partials(q, k, v, wl, o_part, l_part, Hp, cfg)
 
+    def cute_partials_q2():  # the double-buffered variant (Q_STAGES = 2)
+        old, cute_fwd.Q_STAGES = cute_fwd.Q_STAGES, 2
+        try:
+            cute_fwd.partials(q, k, v, wl, o_part, l_part, Hp, cfg)
+        finally:
+            cute_fwd.Q_STAGES = old
+
     def tri_op():
         return tri_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp)
 
@@ -65,7 +72,12 @@ def run_case(shape, S, kind):
     diff = (tri_op().out.float() - cute_op().out.float()).abs().max().item()
     runs = [("fwd op triton", tri_op), ("fwd op cute", cute_op)]
     if C == S:  # partials alone only where the op runs them in one chunk
-        runs = [("partials triton", tri_partials), ("partials cute", cute_partials), *runs]
+        runs = [
+            ("partials triton", tri_partials),
+            ("partials cute", cute_partials),
+            ("partials cute q2", cute_partials_q2),
+            *runs,
+        ]
     for name, fn in runs:
         ms = bench._time(fn, warmup=2, iters=10)
         print(

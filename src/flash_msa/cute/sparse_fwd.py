@@ -38,6 +38,9 @@ from .common import acc_rows_cols, aligned, cute_tensor, launch, stream
 
 CHUNK = 64  # rows per chunk: one warpgroup's MMA M
 THREADS = 128
+# query-row buffers: 1 = gather, wait, compute; 2 = the next chunk's gather is in flight while
+# this chunk computes. 2 compiles without spills but has not run on a GPU yet (perf-notes).
+Q_STAGES = 1
 LN2 = 0.6931471805599453
 
 
@@ -53,6 +56,22 @@ def _acc_as_a(t: cute.Tensor) -> cute.Tensor:
 def _loads_before(r: int, g2: int, kv_group: int) -> int:
     """K/V tile loads issued before sub-group ``r``'s (trace time): one per new KV head."""
     return sum(1 for i in range(r) if i == 0 or (i * g2) % kv_group == 0)
+
+
+def _gather_chunk(gather, mQ, mPerm, tGsQ, tGcQ, g_col, e0, e1, h0, H, HS, K, G2, BT, ch, stage):
+    """cp.async the query rows of chunk ``ch`` of a work item into Q buffer ``stage`` (one
+    commit group); pad rows (past the item's end) re-load the last valid row. Plain Python,
+    traced inline where the kernel calls it (the loop unrolls at trace time)."""
+    c = e0 + ch * BT
+    for ps in range(cute.size(tGsQ, mode=[1])):
+        row = tGcQ[0, ps, 0][0]
+        e = cutlass.min(c + row // G2, e1 - 1)
+        t = mPerm[e] // (HS * K)
+        qrow = t * H + h0 + row % G2
+        off = cute.assume(Int64(qrow) * mQ.stride[0] + g_col, divby=8)
+        src = cute.make_tensor(mQ.iterator + off, cute.make_layout(((8, 1),)))
+        cute.copy(gather, src, tGsQ[None, ps, 0, stage])
+    cute.arch.cp_async_commit_group()
 
 
 @cute.kernel
@@ -91,6 +110,7 @@ def _partials_kernel(
     R: Constexpr,
     BLOCK: Constexpr,
     ELEM_BYTES: Constexpr,
+    QSTAGES: Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     mma_qk.set(warpgroup.Field.ACCUMULATE, False)
@@ -101,7 +121,7 @@ def _partials_kernel(
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
 
     st = SmemAllocator().allocate(Storage)
-    sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, D)
+    sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, D, QSTAGES)
     sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (BLOCK, D, 1)
     sV = st.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
     sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))  # (D, BLOCK, 1)
@@ -137,7 +157,7 @@ def _partials_kernel(
         tOrP = _acc_as_a(rP)
 
         thr_g = gather.get_slice(tidx)
-        tGsQ = thr_g.partition_D(sQ)  # ((8, 1), passes, 1)
+        tGsQ = thr_g.partition_D(sQ)  # ((8, 1), passes, 1, QSTAGES)
         tGcQ = thr_g.partition_D(cute.make_identity_tensor((CHUNK, D)))
         g_col = tGcQ[0, 0, 0][1]
         BT = CHUNK // G2  # tokens per chunk
@@ -170,19 +190,25 @@ def _partials_kernel(
                     cute.copy(tma_v, tVgV, tVsV[(None, 0)], tma_bar_ptr=kv_bar)
                 cute.arch.mbarrier_wait(kv_bar, _loads_before(r, G2, H // HKV) % 2)
 
+            gq = (gather, mQ, mPerm, tGsQ, tGcQ, g_col, e0, e1, h0, H, HS, K, G2, BT)
+            if cutlass.const_expr(QSTAGES == 2):
+                _gather_chunk(*gq, 0, 0)
             for ch in cutlass.range(n_chunks, unroll=1):
                 c = e0 + ch * BT
-                # 1. gather: pad rows (past the item's end) re-load the last valid row
-                for ps in cutlass.range_constexpr(cute.size(tGsQ, mode=[1])):
-                    row = tGcQ[0, ps, 0][0]
-                    e = cutlass.min(c + row // G2, e1 - 1)
-                    t = mPerm[e] // (HS * K)
-                    qrow = t * H + h0 + row % G2
-                    off = cute.assume(Int64(qrow) * mQ.stride[0] + g_col, divby=8)
-                    src = cute.make_tensor(mQ.iterator + off, cute.make_layout(((8, 1),)))
-                    cute.copy(gather, src, tGsQ[None, ps, 0])
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(0)
+                # 1. this chunk's query rows in shared memory. With two Q buffers the next
+                # chunk's gather is issued first and lands while this chunk computes (its
+                # buffer was last read in the previous iteration, before its closing barrier).
+                stage = 0
+                if cutlass.const_expr(QSTAGES == 2):
+                    stage = ch % 2
+                    if ch + 1 < n_chunks:
+                        _gather_chunk(*gq, ch + 1, 1 - stage)
+                        cute.arch.cp_async_wait_group(1)  # all but the newest group
+                    else:
+                        cute.arch.cp_async_wait_group(0)
+                else:
+                    _gather_chunk(*gq, ch, 0)
+                    cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.sync_threads()
 
@@ -190,7 +216,9 @@ def _partials_kernel(
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                     mma = mma_qk if kb == 0 else mma_qk_acc
-                    cute.gemm(mma, acc_S, tSrQ[None, None, kb], tSrK[None, None, kb, 0], acc_S)
+                    cute.gemm(
+                        mma, acc_S, tSrQ[None, None, kb, stage], tSrK[None, None, kb, 0], acc_S
+                    )
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
 
@@ -249,7 +277,7 @@ def _partials_kernel(
                             if ssum > 0.0:
                                 lse = (row_max[i] * scale_log2 + cute.math.log2(ssum)) * LN2
                             mL[part] = lse
-                cute.arch.sync_threads()  # sQ is overwritten by the next chunk's gather
+                cute.arch.sync_threads()  # this Q buffer is overwritten by a later gather
             cute.arch.sync_threads()  # sK / sV may be overwritten by the next sub-group's TMA
 
 
@@ -277,6 +305,7 @@ def partials_host(
     G2: Constexpr,
     R: Constexpr,
     BLOCK: Constexpr,
+    QSTAGES: Constexpr,
 ):
     """Launch one CTA per work item. ``mQ (T*H, D)``; ``mK``, ``mV`` the ``(T, D, Hkv)`` views;
     the work list of ``flash_msa.triton_ref.worklist``; partial buffers ``mO (C*H*K, D)``,
@@ -300,9 +329,8 @@ def partials_host(
 
     mma_qk, mma_qk_acc = make_qk(), make_qk()
     mma_pv, mma_pv_acc = make_pv(), make_pv()
-    sQ_layout = cute.slice_(
-        sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (CHUNK, BLOCK, D), dtype, 1),
-        (None, None, 0),
+    sQ_layout = sm90_utils.make_smem_layout_a(
+        LayoutEnum.ROW_MAJOR, (CHUNK, BLOCK, D), dtype, QSTAGES
     )
     sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (CHUNK, BLOCK, D), dtype, 1)
     tma_k, tma_mK = cpasync.make_tiled_tma_atom(
@@ -333,7 +361,7 @@ def partials_host(
         mQ, tma_k, tma_mK, tma_v, tma_mV, mPerm, mItemList, mItemStart, mItemEnd, mBlkStart,
         mBlkEnd, mO, mL, scale_log2, tok0, NB, mma_qk, mma_qk_acc, mma_pv, mma_pv_acc, sQ_layout,
         sK_layout,
-        gather, Storage, H, HKV, HS, K, D, G, G2, R, BLOCK, dtype.width // 8,
+        gather, Storage, H, HKV, HS, K, D, G, G2, R, BLOCK, dtype.width // 8, QSTAGES,
     ).launch(grid=(mItemList.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
 
 
@@ -385,7 +413,7 @@ def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
         Int32(wl.num_blocks),
         stream(q.device),
     )
-    static = (H, num_sel_heads, wl.slots, G, G2, R, cfg.block_size)
+    static = (H, num_sel_heads, wl.slots, G, G2, R, cfg.block_size, Q_STAGES)
     launch(partials_host, (q.dtype, D, Hkv, *static, q.device.index), runtime, static)
 
 
