@@ -170,19 +170,27 @@ def test_fwd_in_query_chunks_equals_reference(monkeypatch):
     _check(*case, rel_atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "tile", [(32, 32), (64, 32), (32, 64)], ids=lambda t: "x".join(map(str, t))
-)
+SMALL_TILES = [  # rows, keys per program, dQ / O column slices, proxy-pass prefetch
+    (32, 32, 2, True),
+    (64, 32, 4, False),
+    (32, 64, 1, True),
+    (64, 64, 4, False),
+]
+
+
+@pytest.mark.parametrize("tile", SMALL_TILES, ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("in_fwd", [False, True], ids=["grad-pass", "grad-in-fwd"])
 def test_fwd_bwd_with_split_key_blocks_equals_reference(tile, in_fwd, monkeypatch):
-    """The smaller tile candidates (tiles.pick takes them on a GPU when larger ones spill): key
-    blocks split over block // BN programs, fewer MMA rows, in every sparse pass."""
+    """The other tile candidates (tiles.pick takes them on a GPU when larger ones spill): key
+    blocks split over block // BN programs, fewer MMA rows, dQ and O in column slices, the
+    proxy pass without prefetch, in every sparse pass."""
     from flash_msa.triton_ref import proxy, sparse_bwd, sparse_fwd
 
+    rows, keys, split, prefetch = tile
     _poison_empty(monkeypatch)
-    monkeypatch.setattr(sparse_bwd, "BWD_TILES", ((*tile, 2),))  # dQ in 2 column slices
-    monkeypatch.setattr(proxy, "PROXY_TILES", ((*tile, True),))
-    monkeypatch.setattr(sparse_fwd, "FWD_TILES", ((tile[0], 2),))  # O in 2 column slices
+    monkeypatch.setattr(sparse_bwd, "BWD_TILES", ((rows, keys, split),))
+    monkeypatch.setattr(proxy, "PROXY_TILES", ((rows, keys, prefetch),))
+    monkeypatch.setattr(sparse_fwd, "FWD_TILES", ((rows, split),))
     for case in [((300,), 8, 2, 4, 1, 16, 16, 64, 3), ((70, 1, 200), 4, 4, 2, 1, 16, 32, 128, 2)]:
         _check(*_fwd_bwd_case(*case, torch.float32, in_fwd=in_fwd), rel_atol=1e-5)
 

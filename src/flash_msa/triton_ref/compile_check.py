@@ -104,9 +104,12 @@ def configurations():
                 for fam, has_main in (("fwd", True), ("fwd-proxy-only", False)):
                     fixed = dict(base, HAS_PROXY=True, PREFETCH=sparse_fwd.FWD_PREFETCH)
                     fixed.update(HAS_MAIN=has_main)
+                    table = sparse_fwd.FWD_TILES  # as fwd(): no OUT_SPLIT without the main pass
+                    if not has_main:
+                        table = tuple(dict.fromkeys((r, 1) for r, _ in table))
                     cands = [
                         (t, dict(fixed, OUT_SPLIT=t[1], **geo(t[0])), 8, sparse_fwd.FWD_STAGES)
-                        for t in sparse_fwd.FWD_TILES
+                        for t in table
                     ]
                     yield f"{fam} {tag}", sparse_fwd._fwd_kernel, sparse_fwd.SIGNATURE["fwd"], cands
                 fixed = dict(base, PREFETCH=sparse_bwd.BWD_PREFETCH)

@@ -213,8 +213,10 @@ def launch(
     grad = dkl is not None
     block = cfg.block_size
     cands = candidates(PROXY_TILES, block)
-    most = wl.num_items * (block // min(t[1] for t in cands))  # programs at the smallest BN
-    kl_part = torch.zeros(most, dtype=torch.float32, device=q.device)
+    kl_part = lse  # a dummy pointer without the KL value
+    if kl_value:
+        most = wl.num_items * (block // min(t[1] for t in cands))  # programs at the smallest BN
+        kl_part = torch.zeros(most, dtype=torch.float32, device=q.device)
     args = (
         q, k, q_proxy, k_proxy, lse, proxy_lse, dkl if grad else lse,
         wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end,

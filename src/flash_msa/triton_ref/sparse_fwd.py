@@ -326,9 +326,11 @@ def fwd(
                 )  # fmt: skip
 
             key = (q.dtype, H, Hkv, Hs, Hpk, K, D, Dp, cfg.block_size, proxy, main is None)
-            tile = tiles.pick(
-                _fwd_kernel, args, FWD_TILES, options, (*key, FWD_PREFETCH, FWD_STAGES)
+            # without the main pass (another kernel makes it) OUT_SPLIT changes nothing
+            cands = (
+                FWD_TILES if main is None else tuple(dict.fromkeys((r, 1) for r, _ in FWD_TILES))
             )
+            tile = tiles.pick(_fwd_kernel, args, cands, options, (*key, FWD_PREFETCH, FWD_STAGES))
             _fwd_kernel[(wl.num_items,)](*args, **options(tile))
         _combine_kernel[(c1 - c0, triton.cdiv(H, HB))](
             o_part, l_part, idx, out[c0:c1], lse[c0:c1],

@@ -40,28 +40,38 @@ def spill_bytes(compiled) -> int:
     return res["stack"] + res["local"]
 
 
-def _shared_limit() -> int:
+def _shared_limit(dev) -> int:
     import torch
 
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(dev)
     return getattr(props, "shared_memory_per_block_optin", 232448)
 
 
 def pick(kernel, args, candidates, options, key):
-    """First of ``candidates`` whose kernel compiles without spills, for ``args``.
+    """First of ``candidates`` whose kernel compiles without spills, for ``args`` (checked for
+    the specialization of the first call of a configuration: Triton may compile another one
+    for other integer values, e.g. divisibility by 16, which is not re-checked).
 
     ``options(candidate)`` gives the launch keywords (constexprs, ``num_warps``,
     ``num_stages``) of a candidate; ``key`` identifies the static configuration (it must
     include everything ``options`` and the argument dtypes depend on)."""
-    key = (kernel.fn.__name__, tuple(candidates), *key)
-    if key in _chosen:
-        return _chosen[key]
     if interpreting():
         return candidates[0]
+    import torch
+
+    dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+    key = (kernel.fn.__name__, tuple(candidates), dev, torch.cuda.get_device_capability(dev), *key)
+    if key in _chosen:
+        return _chosen[key]
     choice = None
     for cand in candidates:
-        compiled = kernel.warmup(*args, grid=(1,), **options(cand))
-        if compiled.metadata.shared <= _shared_limit() and spill_bytes(compiled) == 0:
+        try:
+            with torch.cuda.device(dev):
+                compiled = kernel.warmup(*args, grid=(1,), **options(cand))
+        except Exception as e:  # e.g. out of resources at compile time: try the next one
+            log.info("flash_msa: tile %s of %s does not compile: %s", cand, key[0], e)
+            continue
+        if compiled.metadata.shared <= _shared_limit(dev) and spill_bytes(compiled) == 0:
             choice = cand
             break
     if choice is None:
