@@ -166,6 +166,9 @@ def _partials_kernel(
         for r in cutlass.range_constexpr(R):
             h0 = p * G + r * G2  # first main head of this KV sub-group
             kvh = h0 // (H // HKV)
+            gq = (gather, mQ, mPerm, tGsQ, tGcQ, g_col, e0, e1, h0, H, HS, K, G2, BT)
+            if cutlass.const_expr(QSTAGES == 2):  # buffer 0 is free: the barriers closing the
+                _gather_chunk(*gq, 0, 0)  # last sub-group; it lands during the K/V load
             # K/V change only where a sub-group starts a new KV head (static: p * G is a
             # multiple of the KV group or inside one); reloading the same tile is skipped
             if cutlass.const_expr(r == 0 or (r * G2) % (H // HKV) == 0):
@@ -190,9 +193,6 @@ def _partials_kernel(
                     cute.copy(tma_v, tVgV, tVsV[(None, 0)], tma_bar_ptr=kv_bar)
                 cute.arch.mbarrier_wait(kv_bar, _loads_before(r, G2, H // HKV) % 2)
 
-            gq = (gather, mQ, mPerm, tGsQ, tGcQ, g_col, e0, e1, h0, H, HS, K, G2, BT)
-            if cutlass.const_expr(QSTAGES == 2):
-                _gather_chunk(*gq, 0, 0)
             for ch in cutlass.range(n_chunks, unroll=1):
                 c = e0 + ch * BT
                 # 1. this chunk's query rows in shared memory. With two Q buffers the next
@@ -377,7 +377,7 @@ def head_geometry_reason(H: int, Hkv: int, Hs: int) -> str | None:
     if H % Hs or H % Hkv:
         return f"H={H} must be a multiple of the selection heads ({Hs}) and KV heads ({Hkv})"
     G, G2, R, _ = geometry(H, Hkv, Hs, CHUNK)
-    if G2 * R != G or G2 & (G2 - 1):
+    if G2 * R != G or G2 & (G2 - 1) or (H // Hkv) % G2:
         return (
             f"H={H}, Hkv={Hkv}, Hs={Hs}: the {G} heads of a selection head do not split into "
             "sub-groups of a power-of-two number of heads sharing one KV head"
