@@ -75,14 +75,14 @@ def configurations():
     """(name, fn, signature, candidates) of every shipped kernel configuration; a candidate is
     ``(tile, constexprs, num_warps, num_stages)``, in the order the host code tries them
     (``tiles.pick`` runs the first that compiles without spills)."""
-    from . import dense, proxy, selection, sparse_bwd, sparse_fwd
+    from . import dense, proxy, selection, sparse_bwd, sparse_fwd, tiles
 
     for Dp in (64, 128):
         for block in (64, 128):
             for top_k in (16, 64):
                 for G in (1, 4):
                     consts, warps, stages = selection.launch_config(G, Dp, block, top_k, "bf16")
-                    cands = [(w, consts, w, stages) for w in dict.fromkeys((warps, 8))]
+                    cands = [(w, consts, w, stages) for w in selection.warp_candidates(warps)]
                     yield (
                         f"select bf16 Dp={Dp} b={block} k={top_k} G={G}",
                         selection._select_kernel,
@@ -104,18 +104,15 @@ def configurations():
                 for fam, has_main in (("fwd", True), ("fwd-proxy-only", False)):
                     fixed = dict(base, HAS_PROXY=True, PREFETCH=sparse_fwd.FWD_PREFETCH)
                     fixed.update(HAS_MAIN=has_main)
-                    table = sparse_fwd.FWD_TILES  # as fwd(): no OUT_SPLIT without the main pass
-                    if not has_main:
-                        table = tuple(dict.fromkeys((r, 1) for r, _ in table))
                     cands = [
                         (t, dict(fixed, OUT_SPLIT=t[1], **geo(t[0])), 8, sparse_fwd.FWD_STAGES)
-                        for t in table
+                        for t in sparse_fwd.fwd_tiles(has_main)
                     ]
                     yield f"{fam} {tag}", sparse_fwd._fwd_kernel, sparse_fwd.SIGNATURE["fwd"], cands
                 fixed = dict(base, PREFETCH=sparse_bwd.BWD_PREFETCH)
                 cands = [
                     (t, dict(fixed, BN=t[1], DQ_SPLIT=t[2], **geo(t[0])), 8, sparse_bwd.BWD_STAGES)
-                    for t in sparse_bwd.candidates(sparse_bwd.BWD_TILES, block)
+                    for t in tiles.fitting(sparse_bwd.BWD_TILES, block)
                 ]
                 yield f"bwd {tag}", sparse_bwd._bwd_kernel, sparse_bwd.SIGNATURE, cands
                 modes = (("kl", True, False), ("kl+grad", True, True), ("proxy-grad", False, True))
@@ -123,7 +120,7 @@ def configurations():
                     fixed = dict(base, KL_VALUE=kl_value, GRAD=grad)
                     cands = [
                         (t, dict(fixed, BN=t[1], PREFETCH=t[2], **geo(t[0])), 8, 1)
-                        for t in sparse_bwd.candidates(proxy.PROXY_TILES, block)
+                        for t in tiles.fitting(proxy.PROXY_TILES, block)
                     ]
                     yield f"{mode} {tag}", proxy._proxy_kernel, proxy.SIGNATURE, cands
 

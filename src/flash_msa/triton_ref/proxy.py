@@ -205,14 +205,13 @@ def launch(
     """Run the proxy pass over work list ``wl``: with ``kl_value``, returns the fp32 KL partials
     (one per program; their sum is the item's KL sum), and/or adds the gradients to
     ``dqp``/``dkp`` (fp32) when ``dkl`` is given."""
-    from .sparse_bwd import candidates
     from .sparse_fwd import geometry
 
     T, H, D = q.shape
     Hs, Dp = q_proxy.shape[1:]
     grad = dkl is not None
     block = cfg.block_size
-    cands = candidates(PROXY_TILES, block)
+    cands = tiles.fitting(PROXY_TILES, block)
     kl_part = lse  # a dummy pointer without the KL value
     if kl_value:
         most = wl.num_items * (block // min(t[1] for t in cands))  # programs at the smallest BN

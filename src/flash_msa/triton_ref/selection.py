@@ -108,6 +108,12 @@ def launch_config(G: int, Dp: int, block: int, top_k: int, dtype: str):
     return consts, (8 if BM * block >= 128 * 128 else 4), 2
 
 
+def warp_candidates(num_warps: int) -> tuple[int, ...]:
+    """Warps to try in order (tiles.pick): the table's, then 8 (more registers per tile) if
+    that one spills (top_k 64)."""
+    return tuple(dict.fromkeys((num_warps, 8)))
+
+
 def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config):
     """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written)."""
     T, Hp, Dp = q_proxy.shape
@@ -121,8 +127,7 @@ def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config):
     def options(warps):
         return dict(num_warps=warps, num_stages=num_stages, **consts)
 
-    # more warps (more registers per tile) if the table's choice spills (top_k 64)
-    cands = tuple(dict.fromkeys((num_warps, 8)))
+    cands = warp_candidates(num_warps)
     key = (dtype, *sorted(consts.items()), num_stages)
     warps = tiles.pick(_select_kernel, args, cands, options, key)
     _select_kernel[grid](*args, **options(warps))

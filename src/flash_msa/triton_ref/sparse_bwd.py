@@ -131,11 +131,6 @@ BWD_TILES = (
 )  # fmt: skip
 
 
-def candidates(table, block: int) -> tuple[tuple[int, ...], ...]:
-    """The entries ``(rows, BN, ...)`` of ``table`` that fit a key block of ``block`` keys."""
-    return tuple(t for t in table if t[1] <= block)
-
-
 BWD_STAGES = 1  # software-pipelining stages of both loops
 BWD_PREFETCH = False  # load the next chunk's PERM entries one iteration ahead (main backward)
 
@@ -175,7 +170,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
             )  # fmt: skip
 
         key = (q.dtype, H, Hkv, Hs, K, D, cfg.block_size, BWD_PREFETCH, BWD_STAGES)
-        tile = tiles.pick(_bwd_kernel, args, candidates(BWD_TILES, cfg.block_size), options, key)
+        tile = tiles.pick(_bwd_kernel, args, tiles.fitting(BWD_TILES, cfg.block_size), options, key)
         _bwd_kernel[(wl.num_items, cfg.block_size // tile[1])](*args, **options(tile))
     if proxy and not proxy_pass_needed:  # the forward's KL pass made the gradient for dkl = 1
         dqp, dkp = (g * dkl for g in unit)

@@ -237,6 +237,14 @@ def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
 # (rows, OUT_SPLIT) candidates of the main forward, in order of preference (tiles.py picks the
 # first that compiles without spills): MMA rows per token chunk, column slices of O = P V
 FWD_TILES = ((128, 1), (128, 4), (128, 2), (64, 1), (64, 4), (64, 2), (32, 1))
+
+
+def fwd_tiles(has_main: bool) -> tuple[tuple[int, int], ...]:
+    """The forward's candidates; without the main pass (another kernel makes it) ``OUT_SPLIT``
+    changes nothing, so only the row counts remain."""
+    return FWD_TILES if has_main else tuple(dict.fromkeys((r, 1) for r, _ in FWD_TILES))
+
+
 FWD_STAGES = 1  # software-pipelining stages of the main forward
 FWD_PREFETCH = True  # load the next chunk's PERM entries one iteration ahead
 PROXY_GRAD_IN_FWD = True  # training: the KL pass also makes the proxy gradient (dkl = 1)
@@ -326,10 +334,7 @@ def fwd(
                 )  # fmt: skip
 
             key = (q.dtype, H, Hkv, Hs, Hpk, K, D, Dp, cfg.block_size, proxy, main is None)
-            # without the main pass (another kernel makes it) OUT_SPLIT changes nothing
-            cands = (
-                FWD_TILES if main is None else tuple(dict.fromkeys((r, 1) for r, _ in FWD_TILES))
-            )
+            cands = fwd_tiles(main is None)
             tile = tiles.pick(_fwd_kernel, args, cands, options, (*key, FWD_PREFETCH, FWD_STAGES))
             _fwd_kernel[(wl.num_items,)](*args, **options(tile))
         _combine_kernel[(c1 - c0, triton.cdiv(H, HB))](

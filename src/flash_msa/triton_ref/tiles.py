@@ -28,6 +28,12 @@ log = logging.getLogger("flash_msa")
 _chosen: dict[tuple, object] = {}
 
 
+def fitting(table, block: int) -> tuple[tuple[int, ...], ...]:
+    """The entries ``(rows, BN, ...)`` of a candidate table whose ``BN`` keys per program fit a
+    key block of ``block`` keys."""
+    return tuple(t for t in table if t[1] <= block)
+
+
 def spill_bytes(compiled) -> int:
     """Stack + local bytes per thread of a compiled Triton kernel."""
     from .compile_check import cubin_resources
