@@ -1,6 +1,9 @@
 """Sparse forward kernels side by side on one GPU (ms and TFLOP/s by the FWD formula).
 
     PYTHONPATH=src python3 benchmarks/cute_fwd_ab.py [--quick]
+    ncu --clock-control none -k regex:partials python3 benchmarks/cute_fwd_ab.py --profile
+
+``--profile`` only runs the CuTe partials (anchor 32K random, three launches) for a profiler.
 
 For the anchor and paper shapes at S=32K and 128K (random and local inputs, top_k 16), times
   * the per-block partials alone (where the op makes them in one query chunk): the CuTe kernel
@@ -24,7 +27,7 @@ from flash_msa.triton_ref import sparse_fwd as tri_fwd
 from flash_msa.triton_ref import worklist
 
 
-def run_case(shape, S, kind):
+def run_case(shape, S, kind, profile=False):
     _, H, Hkv, Hp, Hpk, D, Dp, _ = bench.SHAPES[shape]
     qp, kp, q, k, v = (
         x[0].contiguous()
@@ -69,6 +72,11 @@ def run_case(shape, S, kind):
     def cute_op():
         return cute_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp)
 
+    if profile:
+        for _ in range(3):
+            cute_partials()
+        torch.cuda.synchronize()
+        return
     diff = (tri_op().out.float() - cute_op().out.float()).abs().max().item()
     runs = [("fwd op triton", tri_op), ("fwd op cute", cute_op)]
     if C == S:  # partials alone only where the op runs them in one chunk
@@ -88,6 +96,8 @@ def run_case(shape, S, kind):
 
 
 def main():
+    if "--profile" in sys.argv:
+        return run_case("anchor", 32768, "random", profile=True)
     quick = "--quick" in sys.argv
     cases = [("anchor", 32768), ("paper", 32768)]
     if not quick:
