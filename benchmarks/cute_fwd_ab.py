@@ -3,7 +3,8 @@
     PYTHONPATH=src python3 benchmarks/cute_fwd_ab.py [--quick]
     ncu --clock-control none -k regex:partials python3 benchmarks/cute_fwd_ab.py --profile
 
-``--profile`` only runs the CuTe partials (anchor 32K random, three launches) for a profiler.
+``--profile`` only runs the CuTe partials (anchor 32K random, three launches) for a profiler;
+``--breakdown`` prints the kernels of one CuTe forward op (torch.profiler) at anchor and paper 32K.
 
 For the anchor and paper shapes at S=32K and 128K (random and local inputs, top_k 16), times
   * the per-block partials alone (where the op makes them in one query chunk): the CuTe kernel
@@ -27,7 +28,7 @@ from flash_msa.triton_ref import sparse_fwd as tri_fwd
 from flash_msa.triton_ref import worklist
 
 
-def run_case(shape, S, kind, profile=False):
+def run_case(shape, S, kind, profile=False, breakdown=False):
     _, H, Hkv, Hp, Hpk, D, Dp, _ = bench.SHAPES[shape]
     qp, kp, q, k, v = (
         x[0].contiguous()
@@ -77,6 +78,16 @@ def run_case(shape, S, kind, profile=False):
             cute_partials()
         torch.cuda.synchronize()
         return
+    if breakdown:
+        cute_op()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            cute_op()
+            torch.cuda.synchronize()
+        print(f"{shape} S={S} {kind}: kernels of one CuTe forward op")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                        max_name_column_width=50))  # fmt: skip
+        return
     diff = (tri_op().out.float() - cute_op().out.float()).abs().max().item()
     runs = [("fwd op triton", tri_op), ("fwd op cute", cute_op)]
     if C == S:  # partials alone only where the op runs them in one chunk
@@ -98,6 +109,10 @@ def run_case(shape, S, kind, profile=False):
 def main():
     if "--profile" in sys.argv:
         return run_case("anchor", 32768, "random", profile=True)
+    if "--breakdown" in sys.argv:
+        for shape in ("anchor", "paper"):
+            run_case(shape, 32768, "random", breakdown=True)
+        return
     quick = "--quick" in sys.argv
     cases = [("anchor", 32768), ("paper", 32768)]
     if not quick:

@@ -39,8 +39,8 @@ from .common import acc_rows_cols, aligned, cute_tensor, launch, stream
 CHUNK = 64  # rows per chunk: one warpgroup's MMA M
 THREADS = 128
 # query-row buffers: 1 = gather, wait, compute; 2 = the next chunk's gather is in flight while
-# this chunk computes. 2 compiles without spills but has not run on a GPU yet (perf-notes).
-Q_STAGES = 1
+# this chunk computes (H200: +6-16%, docs/perf-notes.md "CuTe forward v2").
+Q_STAGES = 2
 LN2 = 0.6931471805599453
 
 
@@ -50,6 +50,15 @@ def _acc_as_a(t: cute.Tensor) -> cute.Tensor:
     s, d = t.layout.shape, t.layout.stride
     shape = ((s[0][0], s[0][1], 2), s[1], (s[0][2] // 2, s[2]))
     stride = ((d[0][0], d[0][1], d[0][2]), d[1], (d[0][2] * 2, d[2]))
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+def _pairs(t: cute.Tensor) -> cute.Tensor:
+    """A ``(rows, cols)`` view (:func:`acc_rows_cols`) as ``(2, rows, cols / 2)``: mode 0 the
+    two adjacent columns a thread holds (neighbouring registers)."""
+    s, d = t.layout.shape, t.layout.stride
+    shape = (s[1][0], s[0], (s[1][1], s[1][2]))
+    stride = (d[1][0], d[0], (d[1][1], d[1][2]))
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
@@ -155,6 +164,8 @@ def _partials_kernel(
         n_rows = cute.size(S_rc, mode=[0])  # 2
         rP = cute.make_rmem_tensor_like(acc_S, mQ.element_type)
         tOrP = _acc_as_a(rP)
+        rO = cute.make_rmem_tensor_like(acc_O, mQ.element_type)
+        rO_pairs = _pairs(acc_rows_cols(rO))  # (2, rows, pairs)
 
         thr_g = gather.get_slice(tidx)
         tGsQ = thr_g.partition_D(sQ)  # ((8, 1), passes, 1, QSTAGES)
@@ -195,6 +206,19 @@ def _partials_kernel(
 
             for ch in cutlass.range(n_chunks, unroll=1):
                 c = e0 + ch * BT
+                # this thread's two rows: token (for the causal mask), partial slot, validity.
+                # Loaded first so the global-load latency overlaps the gather wait and the MMA.
+                row_tok = []
+                row_part = []
+                row_ok = []
+                for i in cutlass.range_constexpr(n_rows):
+                    row = cS[i, 0][0]
+                    e = c + row // G2
+                    flat = mPerm[cutlass.min(e, e1 - 1)]
+                    t = flat // (HS * K)
+                    row_tok.append(t)
+                    row_part.append(((t - tok0) * H + h0 + row % G2) * K + flat % K)
+                    row_ok.append(e < e1)
                 # 1. this chunk's query rows in shared memory. With two Q buffers the next
                 # chunk's gather is issued first and lands while this chunk computes (its
                 # buffer was last read in the previous iteration, before its closing barrier).
@@ -226,13 +250,10 @@ def _partials_kernel(
                 row_max = []
                 row_sum = []
                 for i in cutlass.range_constexpr(n_rows):
-                    row = cS[i, 0][0]
-                    e = cutlass.min(c + row // G2, e1 - 1)
-                    t = mPerm[e] // (HS * K)
                     mx = -Float32.inf
                     for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
                         kpos = ks + cS[i, j][1]
-                        if kpos >= ke or kpos > t:
+                        if kpos >= ke or kpos > row_tok[i]:
                             S_rc[i, j] = -Float32.inf
                         mx = cute.arch.fmax(mx, S_rc[i, j])
                     mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
@@ -259,23 +280,28 @@ def _partials_kernel(
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
 
-                # 5. normalized partial and natural-log LSE into the row's slot
+                # 5. normalized partial and natural-log LSE into the row's slot; a thread's
+                # columns come in adjacent pairs, stored as one 4-byte write each
                 for i in cutlass.range_constexpr(n_rows):
-                    row = cO[i, 0][0]
-                    e = c + row // G2
-                    if e < e1:
-                        flat = mPerm[e]
-                        t = flat // (HS * K)
-                        slot = flat % K
-                        part = ((t - tok0) * H + h0 + row % G2) * K + slot
-                        ssum = row_sum[i]
-                        inv = Float32(0.0) if ssum == 0.0 else cute.arch.rcp_approx(ssum)
-                        for j in cutlass.range_constexpr(cute.size(O_rc, mode=[1])):
-                            mO[part, cO[i, j][1]] = (O_rc[i, j] * inv).to(mO.element_type)
+                    ssum = row_sum[i]
+                    inv = Float32(0.0) if ssum == 0.0 else cute.arch.rcp_approx(ssum)
+                    for j in cutlass.range_constexpr(cute.size(O_rc, mode=[1])):
+                        O_rc[i, j] = O_rc[i, j] * inv
+                rO.store(acc_O.load().to(mO.element_type))
+                for i in cutlass.range_constexpr(n_rows):
+                    if row_ok[i]:
+                        part = row_part[i]
+                        for jj in cutlass.range_constexpr(cute.size(rO_pairs, mode=[2])):
+                            col = cO[i, 2 * jj][1]
+                            dst = cute.make_tensor(
+                                mO.iterator + cute.assume(part * D + col, divby=2),
+                                cute.make_layout(2),
+                            )
+                            cute.autovec_copy(rO_pairs[None, i, jj], dst)
                         if cO[i, 0][1] == 0:
                             lse = -Float32.inf
-                            if ssum > 0.0:
-                                lse = (row_max[i] * scale_log2 + cute.math.log2(ssum)) * LN2
+                            if row_sum[i] > 0.0:
+                                lse = (row_max[i] * scale_log2 + cute.math.log2(row_sum[i])) * LN2
                             mL[part] = lse
                 cute.arch.sync_threads()  # this Q buffer is overwritten by a later gather
             cute.arch.sync_threads()  # sK / sV may be overwritten by the next sub-group's TMA
