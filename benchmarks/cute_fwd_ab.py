@@ -60,8 +60,8 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
     def cute_partials():
         cute_fwd.partials(q, k, v, wl, o_part, l_part, Hp, cfg)
 
-    def cute_partials_q2():  # the double-buffered variant (Q_STAGES = 2)
-        old, cute_fwd.Q_STAGES = cute_fwd.Q_STAGES, 2
+    def cute_partials_q1():  # one query-row buffer (gather, wait, compute)
+        old, cute_fwd.Q_STAGES = cute_fwd.Q_STAGES, 1
         try:
             cute_fwd.partials(q, k, v, wl, o_part, l_part, Hp, cfg)
         finally:
@@ -94,7 +94,7 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
         runs = [
             ("partials triton", tri_partials),
             ("partials cute", cute_partials),
-            ("partials cute q2", cute_partials_q2),
+            ("partials cute q1", cute_partials_q1),
             *runs,
         ]
     for name, fn in runs:
