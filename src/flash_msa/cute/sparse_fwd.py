@@ -62,6 +62,15 @@ def _pairs(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
+def _staged(row, unit, D: int):
+    """Element offset of 16-byte piece ``unit`` of chunk row ``row`` in a Q buffer used as the
+    partial's staging tile: the bytes of Q's own row there (128-byte row segments, one per 64
+    columns, 16-byte pieces XOR-swizzled by ``row % 8``: bank-conflict-free both for the
+    accumulator's column-pair writes and for whole-row reads)."""
+    seg = CHUNK * 64  # elements of one 64-column segment of the tile
+    return (unit // 8) * seg + row * 64 + ((unit % 8) ^ (row % 8)) * 8
+
+
 def _loads_before(r: int, g2: int, kv_group: int) -> int:
     """K/V tile loads issued before sub-group ``r``'s (trace time): one per new KV head."""
     return sum(1 for i in range(r) if i == 0 or (i * g2) % kv_group == 0)
@@ -134,6 +143,8 @@ def _partials_kernel(
     sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (BLOCK, D, 1)
     sV = st.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
     sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))  # (D, BLOCK, 1)
+    sQ_raw = st.sQ.data_ptr()  # the same bytes, unswizzled: partial staging (_staged)
+    sPart = st.sPart.get_tensor(cute.make_layout(CHUNK))  # a chunk row's partial index or -1
     kv_bar = st.kv_mbar.data_ptr()
     if warp_idx == 0:
         with cute.arch.elect_one():
@@ -280,29 +291,53 @@ def _partials_kernel(
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
 
-                # 5. normalized partial and natural-log LSE into the row's slot; a thread's
-                # columns come in adjacent pairs, stored as one 4-byte write each
+                # 5. normalized partial and natural-log LSE into the row's slot. The partial goes
+                # through shared memory (this chunk's Q buffer: a warp overwrites only its own
+                # 16 rows, which its finished QK MMA no longer reads) so that global stores are
+                # 16-byte pieces of whole rows, not a thread's scattered column pairs.
                 for i in cutlass.range_constexpr(n_rows):
                     ssum = row_sum[i]
                     inv = Float32(0.0) if ssum == 0.0 else cute.arch.rcp_approx(ssum)
                     for j in cutlass.range_constexpr(cute.size(O_rc, mode=[1])):
                         O_rc[i, j] = O_rc[i, j] * inv
                 rO.store(acc_O.load().to(mO.element_type))
+                stage_base = sQ_raw + stage * (CHUNK * D)
                 for i in cutlass.range_constexpr(n_rows):
-                    if row_ok[i]:
+                    row = cO[i, 0][0]
+                    for jj in cutlass.range_constexpr(cute.size(rO_pairs, mode=[2])):
+                        col = cO[i, 2 * jj][1]
+                        off = _staged(row, col // 8, D) + col % 8
+                        sdst = cute.make_tensor(
+                            stage_base + cute.assume(off, divby=2), cute.make_layout(2)
+                        )
+                        cute.autovec_copy(rO_pairs[None, i, jj], sdst)
+                    if cO[i, 0][1] == 0:
                         part = row_part[i]
-                        for jj in cutlass.range_constexpr(cute.size(rO_pairs, mode=[2])):
-                            col = cO[i, 2 * jj][1]
-                            dst = cute.make_tensor(
-                                mO.iterator + cute.assume(part * D + col, divby=2),
-                                cute.make_layout(2),
-                            )
-                            cute.autovec_copy(rO_pairs[None, i, jj], dst)
-                        if cO[i, 0][1] == 0:
+                        sPart[row] = part if row_ok[i] else Int64(-1)
+                        if row_ok[i]:
                             lse = -Float32.inf
                             if row_sum[i] > 0.0:
                                 lse = (row_max[i] * scale_log2 + cute.math.log2(row_sum[i])) * LN2
                             mL[part] = lse
+                cute.arch.sync_warp()
+                lane = tidx % 32
+                for it in cutlass.range_constexpr(D // 16):  # 16 rows x D/8 pieces / 32 lanes
+                    piece = it * 32 + lane
+                    srow = (tidx // 32) * 16 + piece // (D // 8)
+                    unit = piece % (D // 8)
+                    gpart = sPart[srow]
+                    if gpart >= 0:
+                        ssrc = cute.make_tensor(
+                            stage_base + cute.assume(_staged(srow, unit, D), divby=8),
+                            cute.make_layout(8),
+                        )
+                        vals = cute.make_rmem_tensor(8, mO.element_type)
+                        cute.autovec_copy(ssrc, vals)
+                        gdst = cute.make_tensor(
+                            mO.iterator + cute.assume(gpart * D + unit * 8, divby=8),
+                            cute.make_layout(8),
+                        )
+                        cute.autovec_copy(vals, gdst)
                 cute.arch.sync_threads()  # this Q buffer is overwritten by a later gather
             cute.arch.sync_threads()  # sK / sV may be overwritten by the next sub-group's TMA
 
@@ -378,6 +413,7 @@ def partials_host(
     @cute.struct
     class Storage:
         kv_mbar: cute.struct.MemRange[cutlass.Int64, 1]
+        sPart: cute.struct.MemRange[cutlass.Int64, CHUNK]
         sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
         sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
         sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
