@@ -67,6 +67,13 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
         finally:
             cute_fwd.Q_STAGES = old
 
+    def cute_partials_direct():  # partials stored from registers (no shared-memory staging)
+        old, cute_fwd.STAGE_PARTIALS = cute_fwd.STAGE_PARTIALS, False
+        try:
+            cute_fwd.partials(q, k, v, wl, o_part, l_part, Hp, cfg)
+        finally:
+            cute_fwd.STAGE_PARTIALS = old
+
     def tri_op():
         return tri_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp)
 
@@ -95,6 +102,7 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
             ("partials triton", tri_partials),
             ("partials cute", cute_partials),
             ("partials cute q1", cute_partials_q1),
+            ("partials cute direct", cute_partials_direct),
             *runs,
         ]
     for name, fn in runs:

@@ -201,10 +201,15 @@ def test_auto_mixes_cute_selection_and_forward_with_triton_backward(monkeypatch)
         ((2048,), 64, 4, 4, 128, 128, 16),  # paper heads (R = 4 sub-groups)
     ],
 )
-@pytest.mark.parametrize("qstages", [1, 2], ids=["q1", "q2"])
-def test_cute_forward_partials_match_triton(lengths, H, Hkv, Hp, D, b, top_k, qstages, monkeypatch):
-    """The CuTe per-block partials (not yet used by any op) against the Triton kernel's, on the
-    same work list: every kept (token, head, slot) written, same LSE and normalized output."""
+@pytest.mark.parametrize(
+    "qstages, staged", [(1, True), (2, True), (2, False)], ids=["q1", "q2", "q2-direct"]
+)
+def test_cute_forward_partials_match_triton(
+    lengths, H, Hkv, Hp, D, b, top_k, qstages, staged, monkeypatch
+):
+    """The CuTe per-block partials against the Triton kernel's, on the same work list (every
+    kept (token, head, slot) written, same LSE and normalized output), for one and two
+    query-row buffers and both ways of storing the partials."""
     pytest.importorskip("cutlass")
     from flash_msa.cute import sparse_fwd as cute_fwd
     from flash_msa.triton_ref import sparse_fwd as tri_fwd
@@ -233,6 +238,7 @@ def test_cute_forward_partials_match_triton(lengths, H, Hkv, Hp, D, b, top_k, qs
     o_c = torch.full_like(o_t, float("nan"))
     l_c = torch.full_like(l_t, float("nan"))
     monkeypatch.setattr(cute_fwd, "Q_STAGES", qstages)  # 2: double-buffered query rows
+    monkeypatch.setattr(cute_fwd, "STAGE_PARTIALS", staged)
     cute_fwd.partials(q, k, v, wl, o_c, l_c, Hp, cfg)
     kept = (idx >= 0).repeat_interleave(H // Hp, dim=1)  # (T, H, K)
     assert torch.isfinite(l_c[kept]).all() and torch.isfinite(o_c[kept]).all()

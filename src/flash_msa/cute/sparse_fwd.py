@@ -41,6 +41,9 @@ THREADS = 128
 # query-row buffers: 1 = gather, wait, compute; 2 = the next chunk's gather is in flight while
 # this chunk computes (H200: +6-16%, docs/perf-notes.md "CuTe forward v2").
 Q_STAGES = 2
+# partial outputs: True = staged through shared memory, 16-byte stores of whole rows; False =
+# each thread's column pairs stored directly (4-byte stores)
+STAGE_PARTIALS = True
 LN2 = 0.6931471805599453
 
 
@@ -129,6 +132,7 @@ def _partials_kernel(
     BLOCK: Constexpr,
     ELEM_BYTES: Constexpr,
     QSTAGES: Constexpr,
+    STAGE: Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
     mma_qk.set(warpgroup.Field.ACCUMULATE, False)
@@ -301,43 +305,63 @@ def _partials_kernel(
                     for j in cutlass.range_constexpr(cute.size(O_rc, mode=[1])):
                         O_rc[i, j] = O_rc[i, j] * inv
                 rO.store(acc_O.load().to(mO.element_type))
-                stage_base = sQ_raw + stage * (CHUNK * D)
-                for i in cutlass.range_constexpr(n_rows):
-                    row = cO[i, 0][0]
-                    for jj in cutlass.range_constexpr(cute.size(rO_pairs, mode=[2])):
-                        col = cO[i, 2 * jj][1]
-                        off = _staged(row, col // 8, D) + col % 8
-                        sdst = cute.make_tensor(
-                            stage_base + cute.assume(off, divby=2), cute.make_layout(2)
-                        )
-                        cute.autovec_copy(rO_pairs[None, i, jj], sdst)
-                    if cO[i, 0][1] == 0:
-                        part = row_part[i]
-                        sPart[row] = part if row_ok[i] else Int64(-1)
+                if cutlass.const_expr(STAGE):
+                    stage_base = sQ_raw + stage * (CHUNK * D)
+                    for i in cutlass.range_constexpr(n_rows):
+                        row = cO[i, 0][0]
+                        for jj in cutlass.range_constexpr(cute.size(rO_pairs, mode=[2])):
+                            col = cO[i, 2 * jj][1]
+                            off = _staged(row, col // 8, D) + col % 8
+                            sdst = cute.make_tensor(
+                                stage_base + cute.assume(off, divby=2), cute.make_layout(2)
+                            )
+                            cute.autovec_copy(rO_pairs[None, i, jj], sdst)
+                        if cO[i, 0][1] == 0:
+                            part = row_part[i]
+                            sPart[row] = part if row_ok[i] else Int64(-1)
+                            if row_ok[i]:
+                                lse = -Float32.inf
+                                if row_sum[i] > 0.0:
+                                    lse = (
+                                        row_max[i] * scale_log2 + cute.math.log2(row_sum[i])
+                                    ) * LN2
+                                mL[part] = lse
+                    cute.arch.sync_warp()
+                    lane = tidx % 32
+                    for it in cutlass.range_constexpr(D // 16):  # 16 rows x D/8 pieces / 32 lanes
+                        piece = it * 32 + lane
+                        srow = (tidx // 32) * 16 + piece // (D // 8)
+                        unit = piece % (D // 8)
+                        gpart = sPart[srow]
+                        if gpart >= 0:
+                            ssrc = cute.make_tensor(
+                                stage_base + cute.assume(_staged(srow, unit, D), divby=8),
+                                cute.make_layout(8),
+                            )
+                            vals = cute.make_rmem_tensor(8, mO.element_type)
+                            cute.autovec_copy(ssrc, vals)
+                            gdst = cute.make_tensor(
+                                mO.iterator + cute.assume(gpart * D + unit * 8, divby=8),
+                                cute.make_layout(8),
+                            )
+                            cute.autovec_copy(vals, gdst)
+                else:  # each thread's column pairs straight to global memory (4-byte stores)
+                    for i in cutlass.range_constexpr(n_rows):
                         if row_ok[i]:
-                            lse = -Float32.inf
-                            if row_sum[i] > 0.0:
-                                lse = (row_max[i] * scale_log2 + cute.math.log2(row_sum[i])) * LN2
-                            mL[part] = lse
-                cute.arch.sync_warp()
-                lane = tidx % 32
-                for it in cutlass.range_constexpr(D // 16):  # 16 rows x D/8 pieces / 32 lanes
-                    piece = it * 32 + lane
-                    srow = (tidx // 32) * 16 + piece // (D // 8)
-                    unit = piece % (D // 8)
-                    gpart = sPart[srow]
-                    if gpart >= 0:
-                        ssrc = cute.make_tensor(
-                            stage_base + cute.assume(_staged(srow, unit, D), divby=8),
-                            cute.make_layout(8),
-                        )
-                        vals = cute.make_rmem_tensor(8, mO.element_type)
-                        cute.autovec_copy(ssrc, vals)
-                        gdst = cute.make_tensor(
-                            mO.iterator + cute.assume(gpart * D + unit * 8, divby=8),
-                            cute.make_layout(8),
-                        )
-                        cute.autovec_copy(vals, gdst)
+                            part = row_part[i]
+                            for jj in cutlass.range_constexpr(cute.size(rO_pairs, mode=[2])):
+                                gdst = cute.make_tensor(
+                                    mO.iterator + cute.assume(part * D + cO[i, 2 * jj][1], divby=2),
+                                    cute.make_layout(2),
+                                )
+                                cute.autovec_copy(rO_pairs[None, i, jj], gdst)
+                            if cO[i, 0][1] == 0:
+                                lse = -Float32.inf
+                                if row_sum[i] > 0.0:
+                                    lse = (
+                                        row_max[i] * scale_log2 + cute.math.log2(row_sum[i])
+                                    ) * LN2
+                                mL[part] = lse
                 cute.arch.sync_threads()  # this Q buffer is overwritten by a later gather
             cute.arch.sync_threads()  # sK / sV may be overwritten by the next sub-group's TMA
 
@@ -367,6 +391,7 @@ def partials_host(
     R: Constexpr,
     BLOCK: Constexpr,
     QSTAGES: Constexpr,
+    STAGE: Constexpr = True,
 ):
     """Launch one CTA per work item. ``mQ (T*H, D)``; ``mK``, ``mV`` the ``(T, D, Hkv)`` views;
     the work list of ``flash_msa.triton_ref.worklist``; partial buffers ``mO (C*H*K, D)``,
@@ -423,7 +448,7 @@ def partials_host(
         mQ, tma_k, tma_mK, tma_v, tma_mV, mPerm, mItemList, mItemStart, mItemEnd, mBlkStart,
         mBlkEnd, mO, mL, scale_log2, tok0, NB, mma_qk, mma_qk_acc, mma_pv, mma_pv_acc, sQ_layout,
         sK_layout,
-        gather, Storage, H, HKV, HS, K, D, G, G2, R, BLOCK, dtype.width // 8, QSTAGES,
+        gather, Storage, H, HKV, HS, K, D, G, G2, R, BLOCK, dtype.width // 8, QSTAGES, STAGE,
     ).launch(grid=(mItemList.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
 
 
@@ -475,7 +500,7 @@ def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
         Int32(wl.num_blocks),
         stream(q.device),
     )
-    static = (H, num_sel_heads, wl.slots, G, G2, R, cfg.block_size, Q_STAGES)
+    static = (H, num_sel_heads, wl.slots, G, G2, R, cfg.block_size, Q_STAGES, STAGE_PARTIALS)
     launch(partials_host, (q.dtype, D, Hkv, *static, q.device.index), runtime, static)
 
 
