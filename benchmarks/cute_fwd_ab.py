@@ -7,7 +7,8 @@
 ``--breakdown`` prints the kernels of one CuTe forward op (torch.profiler) at anchor and paper 32K.
 
 For the anchor and paper shapes at S=32K and 128K (random and local inputs, top_k 16), times
-  * the per-block partials alone (where the op makes them in one query chunk): the CuTe kernel
+  * the per-block partials alone (all S tokens in one launch): the CuTe kernel (and its
+    variants: one query-row buffer, partials stored without shared-memory staging)
     and the Triton kernel (main attention only, no proxy), on the same work list;
   * the whole forward op without selection (partials, combine, proxy LSE, KL value): Triton's,
     and the CuTe one (CuTe partials + Triton's other passes).
@@ -41,9 +42,10 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
     flops = 4 * D * H * pairs
     K = cfg.top_k
     wl = worklist.build(idx, cu, cfg.block_size, tri_fwd.ITEM_TOKENS)
-    C = min(S, tri_fwd.PARTIAL_BYTES // (H * K * D * q.element_size()))  # the op's chunk
-    o_part = torch.empty((C, H, K, D), dtype=q.dtype, device="cuda")
-    l_part = torch.empty((C, H, K), dtype=torch.float32, device="cuda")
+    # the partials alone run over all S tokens at once (buffers of S*H*K*D elements: 34 GB at
+    # paper 128K; the op itself works in chunks of at most PARTIAL_BYTES)
+    o_part = torch.empty((S, H, K, D), dtype=q.dtype, device="cuda")
+    l_part = torch.empty((S, H, K), dtype=torch.float32, device="cuda")
     G, G2, R, BT = tri_fwd.geometry(H, Hkv, Hp, 128)
     items = (wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start,
              wl.block_end)  # fmt: skip
@@ -96,15 +98,14 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
                                         max_name_column_width=50))  # fmt: skip
         return
     diff = (tri_op().out.float() - cute_op().out.float()).abs().max().item()
-    runs = [("fwd op triton", tri_op), ("fwd op cute", cute_op)]
-    if C == S:  # partials alone only where the op runs them in one chunk
-        runs = [
-            ("partials triton", tri_partials),
-            ("partials cute", cute_partials),
-            ("partials cute q1", cute_partials_q1),
-            ("partials cute direct", cute_partials_direct),
-            *runs,
-        ]
+    runs = [
+        ("partials triton", tri_partials),
+        ("partials cute", cute_partials),
+        ("partials cute q1", cute_partials_q1),
+        ("partials cute direct", cute_partials_direct),
+        ("fwd op triton", tri_op),
+        ("fwd op cute", cute_op),
+    ]
     for name, fn in runs:
         ms = bench._time(fn, warmup=2, iters=10)
         print(
