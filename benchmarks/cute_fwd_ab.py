@@ -8,7 +8,8 @@
 
 For the anchor and paper shapes at S=32K and 128K (random and local inputs, top_k 16), times
   * the per-block partials alone (all S tokens in one launch): the CuTe kernel (and its
-    variants: one query-row buffer, partials stored without shared-memory staging)
+    variants: one query-row buffer, partials stored without shared-memory staging, 1-3
+    warpgroups per CTA)
     and the Triton kernel (main attention only, no proxy), on the same work list;
   * the whole forward op without selection (partials, combine, proxy LSE, KL value): Triton's,
     and the CuTe one (CuTe partials + Triton's other passes).
@@ -62,19 +63,18 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
     def cute_partials():
         cute_fwd.partials(q, k, v, wl, o_part, l_part, Hp, cfg)
 
-    def cute_partials_q1():  # one query-row buffer (gather, wait, compute)
-        old, cute_fwd.Q_STAGES = cute_fwd.Q_STAGES, 1
-        try:
-            cute_fwd.partials(q, k, v, wl, o_part, l_part, Hp, cfg)
-        finally:
-            cute_fwd.Q_STAGES = old
+    def variant(**flags):  # the CuTe partials with module switches changed for this call
+        def run():
+            old = {name: getattr(cute_fwd, name) for name in flags}
+            try:
+                for name, value in flags.items():
+                    setattr(cute_fwd, name, value)
+                cute_fwd.partials(q, k, v, wl, o_part, l_part, Hp, cfg)
+            finally:
+                for name, value in old.items():
+                    setattr(cute_fwd, name, value)
 
-    def cute_partials_direct():  # partials stored from registers (no shared-memory staging)
-        old, cute_fwd.STAGE_PARTIALS = cute_fwd.STAGE_PARTIALS, False
-        try:
-            cute_fwd.partials(q, k, v, wl, o_part, l_part, Hp, cfg)
-        finally:
-            cute_fwd.STAGE_PARTIALS = old
+        return run
 
     def tri_op():
         return tri_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp)
@@ -101,8 +101,11 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
     runs = [
         ("partials triton", tri_partials),
         ("partials cute", cute_partials),
-        ("partials cute q1", cute_partials_q1),
-        ("partials cute direct", cute_partials_direct),
+        ("partials cute q1", variant(Q_STAGES=1)),  # one query-row buffer
+        ("partials cute direct", variant(STAGE_PARTIALS=False)),  # no smem staging
+        ("partials cute wg1", variant(WARPGROUPS=1)),
+        ("partials cute wg2", variant(WARPGROUPS=2)),
+        ("partials cute wg3", variant(WARPGROUPS=3)),
         ("fwd op triton", tri_op),
         ("fwd op cute", cute_op),
     ]

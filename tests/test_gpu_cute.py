@@ -202,14 +202,16 @@ def test_auto_mixes_cute_selection_and_forward_with_triton_backward(monkeypatch)
     ],
 )
 @pytest.mark.parametrize(
-    "qstages, staged", [(1, True), (2, True), (2, False)], ids=["q1", "q2", "q2-direct"]
+    "qstages, staged, wgs",
+    [(1, True, 1), (2, True, 1), (2, False, 1), (2, True, 3), (1, True, 2)],
+    ids=["q1", "q2", "q2-direct", "q2-wg3", "q1-wg2"],
 )
 def test_cute_forward_partials_match_triton(
-    lengths, H, Hkv, Hp, D, b, top_k, qstages, staged, monkeypatch
+    lengths, H, Hkv, Hp, D, b, top_k, qstages, staged, wgs, monkeypatch
 ):
     """The CuTe per-block partials against the Triton kernel's, on the same work list (every
     kept (token, head, slot) written, same LSE and normalized output), for one and two
-    query-row buffers and both ways of storing the partials."""
+    query-row buffers, both ways of storing the partials, 1-3 warpgroups per CTA."""
     pytest.importorskip("cutlass")
     from flash_msa.cute import sparse_fwd as cute_fwd
     from flash_msa.triton_ref import sparse_fwd as tri_fwd
@@ -239,6 +241,7 @@ def test_cute_forward_partials_match_triton(
     l_c = torch.full_like(l_t, float("nan"))
     monkeypatch.setattr(cute_fwd, "Q_STAGES", qstages)  # 2: double-buffered query rows
     monkeypatch.setattr(cute_fwd, "STAGE_PARTIALS", staged)
+    monkeypatch.setattr(cute_fwd, "WARPGROUPS", wgs)
     cute_fwd.partials(q, k, v, wl, o_c, l_c, Hp, cfg)
     kept = (idx >= 0).repeat_interleave(H // Hp, dim=1)  # (T, H, K)
     assert torch.isfinite(l_c[kept]).all() and torch.isfinite(o_c[kept]).all()

@@ -41,24 +41,37 @@ def configurations():
 
 
 def fwd_configurations():
-    """(name, dtype, H, Hkv, Hs, D, K, block, Q stages, staged partials) of the forward-partials
-    kernels checked (the shipped ``Q_STAGES`` / ``STAGE_PARTIALS`` and the variants)."""
-    from .sparse_fwd import Q_STAGES, STAGE_PARTIALS
+    """(name, dtype, H, Hkv, Hs, D, K, block, Q stages, staged partials, warpgroups) of the
+    forward-partials kernels checked (the shipped ``Q_STAGES`` / ``STAGE_PARTIALS`` /
+    ``WARPGROUPS`` and the variants)."""
+    from .sparse_fwd import Q_STAGES, STAGE_PARTIALS, WARPGROUPS
 
-    ship = (Q_STAGES, STAGE_PARTIALS)
+    ship = (Q_STAGES, STAGE_PARTIALS, WARPGROUPS)
 
     for D in (64, 128):
         for block in (64, 128):
             yield f"fwd bf16 anchor D={D} b={block}", "bf16", 16, 2, 4, D, 16, block, *ship
     yield "fwd bf16 paper D=128 b=128", "bf16", 64, 4, 4, 128, 16, 128, *ship
     yield "fwd fp16 Hs<Hkv D=64 b=64", "fp16", 8, 4, 2, 64, 8, 64, *ship
-    yield "fwd bf16 anchor D=128 b=128 q1", "bf16", 16, 2, 4, 128, 16, 128, 1, True
-    yield "fwd bf16 paper D=128 b=64 direct", "bf16", 64, 4, 4, 128, 16, 64, 2, False
-    yield "fwd fp16 Hs<Hkv D=64 b=64 q1", "fp16", 8, 4, 2, 64, 8, 64, 1, True
+    yield "fwd bf16 anchor D=128 b=128 q1", "bf16", 16, 2, 4, 128, 16, 128, 1, True, 1
+    yield "fwd bf16 paper D=128 b=64 direct", "bf16", 64, 4, 4, 128, 16, 64, 2, False, 1
+    yield "fwd fp16 Hs<Hkv D=64 b=64 q1", "fp16", 8, 4, 2, 64, 8, 64, 1, True, 1
+    yield "fwd bf16 anchor D=128 b=128 wg3", "bf16", 16, 2, 4, 128, 16, 128, 2, True, 3
+    yield "fwd bf16 paper D=128 b=128 wg3", "bf16", 64, 4, 4, 128, 16, 128, 2, True, 3
+    yield "fwd fp16 Hs<Hkv D=64 b=64 wg2 q1", "fp16", 8, 4, 2, 64, 8, 64, 1, True, 2
 
 
 def compile_fwd(
-    dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: int, qstages: int, staged: bool
+    dtype: str,
+    H: int,
+    Hkv: int,
+    Hs: int,
+    D: int,
+    K: int,
+    block: int,
+    qstages: int,
+    staged: bool,
+    wgs: int,
 ) -> dict:
     import cutlass.cute as cute
     from cutlass import BFloat16, Float16, Float32, Int32, Int64
@@ -83,7 +96,7 @@ def compile_fwd(
     lse = make_fake_compact_tensor(Float32, (sym(symbol="P"),), assumed_align=16)
     return _compile(
         partials_host, q, k, v, *vec, o, lse, Float32(1.0), Int32(0), Int32(1),
-        make_fake_stream(), H, Hs, K, G, G2, R, block, qstages, staged,
+        make_fake_stream(), H, Hs, K, G, G2, R, block, qstages, staged, wgs,
     )  # fmt: skip
 
 

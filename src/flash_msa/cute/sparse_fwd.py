@@ -44,6 +44,9 @@ Q_STAGES = 2
 # partial outputs: True = staged through shared memory, 16-byte stores of whole rows; False =
 # each thread's column pairs stored directly (4-byte stores)
 STAGE_PARTIALS = True
+# consumer warpgroups per CTA, sharing the block's K/V tiles and taking turns at the chunks
+# (each with its own Q buffers); 3 fits the register file once (168 registers x 384 threads)
+WARPGROUPS = 1
 LN2 = 0.6931471805599453
 
 
@@ -63,6 +66,14 @@ def _pairs(t: cute.Tensor) -> cute.Tensor:
     shape = (s[1][0], s[0], (s[1][1], s[1][2]))
     stride = (d[1][0], d[0], (d[1][1], d[1][2]))
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+def _wg_sync(wg, WGS: int):
+    """Barrier of warpgroup ``wg``'s 128 threads (the whole CTA when it has one warpgroup)."""
+    if cutlass.const_expr(WGS == 1):
+        cute.arch.sync_threads()
+    else:
+        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=THREADS)
 
 
 def _staged(row, unit, D: int):
@@ -133,8 +144,11 @@ def _partials_kernel(
     ELEM_BYTES: Constexpr,
     QSTAGES: Constexpr,
     STAGE: Constexpr,
+    WGS: Constexpr,
 ):
-    tidx, _, _ = cute.arch.thread_idx()
+    t_all, _, _ = cute.arch.thread_idx()
+    tidx = t_all % THREADS  # thread in its warpgroup
+    wg = cute.arch.make_warp_uniform(t_all // THREADS)  # warpgroup: takes chunks wg, wg+WGS, ..
     mma_qk.set(warpgroup.Field.ACCUMULATE, False)
     mma_qk_acc.set(warpgroup.Field.ACCUMULATE, True)
     mma_pv.set(warpgroup.Field.ACCUMULATE, False)  # one block: O = P V, first k-slice writes
@@ -143,12 +157,12 @@ def _partials_kernel(
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
 
     st = SmemAllocator().allocate(Storage)
-    sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, D, QSTAGES)
+    sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, D, WGS * QSTAGES)
     sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (BLOCK, D, 1)
     sV = st.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
     sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))  # (D, BLOCK, 1)
     sQ_raw = st.sQ.data_ptr()  # the same bytes, unswizzled: partial staging (_staged)
-    sPart = st.sPart.get_tensor(cute.make_layout(CHUNK))  # a chunk row's partial index or -1
+    sPart = st.sPart.get_tensor(cute.make_layout(CHUNK * WGS))  # row's partial index or -1
     kv_bar = st.kv_mbar.data_ptr()
     if warp_idx == 0:
         with cute.arch.elect_one():
@@ -183,7 +197,7 @@ def _partials_kernel(
         rO_pairs = _pairs(acc_rows_cols(rO))  # (2, rows, pairs)
 
         thr_g = gather.get_slice(tidx)
-        tGsQ = thr_g.partition_D(sQ)  # ((8, 1), passes, 1, QSTAGES)
+        tGsQ = thr_g.partition_D(sQ)  # ((8, 1), passes, 1, WGS * QSTAGES)
         tGcQ = thr_g.partition_D(cute.make_identity_tensor((CHUNK, D)))
         g_col = tGcQ[0, 0, 0][1]
         BT = CHUNK // G2  # tokens per chunk
@@ -193,8 +207,11 @@ def _partials_kernel(
             h0 = p * G + r * G2  # first main head of this KV sub-group
             kvh = h0 // (H // HKV)
             gq = (gather, mQ, mPerm, tGsQ, tGcQ, g_col, e0, e1, h0, H, HS, K, G2, BT)
-            if cutlass.const_expr(QSTAGES == 2):  # buffer 0 is free: the barriers closing the
-                _gather_chunk(*gq, 0, 0)  # last sub-group; it lands during the K/V load
+            if cutlass.const_expr(QSTAGES == 2):  # noqa: SIM102 (static, then dynamic)
+                # buffer 0 is free (the barriers closing the last sub-group): the first chunk's
+                # rows land during the K/V load
+                if wg < n_chunks:
+                    _gather_chunk(*gq, wg, wg * QSTAGES)
             # K/V change only where a sub-group starts a new KV head (static: p * G is a
             # multiple of the KV group or inside one); reloading the same tile is skipped
             if cutlass.const_expr(r == 0 or (r * G2) % (H // HKV) == 0):
@@ -219,7 +236,7 @@ def _partials_kernel(
                     cute.copy(tma_v, tVgV, tVsV[(None, 0)], tma_bar_ptr=kv_bar)
                 cute.arch.mbarrier_wait(kv_bar, _loads_before(r, G2, H // HKV) % 2)
 
-            for ch in cutlass.range(n_chunks, unroll=1):
+            for ch in cutlass.range(wg, n_chunks, WGS, unroll=1):
                 c = e0 + ch * BT
                 # this thread's two rows: token (for the causal mask), partial slot, validity.
                 # Loaded first so the global-load latency overlaps the gather wait and the MMA.
@@ -237,27 +254,26 @@ def _partials_kernel(
                 # 1. this chunk's query rows in shared memory. With two Q buffers the next
                 # chunk's gather is issued first and lands while this chunk computes (its
                 # buffer was last read in the previous iteration, before its closing barrier).
-                stage = 0
+                qb = wg * QSTAGES  # this chunk's Q buffer
                 if cutlass.const_expr(QSTAGES == 2):
-                    stage = ch % 2
-                    if ch + 1 < n_chunks:
-                        _gather_chunk(*gq, ch + 1, 1 - stage)
+                    stage = (ch // WGS) % 2
+                    qb = qb + stage
+                    if ch + WGS < n_chunks:
+                        _gather_chunk(*gq, ch + WGS, wg * QSTAGES + 1 - stage)
                         cute.arch.cp_async_wait_group(1)  # all but the newest group
                     else:
                         cute.arch.cp_async_wait_group(0)
                 else:
-                    _gather_chunk(*gq, ch, 0)
+                    _gather_chunk(*gq, ch, qb)
                     cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_threads()
+                _wg_sync(wg, WGS)
 
                 # 2. S = Q K^T
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                     mma = mma_qk if kb == 0 else mma_qk_acc
-                    cute.gemm(
-                        mma, acc_S, tSrQ[None, None, kb, stage], tSrK[None, None, kb, 0], acc_S
-                    )
+                    cute.gemm(mma, acc_S, tSrQ[None, None, kb, qb], tSrK[None, None, kb, 0], acc_S)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
 
@@ -306,7 +322,7 @@ def _partials_kernel(
                         O_rc[i, j] = O_rc[i, j] * inv
                 rO.store(acc_O.load().to(mO.element_type))
                 if cutlass.const_expr(STAGE):
-                    stage_base = sQ_raw + stage * (CHUNK * D)
+                    stage_base = sQ_raw + qb * (CHUNK * D)
                     for i in cutlass.range_constexpr(n_rows):
                         row = cO[i, 0][0]
                         for jj in cutlass.range_constexpr(cute.size(rO_pairs, mode=[2])):
@@ -318,7 +334,7 @@ def _partials_kernel(
                             cute.autovec_copy(rO_pairs[None, i, jj], sdst)
                         if cO[i, 0][1] == 0:
                             part = row_part[i]
-                            sPart[row] = part if row_ok[i] else Int64(-1)
+                            sPart[wg * CHUNK + row] = part if row_ok[i] else Int64(-1)
                             if row_ok[i]:
                                 lse = -Float32.inf
                                 if row_sum[i] > 0.0:
@@ -332,7 +348,7 @@ def _partials_kernel(
                         piece = it * 32 + lane
                         srow = (tidx // 32) * 16 + piece // (D // 8)
                         unit = piece % (D // 8)
-                        gpart = sPart[srow]
+                        gpart = sPart[wg * CHUNK + srow]
                         if gpart >= 0:
                             ssrc = cute.make_tensor(
                                 stage_base + cute.assume(_staged(srow, unit, D), divby=8),
@@ -362,7 +378,7 @@ def _partials_kernel(
                                         row_max[i] * scale_log2 + cute.math.log2(row_sum[i])
                                     ) * LN2
                                 mL[part] = lse
-                cute.arch.sync_threads()  # this Q buffer is overwritten by a later gather
+                _wg_sync(wg, WGS)  # this Q buffer is overwritten by a later gather
             cute.arch.sync_threads()  # sK / sV may be overwritten by the next sub-group's TMA
 
 
@@ -392,6 +408,7 @@ def partials_host(
     BLOCK: Constexpr,
     QSTAGES: Constexpr,
     STAGE: Constexpr = True,
+    WGS: Constexpr = 1,
 ):
     """Launch one CTA per work item. ``mQ (T*H, D)``; ``mK``, ``mV`` the ``(T, D, Hkv)`` views;
     the work list of ``flash_msa.triton_ref.worklist``; partial buffers ``mO (C*H*K, D)``,
@@ -416,7 +433,7 @@ def partials_host(
     mma_qk, mma_qk_acc = make_qk(), make_qk()
     mma_pv, mma_pv_acc = make_pv(), make_pv()
     sQ_layout = sm90_utils.make_smem_layout_a(
-        LayoutEnum.ROW_MAJOR, (CHUNK, BLOCK, D), dtype, QSTAGES
+        LayoutEnum.ROW_MAJOR, (CHUNK, BLOCK, D), dtype, WGS * QSTAGES
     )
     sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (CHUNK, BLOCK, D), dtype, 1)
     tma_k, tma_mK = cpasync.make_tiled_tma_atom(
@@ -438,7 +455,7 @@ def partials_host(
     @cute.struct
     class Storage:
         kv_mbar: cute.struct.MemRange[cutlass.Int64, 1]
-        sPart: cute.struct.MemRange[cutlass.Int64, CHUNK]
+        sPart: cute.struct.MemRange[cutlass.Int64, CHUNK * WGS]
         sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
         sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
         sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
@@ -448,8 +465,10 @@ def partials_host(
         mQ, tma_k, tma_mK, tma_v, tma_mV, mPerm, mItemList, mItemStart, mItemEnd, mBlkStart,
         mBlkEnd, mO, mL, scale_log2, tok0, NB, mma_qk, mma_qk_acc, mma_pv, mma_pv_acc, sQ_layout,
         sK_layout,
-        gather, Storage, H, HKV, HS, K, D, G, G2, R, BLOCK, dtype.width // 8, QSTAGES, STAGE,
-    ).launch(grid=(mItemList.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
+        gather, Storage, H, HKV, HS, K, D, G, G2, R, BLOCK, dtype.width // 8, QSTAGES, STAGE, WGS,
+    ).launch(
+        grid=(mItemList.shape[0], 1, 1), block=(THREADS * WGS, 1, 1), stream=stream
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,7 +519,10 @@ def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
         Int32(wl.num_blocks),
         stream(q.device),
     )
-    static = (H, num_sel_heads, wl.slots, G, G2, R, cfg.block_size, Q_STAGES, STAGE_PARTIALS)
+    static = (
+        H, num_sel_heads, wl.slots, G, G2, R, cfg.block_size, Q_STAGES, STAGE_PARTIALS,
+        WARPGROUPS,
+    )  # fmt: skip
     launch(partials_host, (q.dtype, D, Hkv, *static, q.device.index), runtime, static)
 
 
