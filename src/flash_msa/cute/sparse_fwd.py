@@ -46,7 +46,7 @@ Q_STAGES = 2
 STAGE_PARTIALS = True
 # consumer warpgroups per CTA, sharing the block's K/V tiles and taking turns at the chunks
 # (each with its own Q buffers); 3 fits the register file once (168 registers x 384 threads)
-WARPGROUPS = 1
+WARPGROUPS = 3
 LN2 = 0.6931471805599453
 
 
