@@ -6,19 +6,24 @@ combine, proxy-LSE and KL passes do the rest. Checked on an H200 against the Tri
 
 Same decomposition as the Triton forward (docs/algorithm.md, "Main attention: key-outer over a
 reverse index"): one CTA per work item = (selection head p, key block, up to TW query tokens
-that kept it). The CTA is one warpgroup (128 threads, M = 64 rows per chunk). Per KV sub-group
-of G2 heads it loads the block's K and V tiles once by TMA (a one-shot mbarrier), then for each
-chunk of 64 rows (BT tokens x G2 heads, row = token-major) it
+that kept it). The CTA has ``WARPGROUPS`` consumer warpgroups (128 threads, M = 64 rows per
+chunk each). Per KV sub-group of G2 heads it loads the block's K and V tiles once by TMA (a
+one-shot mbarrier); the warpgroups then take turns at the chunks of 64 rows (BT tokens x G2
+heads, row = token-major; warpgroup w takes chunks w, w + WARPGROUPS, ...). For a chunk a
+warpgroup
 
 1. gathers the rows' queries by cp.async (16-byte pieces, row index from ``PERM``) into a
-   128B-swizzled shared tile,
+   128B-swizzled shared tile (with ``Q_STAGES = 2`` the next chunk's gather is issued into the
+   other buffer before waiting for this one),
 2. computes S = Q K^T by warpgroup MMA (``m64nBLOCKk16``, both operands in shared memory),
 3. masks keys past the block's end or after the row's token, takes the row max and
    ``P = exp2((S - max) * scale * log2 e)`` in registers (quad shuffles for the row reductions),
 4. computes O = P V by warpgroup MMA with P from registers and V through a transposed
    (MN-major) view of its shared tile,
 5. writes the normalized partial ``O / l`` (input dtype) and its natural-log LSE to the row's
-   slot of the ``(C, H, K, D)`` / ``(C, H, K)`` partial buffers of the Triton forward.
+   slot of the ``(C, H, K, D)`` / ``(C, H, K)`` partial buffers of the Triton forward; with
+   ``STAGE_PARTIALS`` the tile goes through this chunk's Q buffer first, so the global stores
+   are 16-byte pieces of whole rows.
 
 One block per item means no online softmax: the combine merges a query's K partials by LSE.
 """
@@ -39,7 +44,9 @@ from .common import acc_rows_cols, aligned, cute_tensor, launch, stream
 CHUNK = 64  # rows per chunk: one warpgroup's MMA M
 THREADS = 128
 # query-row buffers: 1 = gather, wait, compute; 2 = the next chunk's gather is in flight while
-# this chunk computes (H200: +6-16%, docs/perf-notes.md "CuTe forward v2").
+# this chunk computes. H200 measurements of these three switches: docs/perf-notes.md, "CuTe
+# forward partials v2-v5" (Q_STAGES 2: +3-16%; STAGE_PARTIALS: +10-27%; WARPGROUPS 3 vs 1:
+# +20-25% at the paper head layout, even at the anchor one).
 Q_STAGES = 2
 # partial outputs: True = staged through shared memory, 16-byte stores of whole rows; False =
 # each thread's column pairs stored directly (4-byte stores)
