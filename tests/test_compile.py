@@ -44,3 +44,39 @@ def test_cute_kernels_compile_for_sm90_without_spills():
         assert r["stack"] == 0 and r["local"] == 0, r  # spills show up as stack
         assert r["wgmma"] and r["tma"], r
     assert res.returncode == 0, res.stderr
+
+
+def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
+    """Host-side checks of the CuTe forward partials (no GPU needed): head layouts whose KV
+    sub-groups would read another KV head's tiles, and partial buffers the kernel cannot store
+    into, raise ValueError before any launch."""
+    pytest.importorskip("cutlass")
+    import torch
+
+    from flash_msa.cute import sparse_fwd
+    from flash_msa.problem import Config
+
+    assert sparse_fwd.head_geometry_reason(16, 2, 4) is None  # anchor
+    assert sparse_fwd.head_geometry_reason(64, 4, 4) is None  # paper
+    assert sparse_fwd.head_geometry_reason(8, 4, 2) is None  # Hs < Hkv
+    # Hs=2, Hkv=3: selection head 1's second sub-group (heads 16-19) lies in KV head 2, but the
+    # kernel would keep KV head 1's tiles
+    assert "divide one another" in sparse_fwd.head_geometry_reason(24, 3, 2)
+
+    class WL:  # the fields partials() reads before the launch
+        slots = 4
+
+    T, H, Hkv, D = 8, 16, 2, 64
+    q = torch.zeros(T, H, D, dtype=torch.bfloat16)
+    k = torch.zeros(T, Hkv, D, dtype=torch.bfloat16)
+    cfg = Config(64, D**-0.5, T, D**-0.5, 4, False, True)
+    o_ok = torch.zeros(T, H, 4, D, dtype=torch.bfloat16)
+    l_ok = torch.zeros(T, H, 4)
+    with pytest.raises(ValueError, match="o_part"):
+        sparse_fwd.partials(q, k, k, WL, o_ok[:, :, :, :32], l_ok, 4, cfg)
+    with pytest.raises(ValueError, match="l_part"):
+        sparse_fwd.partials(q, k, k, WL, o_ok, l_ok.transpose(0, 1), 4, cfg)
+    with pytest.raises(ValueError, match="divide one another"):
+        q24 = torch.zeros(T, 24, D, dtype=torch.bfloat16)
+        k3 = torch.zeros(T, 3, D, dtype=torch.bfloat16)
+        sparse_fwd.partials(q24, k3, k3, WL, o_ok, l_ok, 2, cfg)

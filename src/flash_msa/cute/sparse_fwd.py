@@ -489,6 +489,8 @@ def head_geometry_reason(H: int, Hkv: int, Hs: int) -> str | None:
 
     if H % Hs or H % Hkv:
         return f"H={H} must be a multiple of the selection heads ({Hs}) and KV heads ({Hkv})"
+    if Hs % Hkv and Hkv % Hs:  # the kernel reloads K/V only where a sub-group starts a KV head
+        return f"the selection heads ({Hs}) and KV heads ({Hkv}) must divide one another"
     G, G2, R, _ = geometry(H, Hkv, Hs, CHUNK)
     if G2 * R != G or G2 & (G2 - 1) or (H // Hkv) % G2:
         return (
@@ -514,6 +516,16 @@ def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
         why = f"head_dim {D} / block_size {cfg.block_size}: each must be 64 or 128"
     if why is not None:
         raise ValueError(f"CuTe forward partials: {why}")
+    for name, buf, shape in (
+        ("o_part", o_part, (H, wl.slots, D)),
+        ("l_part", l_part, (H, wl.slots)),
+    ):
+        if tuple(buf.shape[1:]) != shape or not buf.is_contiguous() or buf.data_ptr() % 16:
+            raise ValueError(
+                f"CuTe forward partials: {name} must be a contiguous, 16-byte aligned (C, "
+                f"{', '.join(map(str, shape))}) buffer; got shape {tuple(buf.shape)}, strides "
+                f"{buf.stride()}, address % 16 = {buf.data_ptr() % 16}"
+            )
     runtime = (
         cute_tensor(aligned(q).view(T * H, D)),
         cute_tensor(aligned(k).permute(0, 2, 1)),  # (T, D, Hkv): a TMA box = one head's block
