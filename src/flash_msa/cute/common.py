@@ -6,6 +6,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import torch
+from cutlass.cute.nvgpu import cpasync
 
 
 def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
@@ -18,6 +19,14 @@ def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
     shape = ((s[0][1], s[1]), (s[0][0], s[0][2], s[2]))
     stride = ((d[0][1], d[1]), (d[0][0], d[0][2], d[2]))
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+def tma_tiles(atom, s: cute.Tensor, g: cute.Tensor):
+    """``(shared, global)`` views of one-CTA TMA copy ``atom`` (no multicast) for a shared tile
+    ``s`` and global tile(s) ``g`` whose first two modes are one TMA box (traced inline)."""
+    return cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+    )
 
 
 def aligned(x: torch.Tensor) -> torch.Tensor:

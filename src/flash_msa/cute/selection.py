@@ -39,7 +39,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from .common import acc_rows_cols, aligned, cute_tensor, launch, stream
+from .common import acc_rows_cols, aligned, cute_tensor, launch, stream, tma_tiles
 
 TILE_M = 128  # query tokens per CTA (two consumer warpgroups x 64 rows)
 TILE_N = 128  # keys per pipeline stage (one or two key blocks)
@@ -151,14 +151,8 @@ def _select_kernel(
                 mK_s = cute.domain_offset((start, 0, 0), mK)
                 gQ = cute.local_tile(mQ_s[None, None, p], (TILE_M, DP), (m_blk, 0))
                 gK = cute.local_tile(mK_s[None, None, p // (HP // HPK)], (TILE_N, DP), (None, 0))
-                tQsQ, tQgQ = cpasync.tma_partition(
-                    tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                    cute.group_modes(gQ, 0, 2),
-                )  # fmt: skip
-                tKsK, tKgK = cpasync.tma_partition(
-                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                    cute.group_modes(gK, 0, 2),
-                )  # fmt: skip
+                tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
+                tKsK, tKgK = tma_tiles(tma_k, sK, gK)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(q_bar, TILE_M * DP * ELEM_BYTES)
                 cute.copy(tma_q, tQgQ, tQsQ[(None, 0)], tma_bar_ptr=q_bar)

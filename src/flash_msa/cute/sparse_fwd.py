@@ -39,14 +39,15 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from .common import acc_rows_cols, aligned, cute_tensor, launch, stream
+from .common import acc_rows_cols, aligned, cute_tensor, launch, stream, tma_tiles
 
 CHUNK = 64  # rows per chunk: one warpgroup's MMA M
 THREADS = 128
 # query-row buffers: 1 = gather, wait, compute; 2 = the next chunk's gather is in flight while
 # this chunk computes. H200 measurements of these three switches: docs/perf-notes.md, "CuTe
-# forward partials v2-v5" (Q_STAGES 2: +3-16%; STAGE_PARTIALS: +10-27%; WARPGROUPS 3 vs 1:
-# +20-25% at the paper head layout, even at the anchor one).
+# forward partials v2-v5". Same-run gains of the default over each alternative (v5 run, 8 cases):
+# Q_STAGES 2 vs 1 -1..+12%; STAGE_PARTIALS vs direct +6..+19%; WARPGROUPS 3 vs 1 +12..+31% at
+# the paper head layout, -9..+1% (a tie) at the anchor one.
 Q_STAGES = 2
 # partial outputs: True = staged through shared memory, 16-byte stores of whole rows; False =
 # each thread's column pairs stored directly (4-byte stores)
@@ -81,6 +82,16 @@ def _wg_sync(wg, WGS: int):
         cute.arch.sync_threads()
     else:
         cute.arch.barrier(barrier_id=1 + wg, number_of_threads=THREADS)
+
+
+@cute.jit
+def _store_lse(mL: cute.Tensor, part, mx, ssum, scale_log2):
+    """Store the natural-log LSE of a row with max ``mx`` and exp2-sum ``ssum`` (``-inf`` for a
+    row with no visible key) at partial index ``part`` (inlined into the kernel)."""
+    lse = -Float32.inf
+    if ssum > 0.0:
+        lse = (mx * scale_log2 + cute.math.log2(ssum)) * LN2
+    mL[part] = lse
 
 
 def _staged(row, unit, D: int):
@@ -228,14 +239,8 @@ def _partials_kernel(
                 gV = cute.local_tile(
                     cute.domain_offset((ks, 0, 0), mV)[None, None, kvh], (BLOCK, D), (0, 0)
                 )
-                tKsK, tKgK = cpasync.tma_partition(
-                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                    cute.group_modes(gK, 0, 2),
-                )  # fmt: skip
-                tVsV, tVgV = cpasync.tma_partition(
-                    tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                    cute.group_modes(gV, 0, 2),
-                )  # fmt: skip
+                tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+                tVsV, tVgV = tma_tiles(tma_v, sV, gV)
                 if warp_idx == 0:
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(kv_bar, 2 * BLOCK * D * ELEM_BYTES)
@@ -343,12 +348,7 @@ def _partials_kernel(
                             part = row_part[i]
                             sPart[wg * CHUNK + row] = part if row_ok[i] else Int64(-1)
                             if row_ok[i]:
-                                lse = -Float32.inf
-                                if row_sum[i] > 0.0:
-                                    lse = (
-                                        row_max[i] * scale_log2 + cute.math.log2(row_sum[i])
-                                    ) * LN2
-                                mL[part] = lse
+                                _store_lse(mL, part, row_max[i], row_sum[i], scale_log2)
                     cute.arch.sync_warp()
                     lane = tidx % 32
                     for it in cutlass.range_constexpr(D // 16):  # 16 rows x D/8 pieces / 32 lanes
@@ -379,12 +379,7 @@ def _partials_kernel(
                                 )
                                 cute.autovec_copy(rO_pairs[None, i, jj], gdst)
                             if cO[i, 0][1] == 0:
-                                lse = -Float32.inf
-                                if row_sum[i] > 0.0:
-                                    lse = (
-                                        row_max[i] * scale_log2 + cute.math.log2(row_sum[i])
-                                    ) * LN2
-                                mL[part] = lse
+                                _store_lse(mL, part, row_max[i], row_sum[i], scale_log2)
                 _wg_sync(wg, WGS)  # this Q buffer is overwritten by a later gather
             cute.arch.sync_threads()  # sK / sV may be overwritten by the next sub-group's TMA
 
