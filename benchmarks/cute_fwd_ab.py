@@ -27,7 +27,7 @@ from flash_msa.cute import sparse_fwd as cute_fwd
 from flash_msa.problem import Config
 from flash_msa.triton_ref import selection as tri_sel
 from flash_msa.triton_ref import sparse_fwd as tri_fwd
-from flash_msa.triton_ref import worklist
+from flash_msa import worklist
 
 
 def run_case(shape, S, kind, profile=False, breakdown=False):
@@ -37,17 +37,25 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
         for x in testing.make_inputs(1, S, H, Hkv, Hp, Hpk, D, Dp, device="cuda", kind=kind, seed=0)
     )
     cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
-    cfg = Config(bench.BLOCK, D**-0.5, S, Dp**-0.5, bench.TOP_K, warmup=False, compute_kl=True)
+    cfg = Config(
+        block_size=bench.BLOCK,
+        softmax_scale=D**-0.5,
+        max_seqlen=S,
+        proxy_scale=Dp**-0.5,
+        top_k=bench.TOP_K,
+        warmup=False,
+        compute_kl=True,
+    )
     idx = tri_sel.select(qp, kp, cu, cfg)
     pairs = bench.sparse_pairs(idx[None], S, bench.BLOCK)
     flops = 4 * D * H * pairs
     K = cfg.top_k
-    wl = worklist.build(idx, cu, cfg.block_size, tri_fwd.ITEM_TOKENS)
+    wl = worklist.build(idx, cu, cfg.block_size, worklist.ITEM_TOKENS)
     # the partials alone run over all S tokens at once (buffers of S*H*K*D elements: 34 GB at
     # paper 128K; the op itself works in chunks of at most PARTIAL_BYTES)
     o_part = torch.empty((S, H, K, D), dtype=q.dtype, device="cuda")
     l_part = torch.empty((S, H, K), dtype=torch.float32, device="cuda")
-    G, G2, R, BT = tri_fwd.geometry(H, Hkv, Hp, 128)
+    G, G2, R, BT = worklist.geometry(H, Hkv, Hp, 128)
     items = (wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start,
              wl.block_end)  # fmt: skip
 

@@ -27,7 +27,15 @@ def main():
             )[:2]
             qp, kp = qp[0].contiguous(), kp[0].contiguous()
             cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
-            cfg = Config(bench.BLOCK, D**-0.5, S, Dp**-0.5, bench.TOP_K, False, True)
+            cfg = Config(
+                block_size=bench.BLOCK,
+                softmax_scale=D**-0.5,
+                max_seqlen=S,
+                proxy_scale=Dp**-0.5,
+                top_k=bench.TOP_K,
+                warmup=False,
+                compute_kl=True,
+            )
             flops = 2 * Dp * Hp * S * (S + 1) / 2
             variants = {}
             for top_k in (bench.TOP_K, 64):

@@ -65,18 +65,28 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
 
     class WL:  # the fields partials() reads before the launch
         slots = 4
+        heads = 4
 
     T, H, Hkv, D = 8, 16, 2, 64
     q = torch.zeros(T, H, D, dtype=torch.bfloat16)
     k = torch.zeros(T, Hkv, D, dtype=torch.bfloat16)
-    cfg = Config(64, D**-0.5, T, D**-0.5, 4, False, True)
+    cfg = Config(
+        block_size=64,
+        softmax_scale=D**-0.5,
+        max_seqlen=T,
+        proxy_scale=D**-0.5,
+        top_k=4,
+        warmup=False,
+        compute_kl=True,
+    )
     o_ok = torch.zeros(T, H, 4, D, dtype=torch.bfloat16)
     l_ok = torch.zeros(T, H, 4)
     with pytest.raises(ValueError, match="o_part"):
-        sparse_fwd.partials(q, k, k, WL, o_ok[:, :, :, :32], l_ok, 4, cfg)
+        sparse_fwd.partials(q, k, k, WL, o_ok[:, :, :, :32], l_ok, cfg)
     with pytest.raises(ValueError, match="l_part"):
-        sparse_fwd.partials(q, k, k, WL, o_ok, l_ok.transpose(0, 1), 4, cfg)
+        sparse_fwd.partials(q, k, k, WL, o_ok, l_ok.transpose(0, 1), cfg)
     with pytest.raises(ValueError, match="divide one another"):
         q24 = torch.zeros(T, 24, D, dtype=torch.bfloat16)
         k3 = torch.zeros(T, 3, D, dtype=torch.bfloat16)
-        sparse_fwd.partials(q24, k3, k3, WL, o_ok, l_ok, 2, cfg)
+        WL.heads = 2
+        sparse_fwd.partials(q24, k3, k3, WL, o_ok, l_ok, cfg)

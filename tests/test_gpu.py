@@ -40,7 +40,15 @@ def _case(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed=0, kind="random
         1, T, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, seed=seed, kind=kind, device="cuda"
     )
     xs = [x[0].contiguous() for x in xs]
-    cfg = Config(b, D**-0.5, max(lengths), Dp**-0.5, top_k, False, True)
+    cfg = Config(
+        block_size=b,
+        softmax_scale=D**-0.5,
+        max_seqlen=max(lengths),
+        proxy_scale=Dp**-0.5,
+        top_k=top_k,
+        warmup=False,
+        compute_kl=True,
+    )
     return xs, _cu(lengths), cfg
 
 
@@ -184,6 +192,12 @@ def test_warmup_matches_reference(name, dtype):
     be = _module(name)
     (qp, kp, q, k, v), cu, cfg = _case((3000, 1, 1100), 16, 2, 4, 1, 128, 128, 128, 16, dtype)
     cfg = Config(
-        cfg.block_size, cfg.softmax_scale, cfg.max_seqlen, cfg.proxy_scale, None, True, True
+        block_size=cfg.block_size,
+        softmax_scale=cfg.softmax_scale,
+        max_seqlen=cfg.max_seqlen,
+        proxy_scale=cfg.proxy_scale,
+        top_k=None,
+        warmup=True,
+        compute_kl=True,
     )
     _check_after_selection(be, qp, kp, q, k, v, None, cu, cfg)

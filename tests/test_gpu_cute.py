@@ -38,7 +38,15 @@ def _case(lengths, Hp, Hpk, Dp, b, top_k, dtype, seed=0, kind="random"):
         1, T, Hp, Hpk, Hp, Hpk, 16, Dp, dtype=dtype, seed=seed, kind=kind, device="cuda"
     )[:2]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    cfg = Config(b, 16**-0.5, max(lengths), Dp**-0.5, top_k, False, True)
+    cfg = Config(
+        block_size=b,
+        softmax_scale=16**-0.5,
+        max_seqlen=max(lengths),
+        proxy_scale=Dp**-0.5,
+        top_k=top_k,
+        warmup=False,
+        compute_kl=True,
+    )
     return qp[0].contiguous(), kp[0].contiguous(), cu.cuda(), cfg
 
 
@@ -128,7 +136,15 @@ def test_cute_select_keeps_ties_in_block_order():
     kp[::128, :, 0] = torch.tensor([1.0, 2.0, 2.0, 0.5] * 10, dtype=torch.bfloat16)[:, None]
     cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
     for top_k in (5, 24):
-        cfg = Config(128, 1.0, S, Dp**-0.5, top_k, False, True)
+        cfg = Config(
+            block_size=128,
+            softmax_scale=1.0,
+            max_seqlen=S,
+            proxy_scale=Dp**-0.5,
+            top_k=top_k,
+            warmup=False,
+            compute_kl=True,
+        )
         got = cute_be.select(qp, kp, cu, cfg)
         assert torch.equal(got, reference.select(qp, kp, cu, cfg)), top_k
 
@@ -215,7 +231,7 @@ def test_cute_forward_partials_match_triton(
     pytest.importorskip("cutlass")
     from flash_msa.cute import sparse_fwd as cute_fwd
     from flash_msa.triton_ref import sparse_fwd as tri_fwd
-    from flash_msa.triton_ref import worklist
+    from flash_msa import worklist
 
     T = sum(lengths)
     qp, kp, q, k, v = (
@@ -224,13 +240,21 @@ def test_cute_forward_partials_match_triton(
     )
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     cu = cu.cuda()
-    cfg = Config(b, D**-0.5, max(lengths), D**-0.5, top_k, False, True)
+    cfg = Config(
+        block_size=b,
+        softmax_scale=D**-0.5,
+        max_seqlen=max(lengths),
+        proxy_scale=D**-0.5,
+        top_k=top_k,
+        warmup=False,
+        compute_kl=True,
+    )
     idx = reference.select(qp, kp, cu, cfg)
-    wl = worklist.build(idx, cu, b, tri_fwd.ITEM_TOKENS)
+    wl = worklist.build(idx, cu, b, worklist.ITEM_TOKENS)
     nan = dict(dtype=torch.float32, device="cuda")
     o_t = torch.full((T, H, top_k, D), float("nan"), dtype=q.dtype, device="cuda")
     l_t = torch.full((T, H, top_k), float("nan"), **nan)
-    G, G2, R, BT = tri_fwd.geometry(H, Hkv, Hp, 128)
+    G, G2, R, BT = worklist.geometry(H, Hkv, Hp, 128)
     items = (wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end)
     tri_fwd._fwd_kernel[(wl.num_items,)](
         q, k, v, q, k, *items, o_t, l_t, l_t, cfg.softmax_scale, 1.0, 0,
@@ -263,7 +287,15 @@ def test_cute_forward_op_matches_reference(dtype):
     )
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     cu = cu.cuda()
-    cfg = Config(b, D**-0.5, max(lengths), D**-0.5, top_k, False, True)
+    cfg = Config(
+        block_size=b,
+        softmax_scale=D**-0.5,
+        max_seqlen=max(lengths),
+        proxy_scale=D**-0.5,
+        top_k=top_k,
+        warmup=False,
+        compute_kl=True,
+    )
     idx = reference.select(qp, kp, cu, cfg)
     f32 = [x.float() for x in (q, k, v)]
     exact = reference.fwd(*f32, idx, cu, cfg, qp.float(), kp.float())
@@ -283,7 +315,15 @@ def _fwd_case(lengths, H, Hkv, Hp, D, b, top_k, dtype, seed):
                                      seed=seed)
     )  # fmt: skip
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    cfg = Config(b, D**-0.5, max(lengths), D**-0.5, top_k, warmup=False, compute_kl=True)
+    cfg = Config(
+        block_size=b,
+        softmax_scale=D**-0.5,
+        max_seqlen=max(lengths),
+        proxy_scale=D**-0.5,
+        top_k=top_k,
+        warmup=False,
+        compute_kl=True,
+    )
     return q, k, v, qp, kp, cu.cuda(), cfg
 
 
@@ -307,7 +347,20 @@ def test_cute_forward_hypothesis_runtime_sizes(data):
     from flash_msa.problem import Problem
     from flash_msa.triton_ref import sparse_fwd as tri_fwd
 
-    prob = Problem("cuda", (9, 0), dtype, H, Hkv, D, Hp, 1, D, True, cfg, len(lengths))
+    prob = Problem(
+        device_type="cuda",
+        capability=(9, 0),
+        dtype=dtype,
+        num_heads=H,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        num_sel_heads=Hp,
+        num_proxy_k_heads=1,
+        proxy_head_dim=D,
+        varlen=True,
+        cfg=cfg,
+        num_seqs=len(lengths),
+    )
     assert cute_be.unsupported_reason("fwd", prob) is None
     idx = reference.select(qp, kp, cu, cfg)
     real = {name: getattr(torch, name) for name in ("empty", "empty_like")}

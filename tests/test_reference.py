@@ -207,7 +207,15 @@ def test_same_dtype_reference_is_lower_precision():
     """upcast=False computes in the input dtype: close to, but not equal to, the fp32 result."""
     qp, kp, q, k, v = make_inputs(1, 256, 4, 2, 2, 1, 32, 16, dtype=torch.bfloat16, seed=6)
     flat = [x[0] for x in (qp, kp, q, k, v)]
-    cfg = flash_msa.problem.Config(64, 32**-0.5, 256, 16**-0.5, 4, False, True)
+    cfg = flash_msa.problem.Config(
+        block_size=64,
+        softmax_scale=32**-0.5,
+        max_seqlen=256,
+        proxy_scale=16**-0.5,
+        top_k=4,
+        warmup=False,
+        compute_kl=True,
+    )
     cu = _cu([256])
     idx = reference.select(*flat[:2], cu, cfg)
     hi = reference.fwd(*flat[2:], idx, cu, cfg, *flat[:2])

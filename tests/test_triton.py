@@ -30,7 +30,9 @@ def _select_case(lengths, Hp, Hpk, Dp, b, top_k, dtype, seed=0, kind="random"):
     qp, kp = testing.make_inputs(1, T, 1, 1, Hp, Hpk, 1, Dp, dtype=dtype, seed=seed, kind=kind)[:2]
     qp, kp = qp[0].to(DEV), kp[0].to(DEV)
     cu = _cu(lengths).to(DEV)
-    cfg = Config(b, 1.0, max(lengths), Dp**-0.5, top_k)
+    cfg = Config(
+        block_size=b, softmax_scale=1.0, max_seqlen=max(lengths), proxy_scale=Dp**-0.5, top_k=top_k
+    )
     out = torch.full((T, Hp, top_k), -7, dtype=torch.int32, device=DEV)  # poison
     selection.select_into(out, qp, kp, cu, cfg)
     ref = reference.select(qp.cpu(), kp.cpu(), cu.cpu(), cfg)
@@ -64,7 +66,7 @@ def test_select_ties_go_to_lower_block():
     T, b = 5 * 64, 64
     qp = torch.zeros(T, 2, 16, device=DEV)  # every score 0: all blocks tie
     kp = torch.randn(T, 1, 16, device=DEV)
-    cfg = Config(b, 1.0, T, 0.25, 3)
+    cfg = Config(block_size=b, softmax_scale=1.0, max_seqlen=T, proxy_scale=0.25, top_k=3)
     out = selection.select(qp, kp, _cu([T]).to(DEV), cfg).cpu()
     assert torch.equal(out, reference.select(qp.cpu(), kp.cpu(), _cu([T]), cfg))
     assert out[T - 1, 0].tolist() == [0, 1, 4]
@@ -87,7 +89,7 @@ def test_select_properties_hypothesis(data):
 # ---------------------------------------------------------------------------------------------
 def _poison_empty(monkeypatch):
     """Every float buffer the kernels allocate starts as NaN, so unwritten tiles fail."""
-    from flash_msa.triton_ref import sparse_fwd
+    from flash_msa import sparse_forward
 
     real = torch.empty
 
@@ -95,7 +97,7 @@ def _poison_empty(monkeypatch):
         x = real(*shape, **kw)
         return x.fill_(float("nan")) if x.is_floating_point() else x
 
-    monkeypatch.setattr(sparse_fwd.torch, "empty", empty)
+    monkeypatch.setattr(sparse_forward.torch, "empty", empty)
 
 
 def _fwd_bwd_case(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed=1, in_fwd=False):
@@ -108,7 +110,15 @@ def _fwd_bwd_case(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed=1, in_f
     xs = testing.make_inputs(1, T, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, seed=seed)
     qp, kp, q, k, v = (x[0].to(DEV) for x in xs)
     cu = _cu(lengths).to(DEV)
-    cfg = Config(b, D**-0.5, max(lengths), Dp**-0.5, top_k, False, True)
+    cfg = Config(
+        block_size=b,
+        softmax_scale=D**-0.5,
+        max_seqlen=max(lengths),
+        proxy_scale=Dp**-0.5,
+        top_k=top_k,
+        warmup=False,
+        compute_kl=True,
+    )
     idx = reference.select(qp, kp, cu, cfg)
     mine = sparse_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=in_fwd)
     assert (mine.proxy_grad is not None) == in_fwd
@@ -162,10 +172,10 @@ def test_fwd_bwd_fp32_equals_reference(case, in_fwd, monkeypatch):
 
 def test_fwd_in_query_chunks_equals_reference(monkeypatch):
     """Small PARTIAL_BYTES forces several query chunks (the path that keeps 1M tokens in memory)."""
-    from flash_msa.triton_ref import sparse_fwd
+    from flash_msa import sparse_forward
 
     _poison_empty(monkeypatch)
-    monkeypatch.setattr(sparse_fwd, "PARTIAL_BYTES", 40 * 8 * 3 * 16 * 4)  # ~40-token chunks
+    monkeypatch.setattr(sparse_forward, "PARTIAL_BYTES", 40 * 8 * 3 * 16 * 4)  # ~40-token chunks
     case = _fwd_bwd_case((70, 1, 200), 8, 2, 4, 1, 16, 16, 64, 3, torch.float32, in_fwd=True)
     _check(*case, rel_atol=1e-5)
 
@@ -230,7 +240,15 @@ def _warmup_case(lengths, H, Hkv, Hp, Hpk, D, Dp, dtype, seed=2):
     xs = testing.make_inputs(1, T, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, seed=seed)
     qp, kp, q, k, v = (x[0].to(DEV) for x in xs)
     cu = _cu(lengths).to(DEV)
-    cfg = Config(64, D**-0.5, max(lengths), Dp**-0.5, None, True, True)
+    cfg = Config(
+        block_size=64,
+        softmax_scale=D**-0.5,
+        max_seqlen=max(lengths),
+        proxy_scale=Dp**-0.5,
+        top_k=None,
+        warmup=True,
+        compute_kl=True,
+    )
     mine = dense.fwd(q, k, v, cu, cfg, qp, kp)
     f32 = [x.float() for x in (qp, kp, q, k, v)]
     exact = reference.fwd(*f32[2:], None, cu, cfg, *f32[:2])
@@ -314,8 +332,21 @@ def test_unsupported_reasons_name_the_limit():
     from flash_msa import triton_ref
     from flash_msa.problem import Problem
 
-    cfg = Config(128, 0.1, 4096, 0.1, 16)
-    ok = Problem("cuda", (9, 0), torch.bfloat16, 16, 2, 128, 4, 1, 128, True, cfg, 8)
+    cfg = Config(block_size=128, softmax_scale=0.1, max_seqlen=4096, proxy_scale=0.1, top_k=16)
+    ok = Problem(
+        device_type="cuda",
+        capability=(9, 0),
+        dtype=torch.bfloat16,
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=128,
+        num_sel_heads=4,
+        num_proxy_k_heads=1,
+        proxy_head_dim=128,
+        varlen=True,
+        cfg=cfg,
+        num_seqs=8,
+    )
     assert all(triton_ref.unsupported_reason(op, ok) is None for op in ("select", "fwd", "bwd"))
     cases = {
         "sm_80": dataclasses.replace(ok, capability=(8, 0)),
@@ -396,10 +427,12 @@ def test_proxy_gradient_made_by_the_forward_only_when_training(monkeypatch):
     assert all(x.grad is not None for x in xs[:2])
 
 
-def test_fwd_with_partials_from_another_kernel(monkeypatch):
-    """The hook the CuTe forward uses: per-block partials from another implementation (here the
-    Triton kernel's main part alone), proxy LSE partials, combine and KL from this forward."""
-    from flash_msa.triton_ref import sparse_fwd
+def test_driver_with_partials_from_another_stage(monkeypatch):
+    """The sparse-forward driver with a backend that supplies only the main partials (as the
+    CuTe backend does): the proxy LSE partials, combine and KL are borrowed from Triton's
+    stages, and the result equals the all-Triton forward bit for bit."""
+    from flash_msa import sparse_forward
+    from flash_msa.triton_ref import forward_stages, sparse_fwd
 
     _poison_empty(monkeypatch)
     lengths, H, Hkv, Hp, D, b, top_k = (70, 1, 200), 8, 2, 4, 16, 64, 3
@@ -408,20 +441,26 @@ def test_fwd_with_partials_from_another_kernel(monkeypatch):
         x[0].to(DEV) for x in testing.make_inputs(1, T, H, Hkv, Hp, 1, D, D, dtype=torch.float32)
     )
     cu = _cu(lengths).to(DEV)
-    cfg = Config(b, D**-0.5, max(lengths), D**-0.5, top_k, False, True)
+    cfg = Config(
+        block_size=b,
+        softmax_scale=D**-0.5,
+        max_seqlen=max(lengths),
+        proxy_scale=D**-0.5,
+        top_k=top_k,
+        warmup=False,
+        compute_kl=True,
+    )
     idx = reference.select(qp, kp, cu, cfg)
     calls = []
 
-    def main(q, k, v, wl, o_part, l_part, Hs, cfg, tok0):
+    def main_only(q, k, v, wl, o_part, l_part, cfg, tok0, proxy):
+        assert proxy is None  # partials_make_proxy=False: the driver runs proxy_partials
         calls.append(tok0)
-        G, G2, R, BT = sparse_fwd.geometry(H, Hkv, Hs, 128)
-        sparse_fwd._fwd_kernel[(wl.num_items,)](
-            q, k, v, q, k, *wl[:6], o_part, l_part, l_part, cfg.softmax_scale, 1.0, tok0,
-            H=H, Hkv=Hkv, Hs=Hs, Hpk=1, K=wl.slots, D=D, Dp=16, G=G, G2=G2, R=R, BLOCK=b,
-            BT=BT, NB=wl.num_blocks, PREC="ieee", HAS_PROXY=False, PREFETCH=True, num_warps=8,
-        )  # fmt: skip
+        sparse_fwd.partials(q, k, v, wl, o_part, l_part, cfg, tok0)
 
-    mine = sparse_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp, main=main)
+    stages = sparse_forward.Stages(partials=main_only)
+    assert sparse_forward.borrowed(stages).combine is forward_stages().combine
+    mine = sparse_forward.fwd(stages, q, k, v, idx, cu, cfg, qp, kp)
     ref = sparse_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp)
     assert calls == [0]
     for name, a, r in zip(["out", "lse", "proxy_lse", "kl"], mine, ref):

@@ -303,7 +303,19 @@ def test_forced_torch_runs(monkeypatch, fn, grads):
 
 def problem(device_type, capability=None):
     cfg = Config(block_size=128, softmax_scale=1.0, max_seqlen=70, proxy_scale=1.0, top_k=2)
-    return Problem(device_type, capability, torch.bfloat16, 4, 2, 8, 2, 1, 8, False, cfg)
+    return Problem(
+        device_type=device_type,
+        capability=capability,
+        dtype=torch.bfloat16,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        num_sel_heads=2,
+        num_proxy_k_heads=1,
+        proxy_head_dim=8,
+        varlen=False,
+        cfg=cfg,
+    )
 
 
 @pytest.mark.parametrize("op", backends.OPS)

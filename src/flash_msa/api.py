@@ -256,7 +256,18 @@ def _problem(ref, H, Hkv, D, Hsel, Hpk, Dp, cu, varlen, cfg) -> Problem:
     """The call as backends see it (0 for the heads/dims a call does not have)."""
     cap = torch.cuda.get_device_capability(ref.device) if ref.device.type == "cuda" else None
     return Problem(
-        ref.device.type, cap, ref.dtype, H, Hkv, D, Hsel, Hpk, Dp, varlen, cfg, cu.numel() - 1
+        device_type=ref.device.type,
+        capability=cap,
+        dtype=ref.dtype,
+        num_heads=H,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        num_sel_heads=Hsel,
+        num_proxy_k_heads=Hpk,
+        proxy_head_dim=Dp,
+        varlen=varlen,
+        cfg=cfg,
+        num_seqs=cu.numel() - 1,
     )
 
 
@@ -406,13 +417,13 @@ def msa_attention(
     cu, max_seqlen = _sequences(q, cu_seqlens, max_seqlen)
     _check_finite(tensors)
     cfg = Config(
-        block_size,
-        softmax_scale,
-        max_seqlen,
-        proxy_scale,
-        None if warmup else top_k,
-        warmup,
-        compute_kl,
+        block_size=block_size,
+        softmax_scale=softmax_scale,
+        max_seqlen=max_seqlen,
+        proxy_scale=proxy_scale,
+        top_k=None if warmup else top_k,
+        warmup=warmup,
+        compute_kl=compute_kl,
     )
     problem = _problem(
         q,
@@ -458,7 +469,13 @@ def select_blocks(
     proxy_scale = _scale_arg("proxy_scale", proxy_scale, q_proxy.shape[-1] ** -0.5)
     cu, max_seqlen = _sequences(q_proxy, cu_seqlens, max_seqlen)
     _check_finite(tensors)
-    cfg = Config(block_size, 1.0, max_seqlen, proxy_scale, top_k)
+    cfg = Config(
+        block_size=block_size,
+        softmax_scale=1.0,
+        max_seqlen=max_seqlen,
+        proxy_scale=proxy_scale,
+        top_k=top_k,
+    )
     problem = _problem(
         q_proxy,
         0,
@@ -514,7 +531,7 @@ def sparse_attention(
     _check_indices(indices, q, cu, max_seqlen, block_size, varlen)
     _check_heads(q.shape[-2], k.shape[-2], indices.shape[-2], "indices")
     _check_finite(tensors)
-    cfg = Config(block_size, softmax_scale, max_seqlen)
+    cfg = Config(block_size=block_size, softmax_scale=softmax_scale, max_seqlen=max_seqlen)
     problem = _problem(
         q, q.shape[-2], k.shape[-2], q.shape[-1], indices.shape[-2], 0, 0, cu, varlen, cfg
     )

@@ -136,7 +136,15 @@ def _verify_msa(backend, shape):
     from .problem import Config
 
     cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
-    cfg = Config(BLOCK, D**-0.5, S, Dp**-0.5, TOP_K, False, True)
+    cfg = Config(
+        block_size=BLOCK,
+        softmax_scale=D**-0.5,
+        max_seqlen=S,
+        proxy_scale=Dp**-0.5,
+        top_k=TOP_K,
+        warmup=False,
+        compute_kl=True,
+    )
     flat = [x[0] for x in xs]
     ref_idx = reference.select(flat[0], flat[1], cu, cfg)
     bad = testing.selection_mismatch(
@@ -286,7 +294,7 @@ def _measure(prov, xs, dense, iters):
 
 
 def environment():
-    from .diagnostics import _version
+    from .diagnostics import version
 
     commit = os.environ.get("FLASH_MSA_COMMIT")  # set it where the tree is not a git checkout
     if not commit:
@@ -302,8 +310,8 @@ def environment():
     return dict(
         gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         torch=torch.__version__,
-        triton=_version("triton"),
-        cutlass=_version("nvidia-cutlass-dsl"),
+        triton=version("triton"),
+        cutlass=version("nvidia-cutlass-dsl"),
         flash_attn_4=_fa4() is not None,
         python=platform.python_version(),
         commit=commit,
@@ -373,20 +381,14 @@ def plot(rows, path):
 
 def main(args) -> int:
     if not torch.cuda.is_available():
-        print(
-            "flash-msa bench: no CUDA GPU here; timings on CPU mean nothing. Running a tiny "
-            "correctness pass of the available backends instead (flash-msa check)."
-        )
-        from .cli import main as cli_main
-
-        return cli_main(["check"])
+        raise RuntimeError("flash-msa bench needs a CUDA GPU (the CLI runs `check` instead)")
     from . import backends
-    from .diagnostics import _sample_problem
+    from .diagnostics import sample_problem
 
     names = args.backends or [
         n
         for n in ("cute", "triton")
-        if backends.reason_not(n, "select", _sample_problem("cuda")) is None
+        if backends.reason_not(n, "select", sample_problem("cuda")) is None
     ]
     rows = list(run(args.shape, args.seqlen, names, args.inputs, args.iters, args.dense))
     print(table(rows))

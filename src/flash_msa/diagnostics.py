@@ -10,11 +10,11 @@ import sys
 
 import torch
 
-from . import backends
+from . import __version__, backends
 from .problem import Config, Problem
 
 
-def _version(dist: str) -> str | None:
+def version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -28,12 +28,32 @@ def _devices() -> list[str]:
     return devs
 
 
-def _sample_problem(device: str) -> Problem:
+def sample_problem(device: str) -> Problem:
     """The anchor shape (H=16, Hkv=2, Hp=4, Hpk=1, D=Dp=128, block 128, top_k 16) in bf16."""
     dev = torch.device(device)
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-    cfg = Config(128, 128**-0.5, 16384, 128**-0.5, 16, False, True)
-    return Problem(dev.type, cap, torch.bfloat16, 16, 2, 128, 4, 1, 128, False, cfg)
+    cfg = Config(
+        block_size=128,
+        softmax_scale=128**-0.5,
+        max_seqlen=16384,
+        proxy_scale=128**-0.5,
+        top_k=16,
+        warmup=False,
+        compute_kl=True,
+    )
+    return Problem(
+        device_type=dev.type,
+        capability=cap,
+        dtype=torch.bfloat16,
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=128,
+        num_sel_heads=4,
+        num_proxy_k_heads=1,
+        proxy_head_dim=128,
+        varlen=False,
+        cfg=cfg,
+    )
 
 
 def explain(op: str, problem: Problem) -> tuple[str | None, str]:
@@ -59,7 +79,7 @@ def info() -> dict:
         if dev.startswith("cuda"):
             entry["name"] = torch.cuda.get_device_name(dev)
             entry["capability"] = "sm_{}{}".format(*torch.cuda.get_device_capability(dev))
-        problem = _sample_problem(dev)
+        problem = sample_problem(dev)
         entry["ops"] = {
             op: dict(zip(("backend", "why"), explain(op, problem))) for op in backends.OPS
         }
@@ -67,10 +87,10 @@ def info() -> dict:
     return {
         "versions": {
             "python": platform.python_version(),
-            "flash-msa": _version("flash-msa"),
+            "flash-msa": __version__,  # the tree's own (pyproject reads it too)
             "torch": torch.__version__,
-            "triton": _version("triton"),
-            "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
+            "triton": version("triton"),
+            "nvidia-cutlass-dsl": version("nvidia-cutlass-dsl"),
             "cuda (torch)": torch.version.cuda,
         },
         "environment": {
@@ -209,5 +229,25 @@ def _case_problem(case, device, dtype) -> Problem:
     _, _, H, Hkv, Hp, Hpk, D, Dp, b, top_k, warmup = case
     dev = torch.device(device)
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-    cfg = Config(b, D**-0.5, 300, Dp**-0.5, None if warmup else top_k, warmup, True)
-    return Problem(dev.type, cap, dtype, H, Hkv, D, Hp, Hpk, Dp, isinstance(case[1], tuple), cfg)
+    cfg = Config(
+        block_size=b,
+        softmax_scale=D**-0.5,
+        max_seqlen=300,
+        proxy_scale=Dp**-0.5,
+        top_k=None if warmup else top_k,
+        warmup=warmup,
+        compute_kl=True,
+    )
+    return Problem(
+        device_type=dev.type,
+        capability=cap,
+        dtype=dtype,
+        num_heads=H,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        num_sel_heads=Hp,
+        num_proxy_k_heads=Hpk,
+        proxy_head_dim=Dp,
+        varlen=isinstance(case[1], tuple),
+        cfg=cfg,
+    )

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """Non-tensor parameters of one call (validated, defaults filled in).
 
@@ -36,7 +36,7 @@ class Config:
     compute_kl: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Problem:
     """Everything a backend's ``unsupported_reason`` may look at.
 

@@ -6,6 +6,10 @@
   no code with :mod:`flash_msa.reference`, so comparing the two can fail.
 - :func:`selection_mismatch`: compares two selections as sets with the near-tie rule of
   semantics.md ("Numerics").
+- the harness every numeric test uses: :func:`cu` (``cu_seqlens`` of lengths), :func:`poison`
+  (NaN-filled buffers), the one tolerance rule :func:`tolerance` / :func:`assert_close`
+  (``err(kernel) <= 2 * err(same-dtype reference) + atol``, atol from the dtype's rounding), and
+  :func:`training_loss` (a loss with O(1) gradients in all five inputs).
 """
 
 from __future__ import annotations
@@ -202,3 +206,93 @@ def selection_mismatch(
             if any(abs(score(n) - kth) > rtol * (1 + abs(kth)) for n in sa ^ sb):
                 bad += 1
     return bad
+
+
+# ---------------------------------------------------------------------------------------------
+# the test harness: sequences, poisoned buffers, the tolerance rule, O(1)-gradient losses
+# ---------------------------------------------------------------------------------------------
+def cu(lengths, device="cpu") -> torch.Tensor:
+    """``cu_seqlens`` (int32, ``[0, l0, l0 + l1, ...]``) of packed sequences of ``lengths``."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + int(n))
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+POISON_INT = -(2**30)  # an index no kernel may leave behind (not -1, the "unused slot" value)
+
+
+def poison(*tensors: torch.Tensor):
+    """Fill buffers in place with values no kernel writes (NaN; ``POISON_INT`` for integers), so
+    that a tile a kernel forgot to write fails the comparison. Returns the tensors (one tensor
+    when given one)."""
+    for t in tensors:
+        t.fill_(float("nan") if t.is_floating_point() else POISON_INT)
+    return tensors[0] if len(tensors) == 1 else tensors
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    """A new tensor of ``shape`` filled by :func:`poison`."""
+    return poison(torch.empty(shape, dtype=dtype, device=device))
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|`` in fp64 (``inf`` if either holds a NaN where the other does not)."""
+    a, b = a.detach().double(), b.detach().double().to(a.device)
+    d = (a - b).abs()
+    return float("inf") if d.isnan().any() else (d.max().item() if d.numel() else 0.0)
+
+
+def rounding_atol(exact: torch.Tensor, dtype: torch.dtype) -> float:
+    """The output dtype's rounding at the scale of ``exact``: twice the largest error of one
+    ``x + 0.3 - 0.3`` round trip in ``dtype`` (FlashAttention-4's tests derive their atol this
+    way). About 2e-3 for bf16 values of size 1, 1e-7 for fp32."""
+    if exact.numel() == 0:
+        return 0.0
+    r = exact.detach().to(dtype)
+    return 2 * ((r + 0.3) - 0.3 - r).abs().max().double().item()
+
+
+def tolerance(exact: torch.Tensor, same: torch.Tensor | None, dtype: torch.dtype) -> float:
+    """The rule ``err(kernel) <= 2 * err(same-dtype reference) + atol``, both errors against the
+    exact (fp32 or fp64) value; ``same=None`` leaves only ``atol`` (the exact comparison of two
+    high-precision implementations)."""
+    same_err = 0.0 if same is None else max_err(same, exact)
+    return 2 * same_err + rounding_atol(exact, dtype)
+
+
+def assert_close(name, mine, exact, same=None, *, dtype=None, can_fail=True):
+    """Assert ``mine`` matches ``exact`` by :func:`tolerance` (``dtype`` defaults to ``mine``'s).
+
+    ``can_fail`` also asserts that the check means something: ``exact`` must be larger than the
+    tolerance somewhere, or an all-zero (never written, never computed) ``mine`` would pass. Use
+    losses with O(1) gradients (:func:`training_loss`) so that it holds."""
+    assert mine.shape == exact.shape, (name, tuple(mine.shape), tuple(exact.shape))
+    tol = tolerance(exact, same, dtype or mine.dtype)
+    err = max_err(mine, exact)
+    assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e}"
+    if can_fail:
+        scale = exact.detach().abs().max().item() if exact.numel() else 0.0
+        assert scale > 2 * tol, (
+            f"{name}: the check cannot fail (max |exact| {scale:.3e} <= 2 * tolerance {tol:.3e}); "
+            "use a loss with O(1) gradients"
+        )
+    return err, tol
+
+
+def loss_weights(out_shape, rows: int, seed: int = 0, device="cpu"):
+    """``(dout, kl_weight)`` of :func:`training_loss`: a random fp32 ``dout`` of ``out_shape`` and
+    a random KL weight times ``rows`` (``Hp * T``: the KL is a mean over rows, so its gradient
+    is ``1 / rows`` small without it)."""
+    g = torch.Generator().manual_seed(seed)
+    dout = torch.randn(out_shape, generator=g, dtype=torch.float32)
+    w = (0.5 + torch.rand((), generator=g, dtype=torch.float64)).item() * rows
+    return dout.to(device), w
+
+
+def training_loss(out, kl, rows: int, seed: int = 0):
+    """A loss with O(1) gradients in all five inputs: ``(out * dout).sum() + w * kl`` with the
+    random ``dout`` and weight ``w`` of :func:`loss_weights` (the same for a given ``seed``, so
+    a kernel and its references see one loss)."""
+    dout, w = loss_weights(out.shape, rows, seed, out.device)
+    return (out.float() * dout).sum() + w * kl.float()

@@ -4,8 +4,9 @@ What exists, for sm_90, checked on an H200:
 
 * ``select``: proxy block selection (``selection.py``);
 * ``fwd`` (sparse, not warmup): the per-block main attention is the CuTe kernel of
-  ``sparse_fwd.py``; the combine of the partials, the proxy LSE and the KL value run as Triton
-  kernels inside the same op (``flash_msa.triton_ref.sparse_fwd.fwd``'s partials hook).
+  ``sparse_fwd.py``, run by the backend-neutral driver ``flash_msa.sparse_forward``; the
+  proxy LSE, the combine of the partials and the KL value are the Triton backend's stages,
+  borrowed through the driver's stage interface (until CuTe has its own).
 
 The backward and the dense warmup forward are not available here: ``unsupported_reason`` says
 so, ``auto`` then runs them on the Triton backend within the same autograd step (the ops share
@@ -66,9 +67,19 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
     return None
 
 
+def forward_stages():
+    """This backend's stages of the sparse-forward driver (:mod:`flash_msa.sparse_forward`):
+    the per-block attention partials; the proxy LSE partials, the combine and the KL stage are
+    ``None`` (the driver borrows the Triton backend's until CuTe has its own)."""
+    from ..sparse_forward import Stages
+    from .sparse_fwd import partials
+
+    return Stages(partials=partials)
+
+
 def _fwd_reason(problem: Problem) -> str | None:
-    """The forward's limits: its own kernel's, and the Triton passes' it runs inside the op."""
-    from ..triton_ref import unsupported_reason as triton_reason
+    """The forward's limits: its own kernel's, and those of the stages it borrows."""
+    from ..sparse_forward import borrowed_reason
     from .sparse_fwd import head_geometry_reason
 
     if problem.head_dim not in (64, 128):
@@ -76,8 +87,7 @@ def _fwd_reason(problem: Problem) -> str | None:
     why = head_geometry_reason(problem.num_heads, problem.num_kv_heads, problem.num_sel_heads)
     if why is not None:
         return why
-    why = triton_reason("fwd", problem)
-    return None if why is None else f"its Triton passes cannot run: {why}"
+    return borrowed_reason(forward_stages(), problem)
 
 
 def select(q_proxy, k_proxy, cu_seqlens, cfg):

@@ -17,7 +17,7 @@ def _compile(host, *args) -> dict:
     """Compile ``host`` for sm_90a; cuobjdump's counts and whether the PTX uses wgmma and TMA."""
     import cutlass.cute as cute
 
-    from ..triton_ref.compile_check import cubin_resources
+    from ..cubin import resources as cubin_resources
 
     c = cute.compile(host, *args, options="--gpu-arch sm_90a --keep-cubin --keep-ptx")
     ptx = c.artifacts.PTX
@@ -77,7 +77,7 @@ def compile_fwd(
     from cutlass import BFloat16, Float16, Float32, Int32, Int64
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-    from ..triton_ref.sparse_fwd import geometry
+    from ..worklist import geometry
     from .sparse_fwd import CHUNK, partials_host
 
     dt = {"bf16": BFloat16, "fp16": Float16}[dtype]

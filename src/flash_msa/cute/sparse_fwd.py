@@ -39,6 +39,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from ..worklist import geometry
 from .common import acc_rows_cols, aligned, cute_tensor, launch, stream, tma_tiles
 
 CHUNK = 64  # rows per chunk: one warpgroup's MMA M
@@ -474,14 +475,12 @@ def partials_host(
 
 
 # ---------------------------------------------------------------------------------------------
-# host: the partials of one query chunk over a Triton work list
+# host: the partials of one query chunk over a work list
 # ---------------------------------------------------------------------------------------------
 def head_geometry_reason(H: int, Hkv: int, Hs: int) -> str | None:
     """Why the kernel cannot cover these head counts (``None`` if it can): each selection
     head's G = H / Hs main heads are visited in R sub-groups of G2 heads sharing one KV head,
     which must tile the group exactly (else heads would be skipped), G2 a power of two."""
-    from ..triton_ref.sparse_fwd import geometry
-
     if H % Hs or H % Hkv:
         return f"H={H} must be a multiple of the selection heads ({Hs}) and KV heads ({Hkv})"
     if Hs % Hkv and Hkv % Hs:  # the kernel reloads K/V only where a sub-group starts a KV head
@@ -495,13 +494,16 @@ def head_geometry_reason(H: int, Hkv: int, Hs: int) -> str | None:
     return None
 
 
-def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
-    """Fill ``o_part (C, H, K, D)`` and ``l_part (C, H, K)`` (the Triton forward's partial
-    buffers, for packed tokens ``tok0 .. tok0 + C``) from work list ``wl``
-    (``flash_msa.triton_ref.worklist.build``)."""
+def partials(q, k, v, wl, o_part, l_part, cfg, tok0=0, proxy=None):
+    """Driver stage ``partials`` (:mod:`flash_msa.sparse_forward`, which states the buffers'
+    contract): fill ``o_part (C, H, K, D)`` and ``l_part (C, H, K)`` for packed tokens
+    ``tok0 .. tok0 + C`` from work list ``wl`` (:func:`flash_msa.worklist.build`). The main
+    partials only: ``proxy`` must be ``None`` (the proxy LSE partials are another stage)."""
     import math
 
-    from ..triton_ref.sparse_fwd import geometry
+    if proxy is not None:
+        raise ValueError("CuTe forward partials: the proxy LSE partials are not made here")
+    num_sel_heads = wl.heads
 
     T, H, D = q.shape
     Hkv = k.shape[1]
@@ -541,11 +543,13 @@ def partials(q, k, v, wl, o_part, l_part, num_sel_heads, cfg, tok0=0):
 
 
 def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):
-    """Backend op ``fwd`` for given indices: the Triton forward with :func:`partials` doing the
-    per-block attention (combine, proxy LSE and KL pass are Triton's). Limits:
-    ``flash_msa.cute.unsupported_reason("fwd", ...)``."""
-    from ..triton_ref.sparse_fwd import fwd as triton_fwd
+    """Backend op ``fwd`` for given indices: the sparse-forward driver
+    (:mod:`flash_msa.sparse_forward`) with :func:`partials` as its per-block attention stage;
+    the proxy LSE partials, combine and KL stages are borrowed from the Triton backend through
+    the driver until CuTe has its own. Limits: ``flash_msa.cute.unsupported_reason("fwd", ...)``."""
+    from .. import sparse_forward
+    from . import forward_stages
 
-    return triton_fwd(
-        q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad, main=partials
+    return sparse_forward.fwd(
+        forward_stages(), q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad
     )

@@ -65,6 +65,23 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
     return None
 
 
+def forward_stages():
+    """This backend's stages of the sparse-forward driver (:mod:`flash_msa.sparse_forward`):
+    one kernel makes the main and the proxy LSE partials; the KL pass also makes the proxy
+    gradient for ``dkl = 1`` when the step will need it."""
+    from ..sparse_forward import Stages
+    from . import proxy, sparse_fwd
+
+    return Stages(
+        partials=sparse_fwd.partials,
+        partials_make_proxy=True,
+        proxy_partials=sparse_fwd.proxy_partials,
+        combine=sparse_fwd.combine,
+        kl=proxy.kl,
+        kl_makes_proxy_grad=True,
+    )
+
+
 def select(q_proxy, k_proxy, cu_seqlens, cfg):
     """Backend op ``select``: see :func:`flash_msa.triton_ref.selection.select`."""
     from .selection import select as _select

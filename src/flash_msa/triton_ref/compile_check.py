@@ -12,35 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KB)
-
-
-def cubin_resources(cubin: bytes) -> dict:
-    """``{"reg", "stack", "local"}`` of a cubin by ``cuobjdump --dump-resource-usage`` (the one
-    bundled with Triton). Spills show up as stack (CuTe) or local (Triton) bytes."""
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        out = subprocess.run(
-            [os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    finally:
-        os.unlink(f.name)
-    line = next(x for x in out.splitlines() if "REG:" in x)
-    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
-    return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "LOCAL")}
+from ..cubin import SHARED_LIMIT
+from ..cubin import resources as cubin_resources
 
 
 def _resources(cubin: bytes) -> dict:
@@ -75,6 +54,7 @@ def configurations():
     """(name, fn, signature, candidates) of every shipped kernel configuration; a candidate is
     ``(tile, constexprs, num_warps, num_stages)``, in the order the host code tries them
     (``tiles.pick`` runs the first that compiles without spills)."""
+    from ..worklist import geometry
     from . import dense, proxy, selection, sparse_bwd, sparse_fwd, tiles
 
     for Dp in (64, 128):
@@ -99,7 +79,7 @@ def configurations():
                 base.update(PREC="tf32")
 
                 def geo(rows, H=H, Hkv=Hkv, Hs=Hs):
-                    return dict(zip(("G", "G2", "R", "BT"), sparse_fwd.geometry(H, Hkv, Hs, rows)))
+                    return dict(zip(("G", "G2", "R", "BT"), geometry(H, Hkv, Hs, rows)))
 
                 for fam, has_main in (("fwd", True), ("fwd-proxy-only", False)):
                     fixed = dict(base, HAS_PROXY=True, PREFETCH=sparse_fwd.FWD_PREFETCH)
@@ -140,7 +120,7 @@ def configurations():
         proxy_consts = dict(common, H=16, Hkv=2, Hs=4, Hpk=1, Dp=D, KL_VALUE=True, GRAD=True)
         cands = []
         for t in dense.DENSE_TILES:
-            G, G2, R, BT = sparse_fwd.geometry(16, 2, 4, t[0])
+            G, G2, R, BT = geometry(16, 2, 4, t[0])
             consts = dict(proxy_consts, G=G, G2=G2, R=R, BT=BT, BN=t[1])
             cands.append((t, consts, t[2], 3))
         yield f"dense-proxy D={D}", dense._dense_proxy_kernel, dense.SIGNATURE["proxy"], cands

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ..problem import Config, Forward, Grads, Saved
+from ..worklist import geometry
 from . import tiles
-from .sparse_fwd import geometry
 
 BM, BN = 64, 64  # query rows and keys per tile of the forward
 # (rows, keys, warps) candidates of the backward and the proxy pass, in order (tiles.py picks

@@ -21,6 +21,7 @@ import torch
 import triton.language as tl
 from triton import jit
 
+from ..worklist import geometry
 from . import tiles
 from .sparse_fwd import _item_block, _item_rows
 
@@ -205,8 +206,6 @@ def launch(
     """Run the proxy pass over work list ``wl``: with ``kl_value``, returns the fp32 KL partials
     (one per program; their sum is the item's KL sum), and/or adds the gradients to
     ``dqp``/``dkp`` (fp32) when ``dkl`` is given."""
-    from .sparse_fwd import geometry
-
     T, H, D = q.shape
     Hs, Dp = q_proxy.shape[1:]
     grad = dkl is not None
@@ -240,3 +239,14 @@ def launch(
     splits = block // tile[1]
     _proxy_kernel[(wl.num_items, splits)](*args, **options(tile))
     return kl_part[: wl.num_items * splits] if kl_value else None
+
+
+def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
+    """Driver stage ``kl`` (flash_msa.sparse_forward): the fp32 sum of the per-row KL terms of
+    work list ``wl``'s rows; with ``unit = (dq_proxy, dk_proxy)`` it also adds the proxy gradient
+    for ``dkl = 1`` there (the same pass: the scores are computed once)."""
+    grad = {}
+    if unit is not None:
+        one = torch.ones((), dtype=torch.float32, device=q.device)
+        grad = dict(dkl=one, dqp=unit[0], dkp=unit[1])
+    return launch(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, kl_value=True, **grad).sum()

@@ -20,11 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import worklist
 from ..problem import Config, Grads, Saved
+from ..worklist import ITEM_TOKENS, geometry
 from . import proxy as proxy_pass
-from . import tiles, worklist
+from . import tiles
 from .proxy import _probs
-from .sparse_fwd import ITEM_TOKENS, _item_block, _item_rows, geometry
+from .sparse_fwd import _item_block, _item_rows
 
 
 @triton.jit

@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..problem import Config, Forward
-from . import tiles, worklist
+from ..problem import Config
+from ..worklist import geometry
+from . import tiles
 
 
 @triton.jit
@@ -223,17 +224,6 @@ SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 
 }
 
 
-def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
-    """``(G, G2, R, BT)`` for MMA tiles of about ``rows`` rows.
-
-    G main heads share a selection head; they are visited in R sub-groups of G2 heads that share
-    one KV head (G2 <= rows / 16); a tile holds BT >= 16 tokens x G2 heads (BM = BT * G2).
-    """
-    G = H // Hs
-    G2 = min(H // max(Hs, Hkv), rows // 16)
-    return G, G2, G // G2, max(16, rows // G2)
-
-
 # (rows, OUT_SPLIT) candidates of the main forward, in order of preference (tiles.py picks the
 # first that compiles without spills): MMA rows per token chunk, column slices of O = P V
 FWD_TILES = ((128, 1), (128, 4), (128, 2), (64, 1), (64, 4), (64, 2), (32, 1))
@@ -247,8 +237,6 @@ def fwd_tiles(has_main: bool) -> tuple[tuple[int, int], ...]:
 
 FWD_STAGES = 1  # software-pipelining stages of the main forward
 FWD_PREFETCH = True  # load the next chunk's PERM entries one iteration ahead
-PROXY_GRAD_IN_FWD = True  # training: the KL pass also makes the proxy gradient (dkl = 1)
-ITEM_TOKENS = 256  # tokens per work item: K/V (and dK/dV) stay on chip over them
 
 
 def combine_heads(H: int, K: int) -> int:
@@ -256,104 +244,74 @@ def combine_heads(H: int, K: int) -> int:
     return max(1, min(triton.next_power_of_2(H), 128 // triton.next_power_of_2(K)))
 
 
-PARTIAL_BYTES = 2 << 30  # the partial-output buffer of one query chunk stays below 2 GiB
+def partials(q, k, v, wl, o_part, l_part, cfg: Config, tok0: int, proxy=None):
+    """Driver stage ``partials`` (flash_msa.sparse_forward): the main partials of work list
+    ``wl`` and, with ``proxy = (q_proxy, k_proxy, pl_part)``, the proxy LSE partials in the same
+    launch."""
+    _launch(q, k, v, wl, cfg, tok0, (o_part, l_part), proxy)
 
 
-def fwd(
-    q,
-    k,
-    v,
-    indices,
-    cu_seqlens,
-    cfg: Config,
-    q_proxy=None,
-    k_proxy=None,
-    proxy_grad=False,
-    main=None,
-):
-    """Backend op ``fwd`` (contract in docs/design.md) for given indices (not warmup).
+def proxy_partials(q, k, q_proxy, k_proxy, wl, pl_part, cfg: Config, tok0: int):
+    """Driver stage ``proxy_partials``: the proxy LSE partials alone (another kernel made the
+    main partials)."""
+    _launch(q, k, None, wl, cfg, tok0, None, (q_proxy, k_proxy, pl_part))
 
-    Queries are processed in chunks of C tokens (a static loop: C depends on shapes only) so
-    that the ``(C, H, K, D)`` partials stay below ``PARTIAL_BYTES``; each chunk builds its own
-    work list, runs the main pass, the combine and (with ``compute_kl``) its KL terms.
 
-    With ``proxy_grad`` and ``compute_kl`` the KL pass also accumulates the proxy gradient for
-    ``dkl = 1`` (``Forward.proxy_grad``, fp32): the gradient is linear in ``dkl``, so ``bwd``
-    only scales it instead of running a second pass that recomputes the same scores.
-
-    ``main``: another implementation of the per-block partials, called per chunk as
-    ``main(q, k, v, wl, o_part, l_part, Hs, cfg, tok0)`` (the CuTe backend's); this kernel then
-    only makes the proxy LSE partials. Combine, proxy LSE and KL pass stay the same.
-    """
+def _launch(q, k, v, wl, cfg: Config, tok0: int, main, proxy):
+    """One ``_fwd_kernel`` launch over ``wl``: ``main = (o_part, l_part)`` or ``None``,
+    ``proxy = (q_proxy, k_proxy, pl_part)`` or ``None``; absent buffers are dummy pointers."""
     T, H, D = q.shape
-    Hkv = k.shape[1]
-    Hs, K = indices.shape[1:]
-    G = H // Hs
-    proxy = q_proxy is not None
-    Dp = q_proxy.shape[2] if proxy else 16
-    Hpk = k_proxy.shape[1] if proxy else 1
-    f32 = dict(dtype=torch.float32, device=q.device)
-    C = min(T, max(1, PARTIAL_BYTES // (H * K * D * q.element_size())))
-    o_part = torch.empty((C, H, K, D), dtype=q.dtype, device=q.device)  # normalized partials
-    l_part = torch.empty((C, H, K), **f32)
-    pl_part = torch.empty((C, Hs, K), **f32) if proxy else l_part
-    out = torch.empty_like(q)
-    lse = torch.empty((T, H), **f32)
-    proxy_lse = torch.empty((T, Hs), **f32) if proxy else None
-    kl_sum = torch.zeros((), **f32)
-    unit = None
-    if proxy and cfg.compute_kl and proxy_grad and PROXY_GRAD_IN_FWD:
-        unit = (torch.zeros(q_proxy.shape, **f32), torch.zeros(k_proxy.shape, **f32))
-        one = torch.ones((), **f32)
-    KP2 = max(2, triton.next_power_of_2(K))
-    HB = combine_heads(H, K)
-    HBp = combine_heads(Hs, K)
-    qp_arg, kp_arg = (q_proxy, k_proxy) if proxy else (q, k)
+    Hkv, Hs, K = k.shape[1], wl.heads, wl.slots
+    qp, kp, pl_part = proxy if proxy is not None else (q, k, None)
+    o_part, l_part = main if main is not None else (pl_part, pl_part)
+    pl_part = l_part if pl_part is None else pl_part
+    v = q if v is None else v
+    Dp = qp.shape[2] if proxy is not None else 16
+    Hpk = kp.shape[1] if proxy is not None else 1
+    has_main = main is not None
+    args = (
+        q, k, v, qp, kp, wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start,
+        wl.block_end, o_part, l_part, pl_part, cfg.softmax_scale, cfg.proxy_scale or 1.0, tok0,
+    )  # fmt: skip
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    for c0 in range(0, T, C):
-        c1 = min(T, c0 + C)
-        idx = indices[c0:c1]
-        wl = worklist.build(idx, cu_seqlens, cfg.block_size, ITEM_TOKENS, c0, T)
-        items = (wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end)
-        if main is not None:
-            main(q, k, v, wl, o_part, l_part, Hs, cfg, c0)
-        if main is None or proxy:
-            args = (
-                q, k, v, qp_arg, kp_arg, *items, o_part, l_part, pl_part,
-                cfg.softmax_scale, cfg.proxy_scale or 1.0, c0,
-            )  # fmt: skip
 
-            def options(tile, NB=wl.num_blocks):
-                rows, split = tile
-                G, G2, R, BT = geometry(H, Hkv, Hs, rows)
-                return dict(
-                    H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
-                    BLOCK=cfg.block_size, BT=BT, NB=NB, PREC=prec, HAS_PROXY=proxy,
-                    PREFETCH=FWD_PREFETCH, HAS_MAIN=main is None, OUT_SPLIT=split, num_warps=8,
-                    num_stages=FWD_STAGES,
-                )  # fmt: skip
-
-            key = (q.dtype, H, Hkv, Hs, Hpk, K, D, Dp, cfg.block_size, proxy, main is None)
-            cands = fwd_tiles(main is None)
-            tile = tiles.pick(_fwd_kernel, args, cands, options, (*key, FWD_PREFETCH, FWD_STAGES))
-            _fwd_kernel[(wl.num_items,)](*args, **options(tile))
-        _combine_kernel[(c1 - c0, triton.cdiv(H, HB))](
-            o_part, l_part, idx, out[c0:c1], lse[c0:c1],
-            H=H, Hs=Hs, K=K, KP2=KP2, D=D, G=G, HB=HB, HAS_O=True,
+    def options(tile):
+        rows, split = tile
+        G, G2, R, BT = geometry(H, Hkv, Hs, rows)
+        return dict(
+            H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
+            BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC=prec,
+            HAS_PROXY=proxy is not None, PREFETCH=FWD_PREFETCH, HAS_MAIN=has_main,
+            OUT_SPLIT=split, num_warps=8, num_stages=FWD_STAGES,
         )  # fmt: skip
-        if not proxy:
-            continue
-        _combine_kernel[(c1 - c0, triton.cdiv(Hs, HBp))](
-            pl_part, pl_part, idx, out, proxy_lse[c0:c1],
-            H=Hs, Hs=Hs, K=K, KP2=KP2, D=D, G=1, HB=HBp, HAS_O=False,
-        )  # fmt: skip
-        if cfg.compute_kl:
-            from . import proxy as proxy_pass
 
-            grad = dict(dkl=one, dqp=unit[0], dkp=unit[1]) if unit else {}
-            kl_part = proxy_pass.launch(
-                q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, kl_value=True, **grad
-            )
-            kl_sum += kl_part.sum()
-    kl = kl_sum / (Hs * T) if proxy and cfg.compute_kl else None
-    return Forward(out, lse, proxy_lse, kl, unit)
+    key = (q.dtype, H, Hkv, Hs, Hpk, K, D, Dp, cfg.block_size, proxy is not None, has_main)
+    cands = fwd_tiles(has_main)
+    tile = tiles.pick(_fwd_kernel, args, cands, options, (*key, FWD_PREFETCH, FWD_STAGES))
+    _fwd_kernel[(wl.num_items,)](*args, **options(tile))
+
+
+def combine(o_part, l_part, idx, out, lse):
+    """Driver stage ``combine``: merge the chunk's partials into ``out`` and ``lse``; with
+    ``o_part`` and ``out`` ``None``, the proxy LSE partials into ``lse`` (the proxy LSE)."""
+    C, Hs, K = idx.shape
+    H = lse.shape[1]
+    has_o = o_part is not None
+    D = out.shape[-1] if has_o else 16
+    HB = combine_heads(H, K)
+    _combine_kernel[(C, triton.cdiv(H, HB))](
+        o_part if has_o else l_part, l_part, idx, out if has_o else lse, lse,
+        H=H, Hs=Hs, K=K, KP2=max(2, triton.next_power_of_2(K)), D=D, G=H // Hs, HB=HB,
+        HAS_O=has_o,
+    )  # fmt: skip
+
+
+def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, proxy_grad=False):
+    """Backend op ``fwd`` for given indices (not warmup): the sparse-forward driver
+    (:func:`flash_msa.sparse_forward.fwd`) with this backend's stages."""
+    from .. import sparse_forward
+    from . import forward_stages
+
+    return sparse_forward.fwd(
+        forward_stages(), q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad
+    )

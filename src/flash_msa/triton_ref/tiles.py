@@ -36,7 +36,7 @@ def fitting(table, block: int) -> tuple[tuple[int, ...], ...]:
 
 def spill_bytes(compiled) -> int:
     """Stack + local bytes per thread of a compiled Triton kernel."""
-    from .compile_check import cubin_resources
+    from ..cubin import resources as cubin_resources
 
     try:
         res = cubin_resources(compiled.asm["cubin"])

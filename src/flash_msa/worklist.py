@@ -9,6 +9,10 @@ selection's overlap between neighbouring queries.
 Built with a handful of torch ops on fixed-size tensors (upper bounds known from ``T``, ``N``
 and the block size): no host synchronization, CUDA-graph capturable, deterministic (a stable
 sort keeps each list in token order).
+
+Backend-neutral: both backends' forward and backward kernels walk these lists (the Triton
+kernels and the CuTe kernels read the same six tensors), and :func:`geometry` says how a work
+item's main heads are packed into MMA rows.
 """
 
 from __future__ import annotations
@@ -16,6 +20,19 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+ITEM_TOKENS = 256  # tokens per work item: K/V (and dK/dV) stay on chip over them
+
+
+def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
+    """``(G, G2, R, BT)`` for MMA tiles of about ``rows`` rows.
+
+    G main heads share a selection head; they are visited in R sub-groups of G2 heads that share
+    one KV head (G2 <= rows / 16); a tile holds BT >= 16 tokens x G2 heads (BM = BT * G2).
+    """
+    G = H // Hs
+    G2 = min(H // max(Hs, Hkv), rows // 16)
+    return G, G2, G // G2, max(16, rows // G2)
 
 
 class WorkList(NamedTuple):
@@ -28,6 +45,7 @@ class WorkList(NamedTuple):
     num_blocks: int  # NB: upper bound on the number of global key blocks
     num_items: int  # W: upper bound on the number of work items
     slots: int  # K: index slots per (token, head)
+    heads: int  # Hs: selection heads
 
 
 def build(
@@ -88,5 +106,5 @@ def build(
     item_start = torch.where(ok, first, 0)  # int64: T * Hs * K can pass 2**31 at long context
     item_end = torch.where(ok, last, 0)
     return WorkList(
-        perm, lst_c.to(torch.int32), item_start, item_end, block_start, block_end, NB, W, K
+        perm, lst_c.to(torch.int32), item_start, item_end, block_start, block_end, NB, W, K, Hs
     )

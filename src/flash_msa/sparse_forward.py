@@ -1,0 +1,159 @@
+"""The sparse forward's driver, shared by the GPU backends: chunk loop, work list, partials.
+
+A backend's ``fwd`` (given indices, not warmup) is this driver run with the backend's
+:class:`Stages`. Per chunk of C query tokens (a static loop: C depends on shapes only, so that
+the partial buffers stay below :data:`PARTIAL_BYTES`) the driver
+
+1. builds the chunk's work list (:func:`flash_msa.worklist.build`),
+2. runs ``partials``: the per-block main attention of every work item into the partial buffers
+   (and, if the stage says it does, the proxy LSE partials in the same launch),
+3. runs ``proxy_partials`` when ``partials`` does not make the proxy LSE partials,
+4. runs ``combine`` for the main partials (``out``, ``lse``) and for the proxy LSE partials
+   (``proxy_lse``),
+5. with ``cfg.compute_kl``, runs ``kl``: the chunk's sum of per-row KL terms (and, in training,
+   the proxy gradient for ``dkl = 1``).
+
+The partial-buffer contract (what a ``partials`` stage writes and ``combine`` reads), for the
+chunk's packed tokens ``tok0 .. tok0 + C`` and a row ``(t, h, slot)`` with ``slot`` the
+position of the key block in the token's index row:
+
+| buffer | shape | dtype | content |
+|---|---|---|---|
+| ``o_part`` | ``(C, H, K, D)`` | input dtype | the row's attention over that block, ``O / l`` |
+| ``l_part`` | ``(C, H, K)`` | fp32 | its natural-log LSE (``-inf``: no visible key) |
+| ``pl_part`` | ``(C, Hs, K)`` | fp32 | the proxy's LSE over the same block, per selection head |
+
+Rows of unused slots (index ``-1``) are never written and never read: ``combine`` masks them by
+the index row. The KL stage reads the final ``lse`` and ``proxy_lse`` of the chunk's tokens.
+
+A backend that does not have a stage yet leaves it ``None``: the driver then runs the Triton
+backend's stage in its place (:func:`borrowed`), and :func:`borrowed_reason` adds that stage's
+limits to the backend's own. Today the CuTe backend supplies ``partials`` only (its combine,
+proxy LSE and KL run on Triton's stages; the README's backend table says so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from . import worklist
+from .problem import Config, Forward, Problem
+
+PARTIAL_BYTES = 2 << 30  # the partial-output buffer of one query chunk stays below 2 GiB
+
+
+@dataclass(frozen=True)
+class Stages:
+    """One backend's stages of the sparse forward. Signatures (all write into given buffers):
+
+    - ``partials(q, k, v, wl, o_part, l_part, cfg, tok0, proxy)``: the main partials of work
+      list ``wl``; ``proxy`` is ``None`` or ``(q_proxy, k_proxy, pl_part)`` and is passed only
+      when ``partials_make_proxy`` (the proxy LSE partials then come from the same launch).
+    - ``proxy_partials(q, k, q_proxy, k_proxy, wl, pl_part, cfg, tok0)``: the proxy LSE
+      partials alone.
+    - ``combine(o_part, l_part, idx, out, lse)``: merge a chunk's partials by LSE into ``out``
+      ``(C, H, D)`` and ``lse`` ``(C, H)``; ``o_part=None``, ``out=None``: the LSE only (the
+      proxy's, with ``l_part = pl_part`` and ``lse = proxy_lse``).
+    - ``kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit)``: fp32 0-dim sum of the
+      per-row KL of the chunk's rows; with ``unit = (dq_proxy, dk_proxy)`` (fp32) it also adds
+      the proxy gradient for ``dkl = 1`` there.
+
+    ``None``: the Triton backend's stage runs in its place (:func:`borrowed`).
+    """
+
+    partials: Callable
+    partials_make_proxy: bool = False
+    proxy_partials: Callable | None = None
+    combine: Callable | None = None
+    kl: Callable | None = None
+    kl_makes_proxy_grad: bool = False  # the kl stage can make the unit proxy gradient
+
+
+BORROWED_FROM = "triton"
+
+
+def _lender() -> Stages:
+    from . import backends
+
+    module, why = backends.load(BORROWED_FROM)
+    if module is None:
+        raise RuntimeError(f"the {BORROWED_FROM} backend's forward stages are needed: {why}")
+    return module.forward_stages()
+
+
+def borrowed(stages: Stages) -> Stages:
+    """``stages`` with every ``None`` stage replaced by the Triton backend's."""
+    missing = [f.name for f in fields(Stages) if getattr(stages, f.name) is None]
+    if not missing:
+        return stages
+    lender = _lender()
+    fill = {name: getattr(lender, name) for name in missing}
+    if "kl" in missing:
+        fill["kl_makes_proxy_grad"] = lender.kl_makes_proxy_grad
+    return Stages(**{**{f.name: getattr(stages, f.name) for f in fields(Stages)}, **fill})
+
+
+def borrowed_reason(stages: Stages, problem: Problem) -> str | None:
+    """Why the stages ``stages`` borrows cannot run ``problem`` (``None``: they can, or it
+    borrows none)."""
+    if all(getattr(stages, f.name) is not None for f in fields(Stages)):
+        return None
+    from . import backends
+
+    why = backends.reason_not(BORROWED_FROM, "fwd", problem)
+    return None if why is None else f"its {BORROWED_FROM} forward stages cannot run: {why}"
+
+
+def fwd(
+    stages: Stages,
+    q,
+    k,
+    v,
+    indices,
+    cu_seqlens,
+    cfg: Config,
+    q_proxy=None,
+    k_proxy=None,
+    proxy_grad=False,
+) -> Forward:
+    """Backend op ``fwd`` (contract in docs/design.md) for given indices, run with ``stages``.
+
+    With ``proxy_grad`` and ``compute_kl``, and a ``kl`` stage that can, the KL stage also
+    accumulates the proxy gradient for ``dkl = 1`` (``Forward.proxy_grad``, fp32): the gradient
+    is linear in ``dkl``, so ``bwd`` only scales it instead of recomputing the same scores.
+    """
+    stages = borrowed(stages)
+    T, H, D = q.shape
+    Hs, K = indices.shape[1:]
+    proxy = q_proxy is not None
+    f32 = dict(dtype=torch.float32, device=q.device)
+    C = min(T, max(1, PARTIAL_BYTES // (H * K * D * q.element_size())))
+    o_part = torch.empty((C, H, K, D), dtype=q.dtype, device=q.device)
+    l_part = torch.empty((C, H, K), **f32)
+    pl_part = torch.empty((C, Hs, K), **f32) if proxy else None
+    out = torch.empty_like(q)
+    lse = torch.empty((T, H), **f32)
+    proxy_lse = torch.empty((T, Hs), **f32) if proxy else None
+    kl_sum = torch.zeros((), **f32)
+    unit = None
+    if proxy and cfg.compute_kl and proxy_grad and stages.kl_makes_proxy_grad:
+        unit = (torch.zeros(q_proxy.shape, **f32), torch.zeros(k_proxy.shape, **f32))
+    for c0 in range(0, T, C):
+        c1 = min(T, c0 + C)
+        idx = indices[c0:c1]
+        wl = worklist.build(idx, cu_seqlens, cfg.block_size, worklist.ITEM_TOKENS, c0, T)
+        fused = (q_proxy, k_proxy, pl_part) if proxy and stages.partials_make_proxy else None
+        stages.partials(q, k, v, wl, o_part, l_part, cfg, c0, fused)
+        if proxy and fused is None:
+            stages.proxy_partials(q, k, q_proxy, k_proxy, wl, pl_part, cfg, c0)
+        stages.combine(o_part, l_part, idx, out[c0:c1], lse[c0:c1])
+        if not proxy:
+            continue
+        stages.combine(None, pl_part, idx, None, proxy_lse[c0:c1])
+        if cfg.compute_kl:
+            kl_sum += stages.kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit)
+    kl = kl_sum / (Hs * T) if proxy and cfg.compute_kl else None
+    return Forward(out, lse, proxy_lse, kl, unit)
