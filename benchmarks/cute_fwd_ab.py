@@ -22,12 +22,11 @@ import sys
 
 import torch
 
-from flash_msa import bench, testing
+from flash_msa import bench, testing, worklist
 from flash_msa.cute import sparse_fwd as cute_fwd
 from flash_msa.problem import Config
 from flash_msa.triton_ref import selection as tri_sel
 from flash_msa.triton_ref import sparse_fwd as tri_fwd
-from flash_msa import worklist
 
 
 def run_case(shape, S, kind, profile=False, breakdown=False):

@@ -229,9 +229,9 @@ def test_cute_forward_partials_match_triton(
     kept (token, head, slot) written, same LSE and normalized output), for one and two
     query-row buffers, both ways of storing the partials, 1-3 warpgroups per CTA."""
     pytest.importorskip("cutlass")
+    from flash_msa import worklist
     from flash_msa.cute import sparse_fwd as cute_fwd
     from flash_msa.triton_ref import sparse_fwd as tri_fwd
-    from flash_msa import worklist
 
     T = sum(lengths)
     qp, kp, q, k, v = (
