@@ -22,6 +22,10 @@ def _cmd_info(args) -> int:
     print("backends:")
     for k, v in data["backends"].items():
         print(f"  {k:20s} {v}")
+    print("declared limits per op (flash_msa.limits; irregular rules aside):")
+    for k, ops in data["limits"].items():
+        for op, text in ops.items():
+            print(f"  {k:7s} {op:26s} {text}")
     print("op -> backend per device (anchor shape, bf16):")
     for dev, entry in data["devices"].items():
         extra = f" ({entry['name']}, {entry['capability']})" if "name" in entry else ""

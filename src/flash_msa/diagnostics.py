@@ -103,8 +103,22 @@ def info() -> dict:
             or "available"
             for name in backends.MODULES
         },
+        "limits": limits_table(),
         "devices": devices,
     }
+
+
+def limits_table() -> dict:
+    """Each importable backend's declared limits per op (``LIMITS``, :mod:`flash_msa.limits`),
+    as text: the README's backend table shows the same cells."""
+    from . import limits
+
+    table = {}
+    for name in backends.MODULES:
+        module, why = backends.load(name)
+        if module is not None:
+            table[name] = dict(limits.rows(name, module.LIMITS))
+    return table
 
 
 # ---------------------------------------------------------------------------------------------

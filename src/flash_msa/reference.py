@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from . import limits
+from .limits import OPS, Limits
 from .problem import Config, Forward, Grads, Problem, Saved
 
 _TILE_BYTES = 1 << 27  # one (heads, rows, keys) fp32 tile stays below 128 MB
@@ -36,9 +38,20 @@ def unavailable_reason() -> str | None:
     return None
 
 
+# every op, on any device, in every float dtype (fp64 included), any head dim and block size
+LIMITS = {
+    op: Limits(
+        devices=None,
+        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+        block_sizes=None,
+    )
+    for op in OPS
+}
+
+
 def unsupported_reason(op: str, problem: Problem) -> str | None:
     """The torch backend implements every op, dtype (fp64 included), head dim and block size."""
-    return None
+    return limits.reason(LIMITS, op, problem)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,10 +20,24 @@ sequences are run-time values (no recompilation).
 
 from __future__ import annotations
 
+from .. import limits
+from ..limits import Limits
 from ..problem import Problem
 
-_DTYPES = ("bfloat16", "float16")
-_NOT_YET = {"bwd": "the CuTe backward is not implemented yet (auto runs it on Triton)"}
+_SM90 = dict(capabilities=((9, 0),), capability_note="CuTe kernels exist for Hopper only so far")
+LIMITS = {
+    "select": Limits(**_SM90, proxy_head_dims=(64, 128), max_top_k=64),
+    # the proxy LSE / combine / KL stages are borrowed from Triton: their limits are added
+    # by flash_msa.sparse_forward.borrowed_reason
+    "fwd": Limits(
+        **_SM90,
+        head_dims=(64, 128),
+        note="per-block attention on CuTe; proxy LSE, combine and KL are Triton stages (with "
+        "their limits) until CuTe stage 3",
+    ),
+    "bwd": "the CuTe backward is not implemented yet (auto runs it on Triton)",
+    "warmup": "warmup (dense attention, no selection) is not on CuTe (auto runs it on Triton)",
+}
 
 
 def unavailable_reason() -> str | None:
@@ -38,28 +52,14 @@ def unavailable_reason() -> str | None:
 
 def unsupported_reason(op: str, problem: Problem) -> str | None:
     """Why this backend cannot run ``op`` for ``problem``; ``None`` if it can."""
-    if problem.device_type != "cuda":
-        return "CuTe kernels need a CUDA device"
-    if problem.capability != (9, 0):
-        major, minor = problem.capability
-        return f"CuTe kernels exist for sm_90 (Hopper) only so far, not sm_{major}{minor}"
-    if op in _NOT_YET:
-        return _NOT_YET[op]
-    cfg = problem.cfg
-    if cfg.warmup:
-        return "warmup (dense attention, no selection) is not on CuTe (auto runs it on Triton)"
-    if str(problem.dtype).removeprefix("torch.") not in _DTYPES:
-        return f"CuTe kernels need bf16 or fp16 inputs, not {problem.dtype}"
-    if cfg.block_size not in (64, 128):
-        return f"CuTe kernels need block_size 64 or 128, not {cfg.block_size}"
+    why = limits.reason(LIMITS, op, problem)
+    if why is not None:
+        return why
     if op == "fwd":
         return _fwd_reason(problem)
-    from .selection import MAX_TOPK, TILE_M
+    from .selection import TILE_M
 
-    if problem.proxy_head_dim not in (64, 128):
-        return f"CuTe selection needs Dp in (64, 128), not {problem.proxy_head_dim}"
-    if cfg.top_k > MAX_TOPK:
-        return f"CuTe selection keeps top_k <= {MAX_TOPK} blocks in registers, not {cfg.top_k}"
+    cfg = problem.cfg
     if -(-cfg.max_seqlen // TILE_M) > 65535:
         return f"max_seqlen {cfg.max_seqlen} needs more than 65535 query tiles (grid y)"
     if problem.num_seqs * problem.num_sel_heads >= 2**31:
@@ -82,8 +82,6 @@ def _fwd_reason(problem: Problem) -> str | None:
     from ..sparse_forward import borrowed_reason
     from .sparse_fwd import head_geometry_reason
 
-    if problem.head_dim not in (64, 128):
-        return f"the CuTe forward needs head_dim 64 or 128, not {problem.head_dim}"
     why = head_geometry_reason(problem.num_heads, problem.num_kv_heads, problem.num_sel_heads)
     if why is not None:
         return why
@@ -106,4 +104,4 @@ def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_gra
 
 def bwd(*args, **kwargs):
     """Not implemented on this backend (``unsupported_reason`` says so before a call)."""
-    raise NotImplementedError(_NOT_YET["bwd"])
+    raise NotImplementedError(LIMITS["bwd"])

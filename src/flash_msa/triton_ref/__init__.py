@@ -12,11 +12,30 @@ from __future__ import annotations
 
 import torch
 
+from .. import limits
 from ..backends import interpreting
+from ..limits import OPS, Limits
 from ..problem import Problem
 
 _DIMS = (16, 32, 64, 128)
-MAX_TOP_K = 64
+_ALL = Limits(
+    devices=("cuda", "cpu"),
+    capabilities=((9, None), (10, None)),
+    capability_note=(
+        "the Triton tile tables need ~227 KB of shared memory per block; smaller tiles for "
+        "other GPUs are not implemented yet"
+    ),
+    dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    # the interpreter computes bf16 matmuls wrongly (out error ~1e9 seen): refuse, so that
+    # auto falls back to torch on CPU instead of returning garbage
+    cpu_dtypes=(torch.float16, torch.float32),
+    cpu_note="Triton's CPU interpreter computes bf16 wrongly",
+    head_dims=_DIMS,
+    proxy_head_dims=_DIMS,
+    block_sizes=(64, 128),
+    max_top_k=64,
+)
+LIMITS = {op: _ALL for op in OPS}  # every op, warmup included, within one envelope
 
 
 def unavailable_reason() -> str | None:
@@ -31,34 +50,19 @@ def unavailable_reason() -> str | None:
 
 
 def unsupported_reason(op: str, problem: Problem) -> str | None:
-    """Why this backend cannot run ``op`` for ``problem``; ``None`` if it can."""
-    if problem.device_type == "cpu":
-        if not interpreting():
-            return "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)"
-    elif problem.device_type != "cuda":
-        return f"Triton kernels run on CUDA devices, not {problem.device_type}"
-    elif problem.capability[0] not in (9, 10):
-        major, minor = problem.capability
-        return (
-            f"sm_{major}{minor}: the Triton tile tables need ~227 KB of shared memory per "
-            "block (sm_90, sm_100); smaller tiles for other GPUs are not implemented yet"
-        )
-    if problem.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"dtype {problem.dtype} is not supported (float64 runs on the torch backend)"
-    cfg = problem.cfg
+    """Why this backend cannot run ``op`` for ``problem``; ``None`` if it can: the declared
+    :data:`LIMITS`, then the rules no table holds."""
+    if problem.device_type == "cpu" and not interpreting():
+        return "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)"
+    why = limits.reason(LIMITS, op, problem)
+    if why is not None:
+        return why
     if problem.num_seqs > 65535:  # the sequence index is a grid dimension (y) of some kernels
         return f"{problem.num_seqs} sequences in one call: at most 65535"
-    if cfg.top_k is not None and cfg.top_k > MAX_TOP_K:
-        return f"top_k {cfg.top_k} > {MAX_TOP_K}"
-    has_proxy = problem.proxy_head_dim > 0
-    if has_proxy and problem.proxy_head_dim not in _DIMS:
-        return f"proxy head_dim {problem.proxy_head_dim} is not one of {_DIMS}"
     if op == "select":
         if problem.num_sel_heads // problem.num_proxy_k_heads > 128:
             return "more than 128 proxy heads share one proxy key head"
         return None
-    if problem.head_dim not in _DIMS:
-        return f"head_dim {problem.head_dim} is not one of {_DIMS}"
     g2 = problem.num_heads // max(problem.num_sel_heads, problem.num_kv_heads)
     if g2 > 16 or g2 & (g2 - 1):
         return f"{g2} main heads per (selection head, KV head): must be a power of two <= 16"
