@@ -1,32 +1,103 @@
-"""Sparse forward kernels side by side on one GPU (ms and TFLOP/s by the FWD formula).
+"""Sparse forward kernels side by side on one GPU: every line verified on its own output, then
+timed (ms and TFLOP/s by the FWD formula).
 
     PYTHONPATH=src python3 benchmarks/cute_fwd_ab.py [--quick]
-    ncu --clock-control none -k regex:partials python3 benchmarks/cute_fwd_ab.py --profile
+    ncu --clock-control none -k regex:kernel python3 benchmarks/cute_fwd_ab.py --profile
 
 ``--profile`` only runs the CuTe partials (anchor 32K random, three launches) for a profiler;
 ``--breakdown`` prints the kernels of one CuTe forward op (torch.profiler) at anchor and paper 32K.
 
 For the anchor and paper shapes at S=32K and 128K (random and local inputs, top_k 16), times
-  * the per-block partials alone (all S tokens in one launch): the CuTe kernel (and its
-    variants: one query-row buffer, partials stored without shared-memory staging, 1-3
-    warpgroups per CTA)
-    and the Triton kernel (main attention only, no proxy), on the same work list;
+  * the per-block partials alone (all S tokens in one launch, one work list): the Triton stage
+    and the CuTe kernel with 1, 2 and 3 warpgroups per CTA (``FwdPartialsSm90(warpgroups=)``,
+    the constructor argument; 3 is the default);
   * the whole forward op without selection (partials, combine, proxy LSE, KL value): Triton's,
     and the CuTe one (CuTe partials + Triton's other passes).
 TFLOP/s are by FWD = 4*D*H*sparse pairs for every line (for the ops this leaves out the
 proxy LSE and KL work, so it understates them).
-Outputs of the two ops are compared (max abs difference of ``out``).
+
+Verification, per line and before it is timed, on that line's own output (its buffers
+NaN-poisoned first): ``SAMPLES`` random kept rows, recomputed in this script in fp64 ("exact")
+and the way the reference computes in the input dtype ("same"), by the tolerance rule of
+``flash_msa.testing`` (``err <= 2 * err(same) + atol``); a partials line also has every kept
+row finite (its LSE, and its output row) and every unused row still poisoned. The line prints
+both errors and PASS or FAIL; a failing line is not timed.
 """
 
 import sys
 
 import torch
 
-from flash_msa import bench, testing, worklist
-from flash_msa.cute import sparse_fwd as cute_fwd
+from flash_msa import bench, testing, triton_ref, worklist
+from flash_msa.cute import fwd_partials_sm90
 from flash_msa.problem import Config
 from flash_msa.triton_ref import selection as tri_sel
-from flash_msa.triton_ref import sparse_fwd as tri_fwd
+
+SAMPLES = 2048  # rows verified per line
+WARPGROUPS = (1, 2, 3)  # the CuTe partials variants timed (FwdPartialsSm90's default: 3)
+
+
+def median_ms(fn, warmup=2, iters=10):
+    """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def sampled_attention(q, k, v, blocks, cu, cfg, t, h, exact):
+    """Attention of rows ``(t[n], h[n])`` over the keys of blocks ``blocks[n]`` (sequence-local
+    block numbers, -1 unused: one block for a partial, the row's whole index for the op), up to
+    the row's own token: ``(out, lse)``.
+
+    ``exact``: in fp64; else as ``flash_msa.reference.fwd(upcast=False)`` computes: scores by a
+    matmul in the input dtype, softmax statistics in fp32, ``P`` cast to the input dtype for the
+    ``P V`` matmul, the output rounded to the input dtype."""
+    if t.numel() > 256:  # in slices: the gathered keys of 256 rows are up to 512 MB in fp64
+        parts = [
+            sampled_attention(q, k, v, blocks[i : i + 256], cu, cfg, t[i : i + 256],
+                              h[i : i + 256], exact)
+            for i in range(0, t.numel(), 256)
+        ]  # fmt: skip
+        return tuple(torch.cat(x) for x in zip(*parts))
+    T, H, D = q.shape
+    b = cfg.block_size
+    dt = torch.float64 if exact else q.dtype
+    s0 = cu[torch.searchsorted(cu[1:].long(), t, right=True)].long()  # the row's sequence start
+    local = blocks.long()[:, :, None] * b + torch.arange(b, device=q.device)  # (N, nb, b)
+    visible = ((blocks[:, :, None] >= 0) & (local <= (t - s0)[:, None, None])).flatten(1)
+    keys = (s0[:, None, None] + local).clamp(0, T - 1).flatten(1)  # (N, nb * b)
+    kvh = (h // (H // k.shape[1]))[:, None]
+    kk, vv = k[keys, kvh].to(dt), v[keys, kvh].to(dt)  # (N, nb * b, D)
+    s = (kk @ q[t, h].to(dt)[:, :, None])[..., 0]
+    s = s.to(torch.float64 if exact else torch.float32) * cfg.softmax_scale
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[:, None])
+    out = (p.to(dt)[:, None, :] @ vv)[:, 0]
+    return (out if exact else out.to(q.dtype)), lse
+
+
+def verify(mine_out, mine_lse, refs, dtype):
+    """``(ok, text)``: a line's sampled rows by the rule (``testing.tolerance``: err <= 2 *
+    err(same) + atol); ``refs`` = ``(exact, same)``, each ``(out, lse)``."""
+    (e_out, e_lse), (s_out, s_lse) = refs
+    parts, ok = [], True
+    for what, mine, e, s, dt in (
+        ("out", mine_out, e_out, s_out, dtype),
+        ("lse", mine_lse, e_lse, s_lse, torch.float32),
+    ):
+        err, tol = testing.max_err(mine, e), testing.tolerance(e, s, dt)
+        ok &= err <= tol
+        parts.append(f"{what} err {err:.2e} (tol {tol:.2e})")
+    return ok, f"{'PASS' if ok else 'FAIL'} {', '.join(parts)}"
 
 
 def run_case(shape, S, kind, profile=False, breakdown=False):
@@ -35,7 +106,7 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
         x[0].contiguous()
         for x in testing.make_inputs(1, S, H, Hkv, Hp, Hpk, D, Dp, device="cuda", kind=kind, seed=0)
     )
-    cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+    cu = testing.cu([S], "cuda")
     cfg = Config(
         block_size=bench.BLOCK,
         softmax_scale=D**-0.5,
@@ -54,44 +125,26 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
     # paper 128K; the op itself works in chunks of at most PARTIAL_BYTES)
     o_part = torch.empty((S, H, K, D), dtype=q.dtype, device="cuda")
     l_part = torch.empty((S, H, K), dtype=torch.float32, device="cuda")
-    G, G2, R, BT = worklist.geometry(H, Hkv, Hp, 128)
-    items = (wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start,
-             wl.block_end)  # fmt: skip
+    tri_stage = triton_ref.forward_stages().partials
 
-    def tri_partials():
-        tri_fwd._fwd_kernel[(wl.num_items,)](
-            q, k, v, q, k, *items, o_part, l_part, l_part, cfg.softmax_scale, 1.0, 0,
-            H=H, Hkv=Hkv, Hs=Hp, Hpk=1, K=K, D=D, Dp=16, G=G, G2=G2, R=R,
-            BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC="tf32",
-            HAS_PROXY=False, PREFETCH=tri_fwd.FWD_PREFETCH, HAS_MAIN=True,
-            num_warps=8, num_stages=tri_fwd.FWD_STAGES,
-        )  # fmt: skip
-
-    def cute_partials():
-        cute_fwd.partials(q, k, v, wl, o_part, l_part, Hp, cfg)
-
-    def variant(**flags):  # the CuTe partials with module switches changed for this call
+    def cute_partials(warpgroups):
         def run():
-            old = {name: getattr(cute_fwd, name) for name in flags}
-            try:
-                for name, value in flags.items():
-                    setattr(cute_fwd, name, value)
-                cute_fwd.partials(q, k, v, wl, o_part, l_part, Hp, cfg)
-            finally:
-                for name, value in old.items():
-                    setattr(cute_fwd, name, value)
+            fwd_partials_sm90.partials(q, k, v, wl, o_part, l_part, cfg, warpgroups=warpgroups)
 
         return run
 
+    def tri_partials():
+        tri_stage(q, k, v, wl, o_part, l_part, cfg, 0)
+
     def tri_op():
-        return tri_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp)
+        return triton_ref.fwd(q, k, v, idx, cu, cfg, qp, kp)
 
     def cute_op():
-        return cute_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp)
+        return fwd_partials_sm90.fwd(q, k, v, idx, cu, cfg, qp, kp)
 
     if profile:
         for _ in range(3):
-            cute_partials()
+            cute_partials(3)()
         torch.cuda.synchronize()
         return
     if breakdown:
@@ -104,25 +157,46 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
                                         max_name_column_width=50))  # fmt: skip
         return
-    diff = (tri_op().out.float() - cute_op().out.float()).abs().max().item()
-    runs = [
-        ("partials triton", tri_partials),
-        ("partials cute", cute_partials),
-        ("partials cute q1", variant(Q_STAGES=1)),  # one query-row buffer
-        ("partials cute direct", variant(STAGE_PARTIALS=False)),  # no smem staging
-        ("partials cute wg1", variant(WARPGROUPS=1)),
-        ("partials cute wg2", variant(WARPGROUPS=2)),
-        ("partials cute wg3", variant(WARPGROUPS=3)),
-        ("fwd op triton", tri_op),
-        ("fwd op cute", cute_op),
-    ]
-    for name, fn in runs:
-        ms = bench._time(fn, warmup=2, iters=10)
-        print(
-            f"{shape} S={S} {kind} {name}: {ms:.3f} ms, "
-            f"{flops / ms / 1e9:.0f} TFLOP/s (FWD formula), |out diff| {diff:.2e}",
-            flush=True,
-        )
+
+    # sampled rows: kept (token, head, slot) entries for the partials, (token, head) for the op
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kept = (idx >= 0).repeat_interleave(H // Hp, dim=1)  # (S, H, K)
+    flat = kept.flatten().nonzero()[:, 0]
+    pick = flat[torch.randint(flat.numel(), (SAMPLES,), generator=g, device="cuda")]
+    t, h, slot = pick // (H * K), pick // K % H, pick % K
+    blocks = idx[t, h // (H // Hp), slot][:, None]  # (N, 1): the sampled slot's block
+    ref_part = [sampled_attention(q, k, v, blocks, cu, cfg, t, h, e) for e in (True, False)]
+    t_op = torch.randint(S, (SAMPLES,), generator=g, device="cuda")
+    h_op = torch.randint(H, (SAMPLES,), generator=g, device="cuda")
+    blocks_op = idx[t_op, h_op // (H // Hp)]  # (N, K): the row's whole index
+    ref_op = [sampled_attention(q, k, v, blocks_op, cu, cfg, t_op, h_op, e) for e in (True, False)]
+
+    runs = [("partials triton", tri_partials, "partials")]
+    runs += [(f"partials cute wg{w}", cute_partials(w), "partials") for w in WARPGROUPS]
+    runs += [("fwd op triton", tri_op, "op"), ("fwd op cute", cute_op, "op")]
+    for name, fn, what in runs:
+        if what == "partials":
+            testing.poison(o_part, l_part)
+            fn()
+            torch.cuda.synchronize()
+            ok, text = verify(o_part[t, h, slot], l_part[t, h, slot], ref_part, q.dtype)
+            written = bool(torch.isfinite(l_part[kept]).all())
+            for c0 in range(0, S, 4096):  # the output rows in slices (34 GB at paper 128K)
+                written &= bool(torch.isfinite(o_part[c0 : c0 + 4096][kept[c0 : c0 + 4096]]).all())
+            if not written:
+                ok, text = False, text.replace("PASS", "FAIL") + ", kept rows unwritten"
+            if not l_part[~kept].isnan().all():  # the partial-buffer contract
+                ok, text = False, text.replace("PASS", "FAIL") + ", unused rows written"
+        else:
+            res = fn()
+            torch.cuda.synchronize()
+            ok, text = verify(res.out[t_op, h_op], res.lse[t_op, h_op], ref_op, q.dtype)
+        head = f"{shape} S={S} {kind} {name}: {text}"
+        if not ok:
+            print(f"{head}; NOT TIMED", flush=True)
+            continue
+        ms = median_ms(fn)
+        print(f"{head}; {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s (FWD formula)", flush=True)
 
 
 def main():

@@ -1,20 +1,56 @@
-"""Selection kernels side by side on one GPU (ms and TFLOP/s by the SELECT formula).
+"""Selection kernels side by side on one GPU: every line verified on its own output, then timed
+(ms and TFLOP/s by the SELECT formula).
 
     PYTHONPATH=src python3 benchmarks/cute_select_ab.py
 
 Times the CuTe and the Triton selection on the same inputs (paper shape at 128K, anchor shape
-at 32K; random and local inputs; top_k 16 and 64) and says whether their indices are equal
-(they may differ by near-ties: the GPU tests check that).
+at 32K; random and local inputs; top_k 16 and 64), and the CuTe kernel with other key-pipeline
+depths (``SelectSm90(stages=)``, the constructor argument; 4 is the default) at top_k 16.
+
+Verification, per line and before it is timed, on that line's own output (a NaN-like poisoned
+index buffer, ``testing.POISON_INT``): every slot written, and every (token, head) row's block
+set equal to the torch reference's or different only by near-ties
+(``testing.selection_mismatch``, scores recomputed in fp64). The line prints the number of
+failing rows and PASS or FAIL; a failing line is not timed.
 """
 
 import dataclasses
+import functools
 
 import torch
 
-from flash_msa import bench, testing
-from flash_msa.cute import selection as cute_sel
+from flash_msa import bench, reference, testing
+from flash_msa.cute import select_sm90
 from flash_msa.problem import Config
 from flash_msa.triton_ref import selection as triton_sel
+
+STAGES = (2, 6)  # key-pipeline depths timed besides the default (SelectSm90.stages), top_k 16
+
+
+def median_ms(fn, warmup=2, iters=10):
+    """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def verify(idx, ref, qp, kp, cu, cfg):
+    """``(ok, text)``: the line's indices against the reference's ``ref`` (near-ties pass)."""
+    unwritten = int((idx == testing.POISON_INT).sum())
+    bad = testing.selection_mismatch(
+        idx.cpu(), ref.cpu(), qp.cpu(), kp.cpu(), cfg.block_size, cfg.proxy_scale, cu.cpu()
+    )
+    ok = unwritten == 0 and bad == 0
+    text = f"{'PASS' if ok else 'FAIL'} rows differing beyond near-ties {bad}"
+    return ok, text + (f", unwritten slots {unwritten}" if unwritten else "")
 
 
 def main():
@@ -26,7 +62,7 @@ def main():
                 1, S, H, Hkv, Hp, Hpk, D, Dp, device="cuda", kind=kind, seed=0
             )[:2]
             qp, kp = qp[0].contiguous(), kp[0].contiguous()
-            cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+            cu = testing.cu([S], "cuda")
             cfg = Config(
                 block_size=bench.BLOCK,
                 softmax_scale=D**-0.5,
@@ -37,24 +73,28 @@ def main():
                 compute_kl=True,
             )
             flops = 2 * Dp * Hp * S * (S + 1) / 2
-            variants = {}
+            lines = []  # (name, cfg, function writing the indices into a given buffer)
             for top_k in (bench.TOP_K, 64):
-                args = (qp, kp, cu, dataclasses.replace(cfg, top_k=top_k))
-                variants[f"cute k={top_k}"] = lambda args=args: cute_sel.select(*args)
-                variants[f"triton k={top_k}"] = lambda args=args: triton_sel.select(*args)
-            first = {}
-            for name, fn in variants.items():
-                idx = fn()
+                c = dataclasses.replace(cfg, top_k=top_k)
+                lines.append((f"cute k={top_k}", c, select_sm90.select_into))
+                lines.append((f"triton k={top_k}", c, triton_sel.select_into))
+            for stages in STAGES:
+                variant = functools.partial(select_sm90.select_into, stages=stages)
+                lines.append((f"cute k={bench.TOP_K} stages={stages}", cfg, variant))
+            refs = {}  # top_k -> the reference's indices
+            for name, c, select_into in lines:
+                out = testing.poisoned((S, Hp, c.top_k), torch.int32, "cuda")
+                select_into(out, qp, kp, cu, c)
                 torch.cuda.synchronize()
-                k = name.split("=")[1]
-                first.setdefault(k, idx)
-                same = torch.equal(idx, first[k])
-                ms = bench._time(fn, warmup=2, iters=10)
-                print(
-                    f"{shape} S={S} {kind} {name}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, "
-                    f"indices equal to CuTe's: {same}",
-                    flush=True,
-                )
+                if c.top_k not in refs:
+                    refs[c.top_k] = reference.select(qp, kp, cu, c)
+                ok, text = verify(out, refs[c.top_k], qp, kp, cu, c)
+                head = f"{shape} S={S} {kind} {name}: {text}"
+                if not ok:
+                    print(f"{head}; NOT TIMED", flush=True)
+                    continue
+                ms = median_ms(functools.partial(select_into, out, qp, kp, cu, c))
+                print(f"{head}; {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,17 +33,89 @@ def test_triton_kernels_compile_for_sm90_without_spills(kernel):
 
 
 def test_cute_kernels_compile_for_sm90_without_spills():
+    """Every configuration of ``flash_msa.cute.compile_check`` (both kernels; the forward with
+    1, 2 and 3 warpgroups) compiles without spills and uses wgmma and TMA."""
     pytest.importorskip("cutlass")
+    from flash_msa.cute import compile_check
+
+    expected = {name for name, *_ in compile_check.configurations()}
+    expected |= {name for name, *_ in compile_check.fwd_configurations()}
     res = subprocess.run(
         [sys.executable, "-m", "flash_msa.cute.compile_check"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) >= 7, res.stderr
+    assert {r["kernel"] for r in rows} == expected, res.stderr
     for r in rows:
         assert r["stack"] == 0 and r["local"] == 0, r  # spills show up as stack
         assert r["wgmma"] and r["tma"], r
     assert res.returncode == 0, res.stderr
+
+
+def test_cute_kernel_limits_and_shared_memory_arithmetic():
+    """``can_implement`` of both kernel classes (no GPU needed): the stated shared-memory
+    arithmetic, the refusals, and construction raising the same reason; the kernel objects are
+    hashable values (the compile cache's key) that differ in every field."""
+    pytest.importorskip("cutlass")
+    import dataclasses
+
+    from cutlass import BFloat16, Float16, Float32
+
+    from flash_msa.cute.fwd_partials_sm90 import FwdPartialsSm90
+    from flash_msa.cute.select_sm90 import SelectSm90
+
+    # the numbers the docstrings state (and __call__ asserts against the Storage struct)
+    assert FwdPartialsSm90.shared_bytes(2, 128, 128, 3)["total"] == 165888
+    assert SelectSm90.shared_bytes(2, 128, 4)["total"] == 164864
+    assert SelectSm90.can_implement(BFloat16, 128, 4, 1, 16, 128, stages=6) is None
+    assert "shared memory" in SelectSm90.can_implement(BFloat16, 128, 4, 1, 16, 128, stages=7)
+    assert "top_k <= 64" in SelectSm90.can_implement(BFloat16, 128, 4, 1, 65, 128)
+    assert "Dp" in SelectSm90.can_implement(Float16, 96, 4, 1, 16, 128)
+    assert "bf16 or fp16" in SelectSm90.can_implement(Float32, 128, 4, 1, 16, 128)
+    assert FwdPartialsSm90.can_implement(BFloat16, 64, 4, 4, 128, 16, 128, 3) is None
+    assert "head_dim" in FwdPartialsSm90.can_implement(BFloat16, 16, 2, 4, 96, 16, 128)
+    assert "warpgroups" in FwdPartialsSm90.can_implement(BFloat16, 16, 2, 4, 128, 16, 128, 4)
+    assert "divide one another" in FwdPartialsSm90.can_implement(BFloat16, 24, 3, 2, 64, 4, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        FwdPartialsSm90(BFloat16, 16, 2, 4, 96, 16, 128)
+    with pytest.raises(ValueError, match="top_k"):
+        SelectSm90(BFloat16, 128, 4, 1, 65, 128)
+
+    base = FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 16, 128)
+    assert base == FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 16, 128, warpgroups=3)
+    changes = dict(
+        dtype=Float16, heads=32, kv_heads=4, sel_heads=2, head_dim=64, top_k=8, block_size=64,
+        warpgroups=1,
+    )  # fmt: skip
+    assert set(changes) == {f.name for f in dataclasses.fields(FwdPartialsSm90)}
+    for name, value in changes.items():  # any field changes the cache key
+        other = dataclasses.replace(base, **{name: value})
+        assert other != base and hash(other) != hash(base), name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.warpgroups = 1
+
+
+def test_cute_compile_cache_key_has_the_static_argument_layout():
+    """``common.static_signature``: static sizes, strides and dtypes of CuTe tensor views are
+    part of the key, run-time (outermost) sizes and scalar values are not."""
+    pytest.importorskip("cutlass")
+    import torch
+    from cutlass import Float32, Int32
+
+    from flash_msa.cute.common import cute_tensor, static_signature
+
+    def sig(*shape, dtype=torch.bfloat16):
+        return static_signature(cute_tensor(torch.zeros(shape, dtype=dtype)))
+
+    assert sig(8, 4, 64) == sig(100, 4, 64)  # token count: run time
+    assert sig(8, 4, 64) != sig(8, 4, 128)
+    assert sig(8, 4, 64) != sig(8, 2, 64)
+    assert sig(8, 4, 64) != sig(8, 4, 64, dtype=torch.float16)
+    t = torch.zeros(8, 2, 64)
+    assert static_signature(cute_tensor(t.permute(0, 2, 1))) != sig(8, 64, 2, dtype=torch.float32)
+    assert static_signature((Int32(1), Float32(2.0))) == static_signature((Int32(5), Float32(0)))
+    with pytest.raises(TypeError):
+        static_signature(object())
 
 
 def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
@@ -53,15 +125,16 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
     pytest.importorskip("cutlass")
     import torch
 
-    from flash_msa.cute import sparse_fwd
+    from flash_msa.cute import fwd_partials_sm90
     from flash_msa.problem import Config
 
-    assert sparse_fwd.head_geometry_reason(16, 2, 4) is None  # anchor
-    assert sparse_fwd.head_geometry_reason(64, 4, 4) is None  # paper
-    assert sparse_fwd.head_geometry_reason(8, 4, 2) is None  # Hs < Hkv
+    reason = fwd_partials_sm90.head_geometry_reason
+    assert reason(16, 2, 4) is None  # anchor
+    assert reason(64, 4, 4) is None  # paper
+    assert reason(8, 4, 2) is None  # Hs < Hkv
     # Hs=2, Hkv=3: selection head 1's second sub-group (heads 16-19) lies in KV head 2, but the
     # kernel would keep KV head 1's tiles
-    assert "divide one another" in sparse_fwd.head_geometry_reason(24, 3, 2)
+    assert "divide one another" in reason(24, 3, 2)
 
     class WL:  # the fields partials() reads before the launch
         slots = 4
@@ -82,11 +155,13 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
     o_ok = torch.zeros(T, H, 4, D, dtype=torch.bfloat16)
     l_ok = torch.zeros(T, H, 4)
     with pytest.raises(ValueError, match="o_part"):
-        sparse_fwd.partials(q, k, k, WL, o_ok[:, :, :, :32], l_ok, cfg)
+        fwd_partials_sm90.partials(q, k, k, WL, o_ok[:, :, :, :32], l_ok, cfg)
     with pytest.raises(ValueError, match="l_part"):
-        sparse_fwd.partials(q, k, k, WL, o_ok, l_ok.transpose(0, 1), cfg)
+        fwd_partials_sm90.partials(q, k, k, WL, o_ok, l_ok.transpose(0, 1), cfg)
+    with pytest.raises(ValueError, match="warpgroups"):
+        fwd_partials_sm90.partials(q, k, k, WL, o_ok, l_ok, cfg, warpgroups=4)
     with pytest.raises(ValueError, match="divide one another"):
         q24 = torch.zeros(T, 24, D, dtype=torch.bfloat16)
         k3 = torch.zeros(T, 3, D, dtype=torch.bfloat16)
         WL.heads = 2
-        sparse_fwd.partials(q24, k3, k3, WL, o_ok, l_ok, cfg)
+        fwd_partials_sm90.partials(q24, k3, k3, WL, o_ok, l_ok, cfg)

@@ -2,19 +2,27 @@
 
 What exists, for sm_90, checked on an H200:
 
-* ``select``: proxy block selection (``selection.py``);
+* ``select``: proxy block selection (``select_sm90.py``: ``SelectSm90``);
 * ``fwd`` (sparse, not warmup): the per-block main attention is the CuTe kernel of
-  ``sparse_fwd.py``, run by the backend-neutral driver ``flash_msa.sparse_forward``; the
-  proxy LSE, the combine of the partials and the KL value are the Triton backend's stages,
-  borrowed through the driver's stage interface (until CuTe has its own).
+  ``fwd_partials_sm90.py`` (``FwdPartialsSm90``), run by the backend-neutral driver
+  ``flash_msa.sparse_forward``; the proxy LSE, the combine of the partials and the KL value are
+  the Triton backend's stages, borrowed through the driver's stage interface (until CuTe has
+  its own).
+
+One module per kernel, named by op and architecture. A kernel is a frozen dataclass (its static
+configuration, tuning choices included, as constructor arguments) with a ``@cute.jit``
+``__call__`` (host setup and launch), a ``@cute.kernel`` ``kernel`` and its role methods, and a
+``can_implement`` that says why a configuration cannot run (shared-memory arithmetic
+included); ``common.py`` holds what they share.
 
 The backward and the dense warmup forward are not available here: ``unsupported_reason`` says
 so, ``auto`` then runs them on the Triton backend within the same autograd step (the ops share
 one tensor contract, see docs/design.md), and ``FLASH_MSA_BACKEND=cute`` raises
 :class:`~flash_msa.BackendError` for them. Blackwell (sm_100) kernels are not written yet.
 
-Kernels are compiled on first use per static configuration (dtype, head dims, head counts,
-top_k, block size) and cached in-process; sequence lengths, token counts and the number of
+Kernels are compiled on first use and cached in-process (``common.run``) per kernel object
+(every field of its configuration: dtype, head dims, head counts, top_k, block size, tuning),
+static layout of its arguments and device; sequence lengths, token counts and the number of
 sequences are run-time values (no recompilation).
 """
 
@@ -57,14 +65,7 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
         return why
     if op == "fwd":
         return _fwd_reason(problem)
-    from .selection import TILE_M
-
-    cfg = problem.cfg
-    if -(-cfg.max_seqlen // TILE_M) > 65535:
-        return f"max_seqlen {cfg.max_seqlen} needs more than 65535 query tiles (grid y)"
-    if problem.num_seqs * problem.num_sel_heads >= 2**31:
-        return "too many (sequence, proxy head) pairs for the grid"
-    return None
+    return _select_reason(problem)
 
 
 def forward_stages():
@@ -72,32 +73,58 @@ def forward_stages():
     the per-block attention partials; the proxy LSE partials, the combine and the KL stage are
     ``None`` (the driver borrows the Triton backend's until CuTe has its own)."""
     from ..sparse_forward import Stages
-    from .sparse_fwd import partials
+    from .fwd_partials_sm90 import partials
 
     return Stages(partials=partials)
 
 
-def _fwd_reason(problem: Problem) -> str | None:
-    """The forward's limits: its own kernel's, and those of the stages it borrows."""
-    from ..sparse_forward import borrowed_reason
-    from .sparse_fwd import head_geometry_reason
+def _select_reason(problem: Problem) -> str | None:
+    """The selection's limits beyond ``LIMITS``: its kernel's (``SelectSm90.can_implement``:
+    the same table plus head ratio and shared memory) and the grid's (run-time sizes)."""
+    from .common import cutlass_dtype
+    from .select_sm90 import TILE_M, SelectSm90
 
-    why = head_geometry_reason(problem.num_heads, problem.num_kv_heads, problem.num_sel_heads)
+    cfg = problem.cfg
+    why = SelectSm90.can_implement(
+        cutlass_dtype(problem.dtype), problem.proxy_head_dim, problem.num_sel_heads,
+        problem.num_proxy_k_heads, cfg.top_k, cfg.block_size,
+    )  # fmt: skip
+    if why is not None:
+        return why
+    if -(-cfg.max_seqlen // TILE_M) > 65535:
+        return f"max_seqlen {cfg.max_seqlen} needs more than 65535 query tiles (grid y)"
+    if problem.num_seqs * problem.num_sel_heads >= 2**31:
+        return "too many (sequence, proxy head) pairs for the grid"
+    return None
+
+
+def _fwd_reason(problem: Problem) -> str | None:
+    """The forward's limits beyond ``LIMITS``: its own kernel's
+    (``FwdPartialsSm90.can_implement``: the same table plus the head-group arithmetic and
+    shared memory), and those of the stages it borrows."""
+    from ..sparse_forward import borrowed_reason
+    from .common import cutlass_dtype
+    from .fwd_partials_sm90 import FwdPartialsSm90
+
+    why = FwdPartialsSm90.can_implement(
+        cutlass_dtype(problem.dtype), problem.num_heads, problem.num_kv_heads,
+        problem.num_sel_heads, problem.head_dim, problem.cfg.top_k, problem.cfg.block_size,
+    )  # fmt: skip
     if why is not None:
         return why
     return borrowed_reason(forward_stages(), problem)
 
 
 def select(q_proxy, k_proxy, cu_seqlens, cfg):
-    """Backend op ``select``: see :func:`flash_msa.cute.selection.select`."""
-    from .selection import select as _select
+    """Backend op ``select``: see :func:`flash_msa.cute.select_sm90.select`."""
+    from .select_sm90 import select as _select
 
     return _select(q_proxy, k_proxy, cu_seqlens, cfg)
 
 
 def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):
-    """Backend op ``fwd``: see :func:`flash_msa.cute.sparse_fwd.fwd`."""
-    from .sparse_fwd import fwd as _fwd
+    """Backend op ``fwd``: see :func:`flash_msa.cute.fwd_partials_sm90.fwd`."""
+    from .fwd_partials_sm90 import fwd as _fwd
 
     return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad)
 

@@ -1,12 +1,19 @@
-"""Helpers shared by the CuTe kernels: a register-fragment view, and the host side of a launch
-(CuTe views of torch tensors, the current stream, compiled functions cached per static key)."""
+"""Helpers shared by the CuTe kernels: register-fragment views, the one-CTA TMA partition, and
+the host side of a launch (CuTe views of torch tensors, the current stream, and the compile
+cache keyed by everything a compiled kernel bakes in)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
+import cutlass
 import cutlass.cute as cute
 import torch
+from cutlass import BFloat16, Float16
 from cutlass.cute.nvgpu import cpasync
+
+ALIGN = 16  # bytes: every CuTe view made by cute_tensor assumes this base alignment
 
 
 def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
@@ -29,23 +36,28 @@ def tma_tiles(atom, s: cute.Tensor, g: cute.Tensor):
     )
 
 
+def cutlass_dtype(dtype: torch.dtype):
+    """The CuTe element type of a bf16 / fp16 torch dtype (``None`` for any other)."""
+    return {torch.bfloat16: BFloat16, torch.float16: Float16}.get(dtype)
+
+
 def aligned(x: torch.Tensor) -> torch.Tensor:
     """``x`` detached (DLPack refuses autograd leaves), copied if its base is not 16-byte
     aligned (TMA boxes and 16-byte cp.async need it; a view into a larger buffer may not be)."""
     x = x.detach()
-    return x if x.data_ptr() % 16 == 0 else x.clone()
+    return x if x.data_ptr() % ALIGN == 0 else x.clone()
 
 
 def cute_tensor(t: torch.Tensor):
-    """A CuTe view of CUDA tensor ``t`` with a run-time outermost size (no recompilation when
-    the token or sequence count changes); other sizes stay static.
+    """A CuTe view of CUDA tensor ``t`` (base 16-byte aligned) with a run-time outermost size
+    (no recompilation when the token or sequence count changes); other sizes stay static.
 
     The mode order is given outermost first by descending stride, ties to the lower mode (what
     CuTe deduces; ``Tensor.dim_order()`` differs when a size-1 mode repeats a stride)."""
     from cutlass.cute.runtime import from_dlpack
 
     order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
-    ct = from_dlpack(t, assumed_align=16)
+    ct = from_dlpack(t, assumed_align=ALIGN)
     return ct.mark_compact_shape_dynamic(mode=0, stride_order=order, divisibility=1)
 
 
@@ -54,15 +66,41 @@ def stream(device: torch.device) -> cuda.CUstream:
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
+def static_signature(x):
+    """What a kernel compiled for run-time argument ``x`` bakes in of it.
+
+    A CuTe tensor view (:func:`cute_tensor`): its type, element type, memory space and the
+    static sizes and strides (run-time ones as ``None``; the base alignment is always
+    :data:`ALIGN`); a tuple (a ``NamedTuple`` of tensors too): its type and its items'
+    signatures; a DSL scalar (``Int32``, ``Float32``) or a stream: its type only (the value is a
+    kernel parameter); a Python constant: its type and value."""
+    if isinstance(x, tuple):
+        return type(x), tuple(static_signature(a) for a in x)
+    if isinstance(x, (cutlass.Numeric, cuda.CUstream)):
+        return type(x)
+    if isinstance(x, (bool, int, float, str)):
+        return type(x), x
+    if hasattr(x, "dynamic_shapes_mask"):  # cutlass.cute.runtime's tensor view
+        shape = tuple(None if d else n for n, d in zip(x.shape, x.dynamic_shapes_mask))
+        stride = tuple(None if d else n for n, d in zip(x.stride, x.dynamic_strides_mask))
+        return type(x), x.element_type, x.memspace, shape, stride
+    raise TypeError(f"static_signature: no rule for a {type(x).__name__} argument")
+
+
 _compiled: dict = {}
 
 
-def launch(host, key: tuple, runtime: tuple, static: tuple = ()):
-    """Run jit function ``host(*runtime, *static)``, compiling it once per ``key`` (the static
-    configuration: dtypes, dims, head counts, constexprs, device); ``runtime`` values vary
-    freely between calls."""
-    fn = _compiled.get((host, key))
+def run(kernel, device: torch.device, *args) -> None:
+    """Call ``kernel(*args)``: ``kernel`` a kernel object (a frozen dataclass whose fields are
+    its whole static configuration, with a ``@cute.jit __call__``), ``args`` its run-time
+    arguments. Compiled once per ``(kernel, static_signature(args), device)``: the kernel object
+    is part of the key by value (its type and every field), so no configuration field can be
+    left out of the key, and neither can a static size or dtype of an argument."""
+    if not (dataclasses.is_dataclass(kernel) and type(kernel).__dataclass_params__.frozen):
+        raise TypeError(f"run: {type(kernel).__name__} is not a frozen dataclass")
+    key = (type(kernel), kernel, static_signature(args), device.index)
+    fn = _compiled.get(key)
     if fn is None:
-        fn = cute.compile(host, *runtime, *static)
-        _compiled[(host, key)] = fn
-    fn(*runtime)
+        fn = cute.compile(kernel, *args)
+        _compiled[key] = fn
+    fn(*args)

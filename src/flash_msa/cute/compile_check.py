@@ -1,8 +1,11 @@
 """Compile every CuTe kernel configuration for sm_90a without a GPU and report its resources.
 
-Run as ``python -m flash_msa.cute.compile_check``. Prints one JSON line per configuration:
-name, registers (the launch count), stack and local bytes (spills appear as stack), and whether
-the PTX uses wgmma and TMA. Exit status 1 if a configuration spills.
+Run as ``python -m flash_msa.cute.compile_check [PREFIX] [--dump DIR]``. Prints one JSON line
+per configuration whose name starts with ``PREFIX`` (``select``, ``fwd``, ...): name,
+registers (the launch count), stack and local bytes (spills appear as stack), and whether the
+PTX uses wgmma and TMA. ``--dump DIR`` also writes each configuration's PTX and cubin there
+(``<name>.ptx`` / ``.cubin``, spaces as ``_``: for comparing two versions of a kernel). Exit
+status 1 if a configuration spills.
 """
 
 from __future__ import annotations
@@ -13,14 +16,21 @@ import sys
 import tempfile
 
 
-def _compile(host, *args) -> dict:
-    """Compile ``host`` for sm_90a; cuobjdump's counts and whether the PTX uses wgmma and TMA."""
+def _compile(kernel, *args, dump: str | None = None, name: str = "") -> dict:
+    """Compile kernel object ``kernel`` for sm_90a on specimen ``args``; cuobjdump's counts and
+    whether the PTX uses wgmma and TMA."""
     import cutlass.cute as cute
 
     from ..cubin import resources as cubin_resources
 
-    c = cute.compile(host, *args, options="--gpu-arch sm_90a --keep-cubin --keep-ptx")
+    c = cute.compile(kernel, *args, options="--gpu-arch sm_90a --keep-cubin --keep-ptx")
     ptx = c.artifacts.PTX
+    if dump:
+        stem = os.path.join(dump, name.replace(" ", "_"))
+        with open(stem + ".ptx", "w") as f:
+            f.write(ptx)
+        with open(stem + ".cubin", "wb") as f:
+            f.write(c.artifacts.CUBIN)
     return dict(
         cubin_resources(c.artifacts.CUBIN),
         wgmma="wgmma.mma_async" in ptx,
@@ -41,98 +51,103 @@ def configurations():
 
 
 def fwd_configurations():
-    """(name, dtype, H, Hkv, Hs, D, K, block, Q stages, staged partials, warpgroups) of the
-    forward-partials kernels checked (the shipped ``Q_STAGES`` / ``STAGE_PARTIALS`` /
-    ``WARPGROUPS`` and the variants)."""
-    from .sparse_fwd import Q_STAGES, STAGE_PARTIALS, WARPGROUPS
+    """(name, dtype, H, Hkv, Hs, D, K, block, warpgroups) of the forward-partials kernels
+    checked: the head layouts, dims and blocks with the default 3 warpgroups, and each also
+    with 1 and 2 (the constructor argument the A/B script and the GPU tests vary)."""
+    layouts = [
+        (f"fwd bf16 anchor D={D} b={block}", "bf16", 16, 2, 4, D, 16, block)
+        for D in (64, 128)
+        for block in (64, 128)
+    ]
+    layouts.append(("fwd bf16 paper D=128 b=128", "bf16", 64, 4, 4, 128, 16, 128))
+    layouts.append(("fwd fp16 Hs<Hkv D=64 b=64", "fp16", 8, 4, 2, 64, 8, 64))
+    for name, *cfg in layouts:
+        yield name, *cfg, 3
+    for wgs in (1, 2):
+        for name, *cfg in layouts:
+            yield f"{name} wg{wgs}", *cfg, wgs
 
-    ship = (Q_STAGES, STAGE_PARTIALS, WARPGROUPS)
 
-    for D in (64, 128):
-        for block in (64, 128):
-            yield f"fwd bf16 anchor D={D} b={block}", "bf16", 16, 2, 4, D, 16, block, *ship
-    yield "fwd bf16 paper D=128 b=128", "bf16", 64, 4, 4, 128, 16, 128, *ship
-    yield "fwd fp16 Hs<Hkv D=64 b=64", "fp16", 8, 4, 2, 64, 8, 64, *ship
-    yield "fwd bf16 anchor D=128 b=128 q1", "bf16", 16, 2, 4, 128, 16, 128, 1, True, 1
-    yield "fwd bf16 paper D=128 b=64 direct", "bf16", 64, 4, 4, 128, 16, 64, 2, False, 1
-    yield "fwd fp16 Hs<Hkv D=64 b=64 q1", "fp16", 8, 4, 2, 64, 8, 64, 1, True, 1
-    yield "fwd bf16 anchor D=128 b=128 wg3", "bf16", 16, 2, 4, 128, 16, 128, 2, True, 3
-    yield "fwd bf16 paper D=128 b=128 wg3", "bf16", 64, 4, 4, 128, 16, 128, 2, True, 3
-    yield "fwd fp16 Hs<Hkv D=64 b=64 wg2 q1", "fp16", 8, 4, 2, 64, 8, 64, 1, True, 2
+def _dtype(name: str):
+    from cutlass import BFloat16, Float16
+
+    return {"bf16": BFloat16, "fp16": Float16}[name]
 
 
 def compile_fwd(
-    dtype: str,
-    H: int,
-    Hkv: int,
-    Hs: int,
-    D: int,
-    K: int,
-    block: int,
-    qstages: int,
-    staged: bool,
-    wgs: int,
+    dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: int, wgs: int, **dump
 ) -> dict:
+    """Compile :class:`~flash_msa.cute.fwd_partials_sm90.FwdPartialsSm90` on specimen tensors
+    of the layouts :func:`~flash_msa.cute.fwd_partials_sm90.partials` passes."""
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float16, Float32, Int32, Int64
+    from cutlass import Float32, Int32, Int64
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-    from ..worklist import geometry
-    from .sparse_fwd import CHUNK, partials_host
+    from .fwd_partials_sm90 import FwdPartialsSm90, WorkItems
 
-    dt = {"bf16": BFloat16, "fp16": Float16}[dtype]
-    G, G2, R, _ = geometry(H, Hkv, Hs, CHUNK)
+    dt = _dtype(dtype)
+    kernel = FwdPartialsSm90(dt, H, Hkv, Hs, D, K, block, wgs)
     sym = cute.sym_int32
     T = sym(symbol="T")
     q = make_fake_tensor(dt, (sym(symbol="TH"), D), stride=(D, 1), assumed_align=16)
     k = make_fake_tensor(dt, (T, D, Hkv), stride=(Hkv * D, 1, D), assumed_align=16)
     v = make_fake_tensor(dt, (T, D, Hkv), stride=(Hkv * D, 1, D), assumed_align=16)
-    vec = [
-        make_fake_compact_tensor(ty, (sym(symbol=n),), assumed_align=16)
-        for ty, n in ((Int64, "E"), (Int32, "W"), (Int64, "W"), (Int64, "W"), (Int32, "NB"))
-    ]
-    vec.append(make_fake_compact_tensor(Int32, (sym(symbol="NB"),), assumed_align=16))
+    work = WorkItems(
+        *(
+            make_fake_compact_tensor(ty, (sym(symbol=n),), assumed_align=16)
+            for ty, n in (
+                (Int64, "E"), (Int32, "W"), (Int64, "W"), (Int64, "W"), (Int32, "NB"),
+                (Int32, "NB"),
+            )
+        )
+    )  # fmt: skip
     o = make_fake_tensor(dt, (sym(symbol="P"), D), stride=(D, 1), assumed_align=16)
     lse = make_fake_compact_tensor(Float32, (sym(symbol="P"),), assumed_align=16)
     return _compile(
-        partials_host, q, k, v, *vec, o, lse, Float32(1.0), Int32(0), Int32(1),
-        make_fake_stream(), H, Hs, K, G, G2, R, block, qstages, staged, wgs,
+        kernel, q, k, v, work, o, lse, Float32(1.0), Int32(0), Int32(1), make_fake_stream(),
+        **dump,
     )  # fmt: skip
 
 
-def compile_select(dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int) -> dict:
+def compile_select(dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, **dump) -> dict:
+    """Compile :class:`~flash_msa.cute.select_sm90.SelectSm90` on specimen tensors of the
+    layouts :func:`~flash_msa.cute.select_sm90.select` passes."""
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float16, Int32
+    from cutlass import Int32
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-    from .selection import select_host
+    from .select_sm90 import SelectSm90
 
-    dt = {"bf16": BFloat16, "fp16": Float16}[dtype]
+    dt = _dtype(dtype)
+    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block)
     T = cute.sym_int32(symbol="T")
     q = make_fake_tensor(dt, (T, Dp, Hp), stride=(Hp * Dp, 1, Dp), assumed_align=16)
     k = make_fake_tensor(dt, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16)
     cu = make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="N1"),), assumed_align=16)
     idx = make_fake_tensor(Int32, (T, Hp, K), stride=(Hp * K, K, 1), assumed_align=16)
-    return _compile(select_host, q, k, cu, idx, Int32(1), make_fake_stream(), block)
+    return _compile(kernel, q, k, cu, idx, Int32(1), make_fake_stream(), **dump)
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    dump = None
+    if "--dump" in argv:
+        i = argv.index("--dump")
+        dump = os.path.abspath(argv[i + 1])
+        os.makedirs(dump, exist_ok=True)
+        argv = argv[:i] + argv[i + 2 :]
+    only = argv[0] if argv else ""  # a name prefix: "select" or "fwd", ...
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["CUTE_DSL_DUMP_DIR"] = tmp  # --keep-* also write files: keep them out of CWD
-        only = sys.argv[1] if len(sys.argv) > 1 else ""  # a name prefix: "select" or "fwd"
-        for name, *cfg in configurations():
+        checks = [(n, compile_select, c) for n, *c in configurations()]
+        checks += [(n, compile_fwd, c) for n, *c in fwd_configurations()]
+        for name, compile_one, cfg in checks:
             if name.startswith(only):
-                res = compile_select(*cfg)
-                bad += res["stack"] > 0 or res["local"] > 0
-                print(json.dumps(dict(kernel=name, **res)), flush=True)
-        for name, *cfg in fwd_configurations():
-            if name.startswith(only):
-                res = compile_fwd(*cfg)
+                res = compile_one(*cfg, dump=dump, name=name)
                 bad += res["stack"] > 0 or res["local"] > 0
                 print(json.dumps(dict(kernel=name, **res)), flush=True)
     return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

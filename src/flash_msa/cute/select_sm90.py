@@ -1,13 +1,13 @@
 """Proxy block selection on Hopper (sm_90a) in CuTe DSL: wgmma scores, TMA pipeline, top-k epilogue.
 
-One CTA owns (proxy head p, sequence s, query tile of 128 tokens). Its 384 threads split into a
-producer warpgroup (one warp issues TMA copies: the query tile once, then the sequence's key
-tiles 0..m through a ``STAGES``-deep mbarrier pipeline) and two consumer warpgroups (64 query
-rows each). Per key tile the consumers compute the 128 x 128 score tile with warpgroup MMAs
-(``m64n128k16``, operands in swizzled shared memory), max-pool each row over every key block
-(one block per tile for block size 128, two for 64), and offer the block maxima to a descending
-top-k list kept in registers. Only the diagonal tile is masked (causal, and keys past the
-sequence end). The MMA of tile j+1 is issued after tile j's row maxima and runs under its
+One CTA of :class:`SelectSm90` owns (proxy head p, sequence s, query tile of 128 tokens). Its 384
+threads split into a producer warpgroup (one warp issues TMA copies: the query tile once, then the
+sequence's key tiles 0..m through a ``stages``-deep mbarrier pipeline) and two consumer
+warpgroups (64 query rows each). Per key tile the consumers compute the 128 x 128 score tile with
+warpgroup MMAs (``m64n128k16``, operands in swizzled shared memory), max-pool each row over every
+key block (one block per tile for block size 128, two for 64), and offer the block maxima to a
+descending top-k list kept in registers. Only the diagonal tile is masked (causal, and keys past
+the sequence end). The MMA of tile j+1 is issued after tile j's row maxima and runs under its
 top-k insertion (two alternating accumulators, so that it also runs under the row maxima,
 measured 11-22% slower on the H200: docs/perf-notes.md).
 
@@ -22,11 +22,15 @@ Layouts: ``q_proxy (T, Hp, Dp)`` and ``k_proxy (T, Hpk, Dp)`` are seen as ``(T, 
 (strides ``(heads*Dp, 1, Dp)``) so that one TMA box is 128 tokens x Dp of one head; a sequence
 starts at ``cu_seqlens[s]`` through a domain offset of the TMA coordinates.
 
-Limits: Dp in {64, 128}, block size in {64, 128}, top_k <= 64 (the lists live in registers: a
-lane keeps one row's list, or half of it beyond 16 entries), bf16 or fp16.
+Limits (:meth:`SelectSm90.can_implement`): Dp in {64, 128}, block size in {64, 128},
+top_k <= 64 (the lists live in registers: a lane keeps one row's list, or half of it beyond 16
+entries), bf16 or fp16.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -39,13 +43,11 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from .common import acc_rows_cols, aligned, cute_tensor, launch, stream, tma_tiles
+from ..cubin import SHARED_LIMIT
+from .common import acc_rows_cols, aligned, cute_tensor, cutlass_dtype, run, stream, tma_tiles
 
-TILE_M = 128  # query tokens per CTA (two consumer warpgroups x 64 rows)
-TILE_N = 128  # keys per pipeline stage (one or two key blocks)
-STAGES = 4  # key tiles in flight
-PRODUCER_REGS, CONSUMER_REGS = 24, 240  # 128 * 24 + 256 * 240 = 168 * 384
-MAX_TOPK = 64
+TILE_M = 128  # query tokens per CTA (two consumer warpgroups x 64 rows); the grid's y
+MAX_TOPK = 64  # the top-k lists live in registers (two lanes per row beyond 16 entries)
 
 
 def _max_of(vals):
@@ -78,284 +80,425 @@ def _sort_ascending(keys):
     return keys
 
 
-def _issue_scores(mma_first, mma_rest, acc, tSrQ, tSrK, stage):
-    """acc = Q . K[stage]^T as async wgmma, committed as one group (the caller waits).
+@dataclass(frozen=True)
+class SelectSm90:
+    """Proxy block selection (module docstring), one static configuration; the fields are all
+    of it (the compile cache keys on the object).
 
-    ``mma_first``/``mma_rest`` are one tiled MMA with ACCUMULATE set once to False/True at the
-    kernel's top level (setting it inside a runtime branch does not dominate later uses)."""
-    warpgroup.fence()
-    for kb in range(cute.size(tSrQ, mode=[2])):  # trace-time unroll over Dp / 16
-        mma = mma_first if kb == 0 else mma_rest
-        cute.gemm(mma, acc, tSrQ[None, None, kb, 0], tSrK[None, None, kb, stage], acc)
-    warpgroup.commit_group()
+    Run-time values: the token count, the number of sequences and their lengths, the number of
+    query tiles of the longest one (the grid's y)."""
 
+    dtype: type[cutlass.Numeric]  # BFloat16 or Float16: q_proxy and k_proxy
+    proxy_head_dim: int  # Dp
+    heads: int  # Hp: proxy query heads (one selection per head)
+    k_heads: int  # Hpk: proxy key heads (Hp / Hpk query heads share one)
+    top_k: int  # K
+    block_size: int  # keys per block: one or two blocks per key tile
+    stages: int = 4  # key tiles in flight (the TMA pipeline's depth)
 
-@cute.kernel
-def _select_kernel(
-    tma_q: cute.CopyAtom,
-    mQ: cute.Tensor,  # TMA coordinates of q_proxy seen as (T, Dp, Hp)
-    tma_k: cute.CopyAtom,
-    mK: cute.Tensor,  # (T, Dp, Hpk)
-    mCu: cute.Tensor,  # (N + 1,) int32
-    mIdx: cute.Tensor,  # (T, Hp, K) int32
-    mma_first: cute.TiledMma,
-    mma_rest: cute.TiledMma,
-    sQ_layout: cute.ComposedLayout,
-    sK_layout: cute.ComposedLayout,
-    Storage: Constexpr,
-    HP: Constexpr,
-    HPK: Constexpr,
-    DP: Constexpr,
-    BLOCK: Constexpr,
-    TOPK: Constexpr,
-    ELEM_BYTES: Constexpr,
-):
-    tidx, _, _ = cute.arch.thread_idx()
-    mma_first.set(warpgroup.Field.ACCUMULATE, False)
-    mma_rest.set(warpgroup.Field.ACCUMULATE, True)
-    head_seq, m_rev, _ = cute.arch.block_idx()
-    _, n_mblk, _ = cute.arch.grid_dim()
-    m_blk = n_mblk - 1 - m_rev  # longest causal rows first
-    p = head_seq % HP
-    seq = head_seq // HP
-    start = mCu[seq]
-    L = mCu[seq + 1] - start
-    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    wg_idx = warp_idx // 4
+    TILE_M: ClassVar[int] = TILE_M
+    TILE_N: ClassVar[int] = 128  # keys per pipeline stage (one or two key blocks)
+    THREADS: ClassVar[int] = 384  # producer warpgroup + two consumer warpgroups
+    PRODUCER_REGS: ClassVar[int] = 24  # 128 * 24 + 256 * 240 = 168 * 384: the register file
+    CONSUMER_REGS: ClassVar[int] = 240
 
-    st = SmemAllocator().allocate(Storage)
-    sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (128, Dp, 1)
-    sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (128, Dp, STAGES)
-    q_bar = st.q_mbar.data_ptr()
-    if warp_idx == 0:
-        cpasync.prefetch_descriptor(tma_q)
-        cpasync.prefetch_descriptor(tma_k)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_init(q_bar, 1)
-    # create() initializes the stage barriers, then fences and syncs the CTA (q_bar included)
-    k_pipe = pipeline.PipelineTmaAsync.create(
-        barrier_storage=st.k_mbar.data_ptr(),
-        num_stages=STAGES,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # consumer warps
-        tx_count=TILE_N * DP * ELEM_BYTES,
-        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-    )
+    # -----------------------------------------------------------------------------------------
+    # static limits
+    # -----------------------------------------------------------------------------------------
+    @staticmethod
+    def shared_bytes(elem_bytes: int, proxy_head_dim: int, stages: int) -> dict:
+        """Bytes of each shared-memory buffer, in the order of the ``Storage`` struct (the
+        operand tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum."""
+        sizes = {
+            "k_mbar": 8 * 2 * stages,  # full and empty mbarrier per stage
+            "q_mbar": 8,
+            "sQ": SelectSm90.TILE_M * proxy_head_dim * elem_bytes,
+            "sK": SelectSm90.TILE_N * proxy_head_dim * elem_bytes * stages,
+        }
+        end = 0
+        for name, size in sizes.items():
+            if name in ("sQ", "sK"):
+                end = -(-end // 1024) * 1024
+            end += size
+        return {**sizes, "total": end}
 
-    if m_blk * TILE_M < L:  # CTA-uniform: tiles past this sequence's end do nothing
-        n_tiles = m_blk + 1  # key tiles 0..m_blk (causal)
-        if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if warp_idx == 0:
-                mQ_s = cute.domain_offset((start, 0, 0), mQ)
-                mK_s = cute.domain_offset((start, 0, 0), mK)
-                gQ = cute.local_tile(mQ_s[None, None, p], (TILE_M, DP), (m_blk, 0))
-                gK = cute.local_tile(mK_s[None, None, p // (HP // HPK)], (TILE_N, DP), (None, 0))
-                tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
-                tKsK, tKgK = tma_tiles(tma_k, sK, gK)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(q_bar, TILE_M * DP * ELEM_BYTES)
-                cute.copy(tma_q, tQgQ, tQsQ[(None, 0)], tma_bar_ptr=q_bar)
-                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-                for j in cutlass.range(n_tiles, unroll=1):
-                    k_pipe.producer_acquire(prod)
-                    cute.copy(
-                        tma_k, tKgK[(None, j)], tKsK[(None, prod.index)],
-                        tma_bar_ptr=k_pipe.producer_get_barrier(prod),
-                    )  # fmt: skip
-                    k_pipe.producer_commit(prod)
-                    prod.advance()
-                k_pipe.producer_tail(prod)
-        else:  # consumer warpgroups: scores, block maxima, top-k lists, sorted write-out
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            wg_mma = mma_first.get_slice((wg_idx - 1) * 128)
-            thr_mma = mma_first.get_slice(tidx - 128)
-            tSrQ = mma_first.make_fragment_A(wg_mma.partition_A(sQ))
-            tSrK = mma_first.make_fragment_B(wg_mma.partition_B(sK))
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), Float32)
-            acc_rc = acc_rows_cols(acc)
-            crd = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-            n_rows = cute.size(crd, mode=[0])  # 2
-            n_cols = cute.size(crd, mode=[1])  # 32
-            SLABS = TILE_N // BLOCK  # key blocks per tile
-            per_slab = n_cols // SLABS  # a thread's columns of one block (columns ascend with c)
+    @classmethod
+    def can_implement(
+        cls, dtype, proxy_head_dim, heads, k_heads, top_k, block_size, stages=4
+    ) -> str | None:
+        """Why this configuration cannot be compiled or run (``None``: it can).
 
-            # a quad's four lanes hold the same two rows: lanes 4q, 4q+1 keep row 0's top-k
-            # list and 4q+2, 4q+3 row 1's; up to 16 entries both lanes of a pair keep the whole
-            # list, beyond that lane 4q(+2) keeps its upper half and 4q+1(+3) its lower half
-            LANES = 1 if TOPK <= 16 else 2  # lanes per list
-            HALF = (TOPK + LANES - 1) // LANES  # entries per lane
-            my_row = (tidx % 4) // 2  # which of the thread's two rows this lane's list is for
-            lower = tidx % 2 == 1  # the lower half's lane (LANES == 2)
-            topv = cute.make_rmem_tensor(HALF, Float32)
-            topi = cute.make_rmem_tensor(HALF, Int32)
-            topv.fill(-Float32.inf)
-            topi.fill(-1)
-            q0 = m_blk * TILE_M  # sequence-local position of the tile's first query
+        Shared memory (:meth:`shared_bytes`) at Dp = 128, bf16, 4 stages: the query tile
+        128 x 128 x 2 = 32 KB + 4 key tiles of 32 KB (128 KB) + 9 mbarriers, aligned: 164,864
+        bytes of the sm_90 capacity of 232,448 (SHARED_LIMIT; 6 stages fit, 7 do not).
+        Registers: 24 per producer and 240 per consumer thread (``setmaxnreg``), the whole
+        file of 168 x 384; top_k > 64 would not fit there (compile_check asserts no spills)."""
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"CuTe selection needs bf16 or fp16, not {dtype}"
+        if proxy_head_dim not in (64, 128):
+            return f"CuTe selection needs Dp in (64, 128), not {proxy_head_dim}"
+        if block_size not in (64, 128):
+            return f"CuTe selection needs block_size 64 or 128, not {block_size}"
+        if not 1 <= top_k <= MAX_TOPK:
+            return f"CuTe selection keeps top_k <= {MAX_TOPK} blocks in registers, not {top_k}"
+        if heads % k_heads:
+            return (
+                f"the proxy query heads ({heads}) are not a multiple of the key heads ({k_heads})"
+            )
+        if stages < 2:
+            return f"the key pipeline needs 2 or more stages, not {stages}"
+        smem = cls.shared_bytes(dtype.width // 8, proxy_head_dim, stages)["total"]
+        if smem > SHARED_LIMIT:
+            return f"{smem} bytes of shared memory exceed the sm_90 capacity ({SHARED_LIMIT})"
+        return None
 
-            cute.arch.mbarrier_wait(q_bar, 0)
-            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-            k_pipe.consumer_wait(cons)
-            _issue_scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
-            for j in cutlass.range(n_tiles, unroll=1):
-                warpgroup.wait_group(0)
-                k_pipe.consumer_release(cons)  # the stage is free: the scores are in registers
-                cons.advance()
-                cand = []  # per row and block: this thread's maximum, then the quad's
-                for r in cutlass.range_constexpr(n_rows):
-                    row = q0 + crd[r, 0][0]
-                    cand.append([])
-                    for sl in cutlass.range_constexpr(SLABS):
-                        mx = -Float32.inf
-                        if j == n_tiles - 1:  # diagonal tile: causal mask, sequence end
-                            vals = []
-                            for cc in cutlass.range_constexpr(per_slab):
-                                c = sl * per_slab + cc
-                                col = j * TILE_N + crd[r, c][1]
-                                v = acc_rc[r, c]
-                                if col > row or col >= L:
-                                    v = -Float32.inf
-                                vals.append(v)
-                            mx = _max_of(vals)
-                        else:
-                            vals = []
-                            for cc in cutlass.range_constexpr(per_slab):
-                                vals.append(acc_rc[r, sl * per_slab + cc])
-                            mx = _max_of(vals)
-                        cand[r].append(mx)
-                if j + 1 < n_tiles:  # the next tile's MMA runs during this tile's insertion
-                    k_pipe.consumer_wait(cons)
-                    _issue_scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
-                for r in cutlass.range_constexpr(n_rows):  # the 4 lanes of a quad share a row
-                    for sl in cutlass.range_constexpr(SLABS):
-                        mx = cand[r][sl]
-                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-                        cand[r][sl] = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-                row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
-                own = row // BLOCK
-                for sl in cutlass.range_constexpr(SLABS):
-                    cv = cand[0][sl] if my_row == 0 else cand[1][sl]
-                    blk = j * SLABS + sl
-                    if blk == own:
-                        cv = Float32.inf  # the own block is always kept
-                    ci = blk
-                    # sorted insertion: the first slot the candidate beats strictly (ties keep
-                    # the lower block: blocks arrive in ascending order), then every later
-                    # entry moves down one slot and the last one drops out
-                    shift = Boolean(False)
-                    if cutlass.const_expr(LANES == 2):
-                        # the lower half's candidate is the upper half's last entry when the
-                        # block enters the upper half (it then goes first in the lower half)
-                        up_v = cute.arch.shuffle_sync_bfly(topv[HALF - 1], offset=1)
-                        up_i = cute.arch.shuffle_sync_bfly(topi[HALF - 1], offset=1)
-                        if lower and cv > up_v:
-                            cv = up_v
-                            ci = up_i
-                            shift = Boolean(True)
-                    if shift or cv > topv[HALF - 1]:  # most blocks of a long row skip this
-                        for t in cutlass.range_constexpr(HALF):
-                            if shift or cv > topv[t]:
-                                ov = topv[t]
-                                oi = topi[t]
-                                topv[t] = cv
-                                topi[t] = ci
-                                cv = ov
-                                ci = oi
-                                shift = Boolean(True)
+    def __post_init__(self):
+        why = self.can_implement(
+            self.dtype, self.proxy_head_dim, self.heads, self.k_heads, self.top_k,
+            self.block_size, self.stages,
+        )  # fmt: skip
+        if why is not None:
+            raise ValueError(f"CuTe selection: {why}")
 
-            # ascending block numbers, -1 last: odd-even transposition sort, -1 read as +inf
-            big = Int32(2147483647)
-            keys = []
-            for t in cutlass.range_constexpr(HALF):
-                keys.append(topi[t])
-            if cutlass.const_expr(LANES == 2):  # the upper lane gathers the lower half
-                for t in cutlass.range_constexpr(HALF):
-                    keys.append(cute.arch.shuffle_sync_bfly(topi[t], offset=1))
-            keys = keys[:TOPK]  # the list is sorted by score: its first TOPK entries are kept
-            for t in cutlass.range_constexpr(TOPK):
-                keys[t] = big if keys[t] < 0 else keys[t]
-            P2 = 1 << (TOPK - 1).bit_length()  # the network needs a power of two
-            keys = _sort_ascending(keys + [big] * (P2 - TOPK))
-            row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
-            if tidx % 2 == 0 and row < L:  # lanes 4q (row 0) and 4q+2 (row 1) write
-                for t in cutlass.range_constexpr(TOPK):
-                    k = keys[t]
-                    mIdx[Int64(start + row), p, t] = -1 if k == big else k  # 64-bit offset
+    # -----------------------------------------------------------------------------------------
+    # host: MMAs, layouts, TMA atoms, shared storage, launch
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mCu: cute.Tensor,
+        mIdx: cute.Tensor,
+        n_mblk: Int32,
+        stream: cuda.CUstream,
+    ):
+        """Launch: ``mQ (T, Dp, Hp)``, ``mK (T, Dp, Hpk)`` views of the proxy tensors,
+        ``mCu (N+1,)``, ``mIdx (T, Hp, K)``; grid (Hp * N, n_mblk = ceil(max_seqlen / 128))."""
+        DP, TILE_N, dtype = self.proxy_head_dim, self.TILE_N, self.dtype
+        assert mQ.element_type == dtype and mQ.shape[1:] == (DP, self.heads)
+        assert mK.shape[1:] == (DP, self.k_heads) and mIdx.shape[1:] == (self.heads, self.top_k)
+        tile = (self.TILE_M, TILE_N, DP)
 
+        def make_mma():
+            return sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                atom_layout_mnk=(2, 1, 1), tiler_mn=(64, TILE_N),
+            )  # fmt: skip
 
-@cute.jit
-def select_host(
-    mQ: cute.Tensor,
-    mK: cute.Tensor,
-    mCu: cute.Tensor,
-    mIdx: cute.Tensor,
-    n_mblk: Int32,
-    stream: cuda.CUstream,
-    block_size: Constexpr,
-):
-    """Launch: ``mQ (T, Dp, Hp)``, ``mK (T, Dp, Hpk)`` views of the proxy tensors, ``mCu (N+1,)``,
-    ``mIdx (T, Hp, K)``; grid (Hp * N, n_mblk = ceil(max_seqlen / 128))."""
-    DP, HP = mQ.shape[1], mQ.shape[2]
-    HPK = mK.shape[2]
-    TOPK = mIdx.shape[2]
-    dtype = mQ.element_type
-    tile = (TILE_M, TILE_N, DP)
-
-    def make_mma():
-        return sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(2, 1, 1), tiler_mn=(64, TILE_N),
+        mma_first, mma_rest = make_mma(), make_mma()
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, dtype, 1)
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, dtype, self.stages)
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.slice_(sQ_layout, (None, None, 0)),
+            (self.TILE_M, DP),
+        )  # fmt: skip
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)),
+            (TILE_N, DP),
         )  # fmt: skip
 
-    mma_first, mma_rest = make_mma(), make_mma()
-    sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, dtype, 1)
-    sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, dtype, STAGES)
-    tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.slice_(sQ_layout, (None, None, 0)), (TILE_M, DP)
-    )
-    tma_k, tma_mK = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, DP)
-    )
+        @cute.struct
+        class Storage:  # sizes: shared_bytes
+            k_mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 1]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
 
-    @cute.struct
-    class Storage:
-        k_mbar: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
-        q_mbar: cute.struct.MemRange[cutlass.Int64, 1]
-        sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-        sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+        smem = self.shared_bytes(dtype.width // 8, DP, self.stages)["total"]
+        assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
+        grid = (self.heads * (mCu.shape[0] - 1), n_mblk, 1)
+        self.kernel(
+            tma_q, tma_mQ, tma_k, tma_mK, mCu, mIdx, mma_first, mma_rest, sQ_layout, sK_layout,
+            Storage,
+        ).launch(grid=grid, block=(self.THREADS, 1, 1), stream=stream)  # fmt: skip
 
-    assert Storage.__sizeof__() <= cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-    grid = (HP * (mCu.shape[0] - 1), n_mblk, 1)
-    _select_kernel(
-        tma_q, tma_mQ, tma_k, tma_mK, mCu, mIdx, mma_first, mma_rest, sQ_layout, sK_layout,
-        Storage, HP, HPK, DP, block_size, TOPK, dtype.width // 8,
-    ).launch(grid=grid, block=(384, 1, 1), stream=stream)  # fmt: skip
+    # -----------------------------------------------------------------------------------------
+    # device
+    # -----------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,  # TMA coordinates of q_proxy seen as (T, Dp, Hp)
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,  # (T, Dp, Hpk)
+        mCu: cute.Tensor,  # (N + 1,) int32
+        mIdx: cute.Tensor,  # (T, Hp, K) int32
+        mma_first: cute.TiledMma,
+        mma_rest: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        Storage: Constexpr,
+    ):
+        TILE_M, TILE_N, DP, BLOCK, TOPK = (
+            self.TILE_M, self.TILE_N, self.proxy_head_dim, self.block_size, self.top_k
+        )  # fmt: skip
+        tidx, _, _ = cute.arch.thread_idx()
+        mma_first.set(warpgroup.Field.ACCUMULATE, False)
+        mma_rest.set(warpgroup.Field.ACCUMULATE, True)
+        head_seq, m_rev, _ = cute.arch.block_idx()
+        _, n_mblk, _ = cute.arch.grid_dim()
+        m_blk = n_mblk - 1 - m_rev  # longest causal rows first
+        p = head_seq % self.heads
+        seq = head_seq // self.heads
+        start = mCu[seq]
+        L = mCu[seq + 1] - start
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = warp_idx // 4
+
+        st = SmemAllocator().allocate(Storage)
+        sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (128, Dp, 1)
+        sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (128, Dp, stages)
+        q_bar = st.q_mbar.data_ptr()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(q_bar, 1)
+        # create() initializes the stage barriers, then fences and syncs the CTA (q_bar included)
+        k_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.k_mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # consumer warps
+            tx_count=TILE_N * DP * (self.dtype.width // 8),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+
+        if m_blk * TILE_M < L:  # CTA-uniform: tiles past this sequence's end do nothing
+            n_tiles = m_blk + 1  # key tiles 0..m_blk (causal)
+            if wg_idx == 0:
+                cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+                if warp_idx == 0:
+                    self.load(tma_q, mQ, tma_k, mK, sQ, sK, q_bar, k_pipe, start, p, m_blk, n_tiles)
+            else:  # consumer warpgroups: scores, block maxima, top-k lists, sorted write-out
+                cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
+                wg_mma = mma_first.get_slice((wg_idx - 1) * 128)
+                thr_mma = mma_first.get_slice(tidx - 128)
+                tSrQ = mma_first.make_fragment_A(wg_mma.partition_A(sQ))
+                tSrK = mma_first.make_fragment_B(wg_mma.partition_B(sK))
+                acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), Float32)
+                acc_rc = acc_rows_cols(acc)
+                crd = acc_rows_cols(
+                    thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+                )
+                n_rows = cute.size(crd, mode=[0])  # 2
+                SLABS = TILE_N // BLOCK  # key blocks per tile
+
+                # a quad's four lanes hold the same two rows: lanes 4q, 4q+1 keep row 0's top-k
+                # list and 4q+2, 4q+3 row 1's; up to 16 entries both lanes of a pair keep the
+                # whole list, beyond that lane 4q(+2) keeps its upper half and 4q+1(+3) its
+                # lower half (offer)
+                LANES = 1 if TOPK <= 16 else 2  # lanes per list
+                HALF = (TOPK + LANES - 1) // LANES  # entries per lane
+                my_row = (tidx % 4) // 2  # which of the thread's two rows this lane's list is for
+                lower = tidx % 2 == 1  # the lower half's lane (LANES == 2)
+                topv = cute.make_rmem_tensor(HALF, Float32)
+                topi = cute.make_rmem_tensor(HALF, Int32)
+                topv.fill(-Float32.inf)
+                topi.fill(-1)
+                q0 = m_blk * TILE_M  # sequence-local position of the tile's first query
+
+                cute.arch.mbarrier_wait(q_bar, 0)
+                cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                k_pipe.consumer_wait(cons)
+                self.scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
+                for j in cutlass.range(n_tiles, unroll=1):
+                    warpgroup.wait_group(0)
+                    k_pipe.consumer_release(cons)  # the stage is free: the scores are in registers
+                    cons.advance()
+                    cand = self.block_maxima(acc_rc, crd, j, n_tiles, q0, L)
+                    if j + 1 < n_tiles:  # the next tile's MMA runs during this tile's insertion
+                        k_pipe.consumer_wait(cons)
+                        self.scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
+                    for r in cutlass.range_constexpr(n_rows):  # the quad's 4 lanes share a row
+                        for sl in cutlass.range_constexpr(SLABS):
+                            mx = cand[r][sl]
+                            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+                            cand[r][sl] = cute.arch.fmax(
+                                mx, cute.arch.shuffle_sync_bfly(mx, offset=2)
+                            )
+                    row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
+                    own = row // BLOCK
+                    for sl in cutlass.range_constexpr(SLABS):
+                        cv = cand[0][sl] if my_row == 0 else cand[1][sl]
+                        blk = j * SLABS + sl
+                        if blk == own:
+                            cv = Float32.inf  # the own block is always kept
+                        self.offer(topv, topi, cv, blk, lower)
+
+                row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
+                self.write_out(topi, mIdx, start, row, p, L, tidx)
+
+    # -----------------------------------------------------------------------------------------
+    # device roles (traced inline into the kernel)
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def load(self, tma_q, mQ, tma_k, mK, sQ, sK, q_bar, k_pipe, start, p, m_blk, n_tiles):
+        """Producer warp: the query tile once (on ``q_bar``), then key tiles ``0..n_tiles-1``
+        of the sequence starting at ``start`` through the ``k_pipe`` stages."""
+        TILE_M, TILE_N, DP = self.TILE_M, self.TILE_N, self.proxy_head_dim
+        mQ_s = cute.domain_offset((start, 0, 0), mQ)
+        mK_s = cute.domain_offset((start, 0, 0), mK)
+        gQ = cute.local_tile(mQ_s[None, None, p], (TILE_M, DP), (m_blk, 0))
+        gK = cute.local_tile(
+            mK_s[None, None, p // (self.heads // self.k_heads)], (TILE_N, DP), (None, 0)
+        )
+        tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
+        tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(q_bar, TILE_M * DP * (self.dtype.width // 8))
+        cute.copy(tma_q, tQgQ, tQsQ[(None, 0)], tma_bar_ptr=q_bar)
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for j in cutlass.range(n_tiles, unroll=1):
+            k_pipe.producer_acquire(prod)
+            cute.copy(
+                tma_k, tKgK[(None, j)], tKsK[(None, prod.index)],
+                tma_bar_ptr=k_pipe.producer_get_barrier(prod),
+            )  # fmt: skip
+            k_pipe.producer_commit(prod)
+            prod.advance()
+        k_pipe.producer_tail(prod)
+
+    @cute.jit
+    def scores(self, mma_first, mma_rest, acc, tSrQ, tSrK, stage):
+        """acc = Q . K[stage]^T as async wgmma, committed as one group (the caller waits).
+
+        ``mma_first``/``mma_rest`` are one tiled MMA with ACCUMULATE set once to False/True at
+        the kernel's top level (setting it inside a runtime branch does not dominate later
+        uses)."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):  # Dp / 16
+            mma = mma_first if kb == 0 else mma_rest
+            cute.gemm(mma, acc, tSrQ[None, None, kb, 0], tSrK[None, None, kb, stage], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def block_maxima(self, acc_rc, crd, j, n_tiles, q0, L):
+        """This thread's maximum of each of its two rows over each key block of tile ``j``
+        (``cand[row][block]``); keys after the row's token or past the sequence end ``L`` are
+        masked on the diagonal tile (the last)."""
+        n_cols = cute.size(crd, mode=[1])  # 32
+        SLABS = self.TILE_N // self.block_size
+        per_slab = n_cols // SLABS  # a thread's columns of one block (columns ascend with c)
+        cand = []  # per row and block: this thread's maximum
+        for r in cutlass.range_constexpr(cute.size(crd, mode=[0])):
+            row = q0 + crd[r, 0][0]
+            cand.append([])
+            for sl in cutlass.range_constexpr(SLABS):
+                mx = -Float32.inf
+                if j == n_tiles - 1:  # diagonal tile: causal mask, sequence end
+                    vals = []
+                    for cc in cutlass.range_constexpr(per_slab):
+                        c = sl * per_slab + cc
+                        col = j * self.TILE_N + crd[r, c][1]
+                        v = acc_rc[r, c]
+                        if col > row or col >= L:
+                            v = -Float32.inf
+                        vals.append(v)
+                    mx = _max_of(vals)
+                else:
+                    vals = []
+                    for cc in cutlass.range_constexpr(per_slab):
+                        vals.append(acc_rc[r, sl * per_slab + cc])
+                    mx = _max_of(vals)
+                cand[r].append(mx)
+        return cand
+
+    @cute.jit
+    def offer(self, topv, topi, cv, ci, lower):
+        """Offer block ``ci`` with maximum ``cv`` to this lane's descending top-k list.
+
+        Sorted insertion: the first slot the candidate beats strictly (ties keep the lower
+        block: blocks arrive in ascending order), then every later entry moves down one slot
+        and the last one drops out. With the list split over two lanes (top_k > 16) the lower
+        half's candidate is the upper half's last entry when the block enters the upper half
+        (it then goes first in the lower half)."""
+        HALF = cute.size(topv)
+        shift = Boolean(False)
+        if cutlass.const_expr(self.top_k > 16):
+            up_v = cute.arch.shuffle_sync_bfly(topv[HALF - 1], offset=1)
+            up_i = cute.arch.shuffle_sync_bfly(topi[HALF - 1], offset=1)
+            if lower and cv > up_v:
+                cv = up_v
+                ci = up_i
+                shift = Boolean(True)
+        if shift or cv > topv[HALF - 1]:  # most blocks of a long row skip this
+            for t in cutlass.range_constexpr(HALF):
+                if shift or cv > topv[t]:
+                    ov = topv[t]
+                    oi = topi[t]
+                    topv[t] = cv
+                    topi[t] = ci
+                    cv = ov
+                    ci = oi
+                    shift = Boolean(True)
+
+    @cute.jit
+    def write_out(self, topi, mIdx, start, row, p, L, tidx):
+        """Sort the row's kept blocks ascending (-1 last) and write them (lanes 4q and 4q+2,
+        the upper lane gathering the lower half's entries first when the list is split)."""
+        TOPK = self.top_k
+        HALF = cute.size(topi)
+        big = Int32(2147483647)  # -1 read as +inf by the sort
+        keys = []
+        for t in cutlass.range_constexpr(HALF):
+            keys.append(topi[t])
+        if cutlass.const_expr(TOPK > 16):  # the upper lane gathers the lower half
+            for t in cutlass.range_constexpr(HALF):
+                keys.append(cute.arch.shuffle_sync_bfly(topi[t], offset=1))
+        keys = keys[:TOPK]  # the list is sorted by score: its first TOPK entries are kept
+        for t in cutlass.range_constexpr(TOPK):
+            keys[t] = big if keys[t] < 0 else keys[t]
+        P2 = 1 << (TOPK - 1).bit_length()  # the network needs a power of two
+        keys = _sort_ascending(keys + [big] * (P2 - TOPK))
+        if tidx % 2 == 0 and row < L:  # lanes 4q (row 0) and 4q+2 (row 1) write
+            for t in cutlass.range_constexpr(TOPK):
+                k = keys[t]
+                mIdx[Int64(start + row), p, t] = -1 if k == big else k  # 64-bit offset
 
 
 # ---------------------------------------------------------------------------------------------
 # host: torch tensors in, indices out
 # ---------------------------------------------------------------------------------------------
-def select(q_proxy, k_proxy, cu_seqlens, cfg):
-    """Backend op ``select`` (docs/design.md): ``indices (T, Hp, top_k)`` int32, ascending
-    sequence-local block numbers, -1 in unused slots.
+def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages):
+    """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written):
+    ascending sequence-local block numbers, -1 in unused slots. Returns ``indices``.
 
     ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` contiguous bf16/fp16 CUDA tensors,
     ``cu_seqlens (N+1,)`` int32; ``cfg.max_seqlen`` bounds the grid (no host synchronization).
+    ``stages``: the kernel's constructor argument (A/B runs; the default is the shipped one).
     """
     T, Hp, Dp = q_proxy.shape
     Hpk = k_proxy.shape[1]
     K = cfg.top_k
-    idx = torch.empty((T, Hp, K), dtype=torch.int32, device=q_proxy.device)
+    kernel = SelectSm90(cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages)
+    if tuple(indices.shape) != (T, Hp, K) or indices.dtype != torch.int32:
+        raise ValueError(
+            f"CuTe selection: indices must be an int32 ({T}, {Hp}, {K}) tensor, got "
+            f"{indices.dtype} {tuple(indices.shape)}"
+        )
+    if not indices.is_contiguous() or indices.data_ptr() % 16:
+        raise ValueError("CuTe selection: indices must be contiguous and 16-byte aligned")
     if T == 0:
-        return idx
-    runtime = (
+        return indices
+    run(
+        kernel,
+        q_proxy.device,
         cute_tensor(aligned(q_proxy).permute(0, 2, 1)),  # (T, Dp, Hp): a TMA box = one head
         cute_tensor(aligned(k_proxy).permute(0, 2, 1)),
         cute_tensor(cu_seqlens),
-        cute_tensor(idx),
+        cute_tensor(indices),
         Int32(max(1, -(-cfg.max_seqlen // TILE_M))),
         stream(q_proxy.device),
     )
-    key = (q_proxy.dtype, Dp, Hp, Hpk, K, cfg.block_size, q_proxy.device.index)
-    launch(select_host, key, runtime, (cfg.block_size,))
-    return idx
+    return indices
+
+
+def select(q_proxy, k_proxy, cu_seqlens, cfg):
+    """Backend op ``select`` (docs/design.md): ``indices (T, Hp, top_k)`` int32, ascending
+    sequence-local block numbers, -1 in unused slots (:func:`select_into` a new tensor)."""
+    T, Hp, _ = q_proxy.shape
+    idx = torch.empty((T, Hp, cfg.top_k), dtype=torch.int32, device=q_proxy.device)
+    return select_into(idx, q_proxy, k_proxy, cu_seqlens, cfg)

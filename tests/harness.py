@@ -1,0 +1,98 @@
+"""Test-side helpers around the harness of :mod:`flash_msa.testing` (the rule lives there).
+
+One problem on given indices is checked the same way everywhere (CPU Triton tests, GPU tests):
+
+- :func:`references`: the *exact* result (the torch reference in fp64 on the same input values)
+  and the *same-dtype* result (the reference in the input dtype with ``upcast=False``; its
+  backward in fp32 from input-dtype tensors, cast back), forward and backward, as dicts;
+- :func:`results`: a backend's ``Forward`` / ``Grads`` as the same kind of dict;
+- :func:`check`: every quantity by ``testing.assert_close`` (``err <= 2 * err(same) + atol``,
+  and the check must be able to fail).
+
+Gradients always come from :func:`flash_msa.testing.training_loss` (O(1) gradients in all five
+inputs): :func:`incoming` gives what autograd hands the op for that loss (``dout`` in the
+output's dtype, ``dkl`` = the KL weight).
+
+Why fp64 and not fp32 as "exact": the same-dtype reference computes the proxy scores in fp32
+(also for bf16 inputs), so against an fp32 exact its ``proxy_lse`` error would be 0 and the rule
+would leave only one fp32 rounding of slack for the kernel's own fp32 reductions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash_msa import reference, testing
+from flash_msa.problem import Config, Forward, Grads, Saved
+
+FWD = ("out", "lse", "proxy_lse", "kl")
+GRADS = ("dq", "dk", "dv", "dq_proxy", "dk_proxy")
+
+
+def config(max_seqlen, D, Dp, block_size, top_k, *, warmup=False, compute_kl=True) -> Config:
+    """The ``Config`` of one call with the default scales (``top_k`` is dropped in warmup)."""
+    return Config(
+        block_size=block_size,
+        softmax_scale=D**-0.5,
+        max_seqlen=max_seqlen,
+        proxy_scale=Dp**-0.5,
+        top_k=None if warmup else top_k,
+        warmup=warmup,
+        compute_kl=compute_kl,
+    )
+
+
+def packed_inputs(lengths, H, Hkv, Hp, Hpk, D, Dp, *, dtype, device, seed=0, kind="random"):
+    """``([q_proxy, k_proxy, q, k, v], cu_seqlens)``: packed ``(T, heads, dim)`` inputs of
+    sequences of ``lengths`` (zeros allowed: empty sequences)."""
+    T = sum(lengths)
+    xs = testing.make_inputs(1, T, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, seed=seed, kind=kind)
+    return [x[0].to(device).contiguous() for x in xs], testing.cu(lengths, device)
+
+
+def incoming(q, Hp, seed):
+    """``(dout, dkl)`` that autograd hands the op for ``testing.training_loss(out, kl, rows,
+    seed)`` with ``rows = Hp * T``: ``dout`` in the output's dtype (``q``'s), ``dkl`` the KL
+    weight as a 0-dim fp32 tensor."""
+    T = q.shape[0]
+    dout, w = testing.loss_weights(q.shape, Hp * T, seed, q.device)
+    return dout.to(q.dtype), torch.tensor(w, dtype=torch.float32, device=q.device)
+
+
+def results(fwd: Forward, grads: Grads | None = None) -> dict:
+    """A backend's forward (and backward) outputs by name (``None`` entries dropped)."""
+    named = dict(zip(FWD, fwd[:4]))
+    if grads is not None:
+        named.update(zip(GRADS, grads))
+    return {k: v for k, v in named.items() if v is not None}
+
+
+def _reference(qp, kp, q, k, v, idx, cu, cfg, dout, dkl, *, exact):
+    cast = (lambda x: x.double()) if exact else (lambda x: x)
+    qp, kp, q, k, v, dout = (None if x is None else cast(x) for x in (qp, kp, q, k, v, dout))
+    f = reference.fwd(q, k, v, idx, cu, cfg, qp, kp, upcast=exact)
+    saved = Saved(q, k, v, f.out, f.lse, idx, qp, kp, f.proxy_lse)
+    g = reference.bwd(dout, dkl, saved, cu, cfg) if dout is not None or dkl is not None else None
+    return results(f, g)
+
+
+def references(qp, kp, q, k, v, idx, cu, cfg, dout=None, dkl=None):
+    """``(exact, same)``: the reference's forward on ``idx`` (``None``: warmup) and, when
+    ``dout`` / ``dkl`` are given, its backward, in fp64 and in the input dtype (see the module
+    docstring). ``qp``/``kp`` may be ``None`` (no proxy)."""
+    kw = dict(idx=idx, cu=cu, cfg=cfg, dout=dout, dkl=dkl)
+    exact = _reference(qp, kp, q, k, v, exact=True, **kw)
+    same = _reference(qp, kp, q, k, v, exact=False, **kw)
+    return exact, same
+
+
+def check(mine: dict, exact: dict, same: dict, names=None, *, can_fail=True, label=""):
+    """Each named quantity (default: every one of ``exact``) by the tolerance rule, with the
+    tolerance from ``mine``'s dtype. Returns ``{name: (err, tol)}``."""
+    report = {}
+    for name in names or exact:
+        assert name in mine, f"{label}{name}: not computed"
+        report[name] = testing.assert_close(
+            f"{label}{name}", mine[name], exact[name], same[name], can_fail=can_fail
+        )
+    return report
