@@ -21,7 +21,6 @@ from flash_msa.triton_ref import proxy, sparse_bwd, sparse_fwd, tiles
 KNOBS = {  # name -> (module, attribute)
     "fwd_stages": (sparse_fwd, "FWD_STAGES"),
     "fwd_prefetch": (sparse_fwd, "FWD_PREFETCH"),
-    "grad_in_fwd": (sparse_fwd, "PROXY_GRAD_IN_FWD"),
     "bwd_prefetch": (sparse_bwd, "BWD_PREFETCH"),
     "bwd_tiles": (sparse_bwd, "BWD_TILES"),
     "proxy_tiles": (proxy, "PROXY_TILES"),
@@ -105,7 +104,7 @@ def main():
             ms = bench._time(step, iters=7)
             per = profile(step)
             kernels = ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items(), key=lambda x: -x[1]))
-            chosen = [(k[0], v) for k, v in tiles._chosen.items() if k[1] == _table(k[0], cfg)]
+            chosen = [(k[0], v) for k, v in tiles.chosen().items() if k[1] == _table(k[0], cfg)]
             print(
                 f"{change or 'defaults'}: tiles {chosen}; step {ms:.3f} ms "
                 f" (kernels {sum(per.values()):.2f}: "

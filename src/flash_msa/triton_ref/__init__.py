@@ -70,20 +70,11 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
 
 
 def forward_stages():
-    """This backend's stages of the sparse-forward driver (:mod:`flash_msa.sparse_forward`):
-    one kernel makes the main and the proxy LSE partials; the KL pass also makes the proxy
-    gradient for ``dkl = 1`` when the step will need it."""
-    from ..sparse_forward import Stages
-    from . import proxy, sparse_fwd
+    """This backend's stages of the sparse-forward driver: see
+    :func:`flash_msa.triton_ref.sparse_fwd.forward_stages`."""
+    from .sparse_fwd import forward_stages as stages
 
-    return Stages(
-        partials=sparse_fwd.partials,
-        partials_make_proxy=True,
-        proxy_partials=sparse_fwd.proxy_partials,
-        combine=sparse_fwd.combine,
-        kl=proxy.kl,
-        kl_makes_proxy_grad=True,
-    )
+    return stages()
 
 
 def select(q_proxy, k_proxy, cu_seqlens, cfg):

@@ -23,6 +23,7 @@ import triton.language as tl
 from ..problem import Config, Forward, Grads, Saved
 from ..worklist import geometry
 from . import tiles
+from .common import finish_lse, proxy_step, teacher
 
 BM, BN = 64, 64  # query rows and keys per tile of the forward
 # (rows, keys, warps) candidates of the backward and the proxy pass, in order (tiles.py picks
@@ -81,7 +82,7 @@ def _dense_fwd_kernel(
             b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)
         b_m = b_mn
     b_safe = tl.where(b_l > 0, b_l, 1.0)
-    b_lse = tl.where(b_l > 0, b_m + tl.log(b_safe), float("-inf"))
+    b_lse = finish_lse(b_m, b_l)
     tl.store(LSE + rows, b_lse, mask=m_i)
     if HAS_V:
         b_out = (b_acc / b_safe[:, None]).to(OUT.dtype.element_ty)
@@ -138,46 +139,33 @@ def _dense_proxy_kernel(
     b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
     b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
     o_r = tl.arange(0, BT * G2)  # main rows: token-major (token r // G2, head r % G2)
-    ir = m0 + o_r // G2
+    ir = m0 + o_r // G2  # [BT * G2] sequence-local positions
     m_r = ir < L
     kl_acc = tl.zeros([BT], tl.float32)
     b_dqp = tl.zeros([BT, Dp], tl.float32)
     if GRAD:
         coef = tl.load(DKL).to(tl.float32) * inv_rows
     for n0 in range(0, tl.minimum(m0 + BT, L), BN):
-        j = n0 + o_n
+        j = n0 + o_n  # [BN] sequence-local key positions
         m_j = j < L
-        b_tgt = tl.zeros([BT, BN], tl.float32)
-        for r in tl.static_range(R):
-            h0 = p * G + r * G2
-            kvh = h0 // (H // Hkv)
-            b_k = tl.load(
-                Kt + ((s0 + j).to(tl.int64) * Hkv + kvh)[:, None] * D + o_d[None, :],
-                mask=m_j[:, None],
-                other=0.0,
-            )
-            row = (s0 + ir).to(tl.int64) * H + h0 + o_r % G2
-            b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
-            b_lse = tl.load(LSE + row, mask=m_r, other=0.0)
-            keep_r = m_r[:, None] & m_j[None, :] & (j[None, :] <= ir[:, None])
-            b_p = tl.where(keep_r, tl.exp(b_s - b_lse[:, None]), 0.0)
-            b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BN]), axis=1)
-        b_tgt = b_tgt / G
-        p_kp = KP + ((s0 + j).to(tl.int64) * Hpk + pk)[:, None] * Dp + o_dp[None, :]
-        b_kp = tl.load(p_kp, mask=m_j[:, None], other=0.0)
-        b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale
-        keep = m_t[:, None] & m_j[None, :] & (j[None, :] <= i[:, None])
-        b_logq = b_z - b_plse[:, None]
-        if KL_VALUE:
-            pos = keep & (b_tgt > 0)
-            b_kl = tl.where(pos, b_tgt * (tl.log(tl.where(pos, b_tgt, 1.0)) - b_logq), 0.0)
-            kl_acc += tl.sum(b_kl, axis=1)
+        kpos = (s0 + j).to(tl.int64)  # packed key positions
+        # the first KV sub-group's key tile (the teacher's with R == 1)
+        p_k0 = Kt + (kpos * Hkv + (p * G) // (H // Hkv))[:, None] * D + o_d[None, :]
+        b_k0 = tl.load(p_k0, mask=m_j[:, None], other=0.0)  # [BN, D]
+        tok = (s0 + ir).to(tl.int64)  # packed tokens of the main rows (loop-invariant, hoisted)
+        b_tgt = teacher(  # [BT, BN]
+            Q, LSE, Kt, b_k0, tok, o_r % G2, m_r, ir, kpos, j, m_j, p, scale,
+            H, Hkv, D, G, G2, R, BT, BN, PREC,
+        )  # fmt: skip
+        p_kp = KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+        b_kp = tl.load(p_kp, mask=m_j[:, None], other=0.0)  # [BN, Dp]
+        kl_acc, b_diff = proxy_step(
+            kl_acc, b_tgt, b_qp, b_kp, b_plse, m_t, i, j, m_j, pscale, KL_VALUE, GRAD, PREC
+        )
         if GRAD:
-            b_diff = (tl.where(keep, tl.exp(b_logq), 0.0) - b_tgt).to(b_qp.dtype)  # Q - target
             b_dqp += tl.dot(b_diff, b_kp, input_precision=PREC)
             b_dkp = tl.dot(tl.trans(b_diff), b_qp, input_precision=PREC) * (coef * pscale)
-            p_dkp = DKP + ((s0 + j).to(tl.int64) * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+            p_dkp = DKP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
             tl.atomic_add(p_dkp, b_dkp, mask=m_j[:, None], sem="relaxed")
     if KL_VALUE:
         flat = (seq * Hs + p) * tl.num_programs(0) + pid

@@ -23,33 +23,7 @@ from triton import jit
 
 from ..worklist import geometry
 from . import tiles
-from .sparse_fwd import _item_block, _item_rows
-
-
-@jit
-def _probs(
-    Q,
-    LSE,
-    b_k,
-    t,
-    hj,
-    m_r,
-    h0,
-    kpos,
-    m_k,
-    scale,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """P [BM, BLOCK] of the rows (token t, head h0 + hj) on the key block, their q and row ids."""
-    o_d = tl.arange(0, D)
-    row = t * H + h0 + hj
-    b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
-    keep = m_r[:, None] & m_k[None, :] & (kpos[None, :] <= t[:, None])
-    b_lse = tl.load(LSE + row, mask=m_r, other=0.0)
-    return tl.where(keep, tl.exp(b_s - b_lse[:, None]), 0.0), b_q, row
+from .common import item_block, item_rows, proxy_step, teacher
 
 
 @jit
@@ -97,7 +71,7 @@ def _proxy_kernel(
     if e0 >= e1:
         return
     sub = tl.program_id(1)
-    p, kpos, m_k = _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN, sub)
+    p, kpos, m_k = item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN, sub)
     o_d = tl.arange(0, D)
     o_dp = tl.arange(0, Dp)
     pk = p // (Hs // Hpk)
@@ -110,41 +84,28 @@ def _proxy_kernel(
     # with one KV sub-group (R == 1) the key tile stays in registers for the whole item
     p_k0 = Kt + (kpos * Hkv + (p * G) // (H // Hkv))[:, None] * D + o_d[None, :]
     b_k0 = tl.load(p_k0, mask=m_k[:, None], other=0.0)
-    nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)  # (token, slot, head, mask) of G2 rows
-    nxt1 = _item_rows(PERM, e0, e1, Hs * K, K, BT, 1)  # one row per token
+    nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, G2)  # (token, slot, head, mask) of G2 rows
+    nxt1 = item_rows(PERM, e0, e1, Hs * K, K, BT, 1)  # one row per token
     for c in range(e0, e1, BT):
         if not PREFETCH:
-            nxt = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
-            nxt1 = _item_rows(PERM, c, e1, Hs * K, K, BT, 1)
+            nxt = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
+            nxt1 = item_rows(PERM, c, e1, Hs * K, K, BT, 1)
         tr, _, hj, m_r = nxt
         t, _, _, m_t = nxt1
         prow = t * Hs + p
         b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
         b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
         if PREFETCH:  # the next chunk's entries load while this one computes
-            nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
-            nxt1 = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
-        b_tgt = tl.zeros([BT, BN], tl.float32)
-        for r in tl.static_range(R):
-            h0 = p * G + r * G2
-            kvh = h0 // (H // Hkv)
-            if R == 1:
-                b_k = b_k0
-            else:
-                p_k = Kt + (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
-                b_k = tl.load(p_k, mask=m_k[:, None], other=0.0)
-            b_p, _, _ = _probs(Q, LSE, b_k, tr, hj, m_r, h0, kpos, m_k, scale, H, D, PREC)
-            b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BN]), axis=1)
-        b_tgt = b_tgt / G
-        b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale  # [BT, BN]
-        keep = m_t[:, None] & m_k[None, :] & (kpos[None, :] <= t[:, None])
-        b_logq = b_z - b_plse[:, None]
-        if KL_VALUE:
-            pos = keep & (b_tgt > 0)
-            b_logt = tl.log(tl.where(pos, b_tgt, 1.0))
-            kl_acc += tl.sum(tl.where(pos, b_tgt * (b_logt - b_logq), 0.0), axis=1)
+            nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
+            nxt1 = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
+        b_tgt = teacher(  # [BT, BN]
+            Q, LSE, Kt, b_k0, tr, hj, m_r, tr, kpos, kpos, m_k, p, scale,
+            H, Hkv, D, G, G2, R, BT, BN, PREC,
+        )  # fmt: skip
+        kl_acc, b_diff = proxy_step(
+            kl_acc, b_tgt, b_qp, b_kp, b_plse, m_t, t, kpos, m_k, pscale, KL_VALUE, GRAD, PREC
+        )
         if GRAD:
-            b_diff = (tl.where(keep, tl.exp(b_logq), 0.0) - b_tgt).to(b_qp.dtype)  # Q - target
             b_dqp = tl.dot(b_diff, b_kp, input_precision=PREC) * (coef * pscale)  # [BT, Dp]
             tl.atomic_add(
                 DQP + prow[:, None] * Dp + o_dp[None, :], b_dqp, mask=m_t[:, None], sem="relaxed"

@@ -25,8 +25,7 @@ from ..problem import Config, Grads, Saved
 from ..worklist import ITEM_TOKENS, geometry
 from . import proxy as proxy_pass
 from . import tiles
-from .proxy import _probs
-from .sparse_fwd import _item_block, _item_rows
+from .common import item_block, item_rows, probs
 
 
 @triton.jit
@@ -67,7 +66,7 @@ def _bwd_kernel(
     e1 = tl.load(ITEM_END + w)
     if e0 >= e1:
         return
-    p, kpos, m_k = _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN, tl.program_id(1))
+    p, kpos, m_k = item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN, tl.program_id(1))
     o_d = tl.arange(0, D)
     for r in tl.static_range(R):
         h0 = p * G + r * G2
@@ -77,17 +76,17 @@ def _bwd_kernel(
         b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
         b_dk = tl.zeros([BN, D], tl.float32)
         b_dv = tl.zeros([BN, D], tl.float32)
-        nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
+        nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
         for c in range(e0, e1, BT):
             if not PREFETCH:
-                nxt = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
+                nxt = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
             t, _, hj, m_r = nxt
             row = t * H + h0 + hj
             b_do = tl.load(DO + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
             b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
             if PREFETCH:  # the next chunk's entries load while this one computes
-                nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
-            b_p, b_q, _ = _probs(Q, LSE, b_k, t, hj, m_r, h0, kpos, m_k, scale, H, D, PREC)
+                nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
+            b_p, b_q = probs(Q, LSE, b_k, row, m_r, t, kpos, m_k, scale, D, PREC)  # [BM, BN]
             b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)  # [BM, BN]
             b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)

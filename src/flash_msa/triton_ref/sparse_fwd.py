@@ -23,29 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import sparse_forward
 from ..problem import Config
 from ..worklist import geometry
-from . import tiles
-
-
-@triton.jit
-def _item_rows(PERM, c, e1, HsK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, G2: tl.constexpr):
-    """Token and slot of each of the BT*G2 rows of sub-chunk ``c`` (row = token-major)."""
-    o_r = tl.arange(0, BT * G2)
-    e = c + o_r // G2
-    m_r = e < e1
-    flat = tl.load(PERM + e, mask=m_r, other=0)
-    return (flat // HsK).to(tl.int64), flat % K, o_r % G2, m_r
-
-
-@triton.jit
-def _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN: tl.constexpr, sub=0):
-    """Selection head and key positions (packed, int64) of work item ``w``'s key block, or of
-    its ``sub``-th part of BN keys (kernels that split a block over programs)."""
-    lst = tl.load(ITEM_LIST + w)
-    gb = lst % NB
-    kpos = (tl.load(BLK_START + gb) + sub * BN + tl.arange(0, BN)).to(tl.int64)
-    return lst // NB, kpos, kpos < tl.load(BLK_END + gb)
+from . import proxy, tiles
+from .common import finish_lse, item_block, item_rows, row_exp
 
 
 @triton.jit
@@ -91,7 +73,7 @@ def _fwd_kernel(
     e1 = tl.load(ITEM_END + w)
     if e0 >= e1:
         return
-    p, kpos, m_k = _item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK)
+    p, kpos, m_k = item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK)
     o_d = tl.arange(0, D)
     if HAS_MAIN:
         for r in tl.static_range(R):
@@ -100,23 +82,20 @@ def _fwd_kernel(
             p_kv = (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
             b_k = tl.load(Kt + p_kv, mask=m_k[:, None], other=0.0)  # [BLOCK, D]
             b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
-            nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
+            nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
             for c in range(e0, e1, BT):
                 if not PREFETCH:
-                    nxt = _item_rows(PERM, c, e1, Hs * K, K, BT, G2)
+                    nxt = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
                 t, slot, hj, m_r = nxt
                 row = t * H + h0 + hj  # [BM] (token, head)
                 b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
                 if PREFETCH:  # the next chunk's entries load while this one computes
-                    nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
+                    nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
                 b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BM, BLOCK]
                 keep = m_k[None, :] & (kpos[None, :] <= t[:, None])
                 b_s = tl.where(keep, b_s, float("-inf"))
-                b_m = tl.max(b_s, axis=1)
-                b_m = tl.where(b_m == float("-inf"), 0.0, b_m)  # a row with no visible key
-                b_p = tl.exp(b_s - b_m[:, None])
-                b_l = tl.sum(b_p, axis=1)
-                b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+                b_m, b_p, b_l = row_exp(b_s)  # [BM], [BM, BLOCK], [BM]
+                b_lse = finish_lse(b_m, b_l)
                 part = ((t - tok0) * H + h0 + hj) * K + slot  # chunk-local partial row
                 b_pv = b_p.to(b_v.dtype)
                 b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
@@ -139,22 +118,20 @@ def _fwd_kernel(
         b_kp = tl.load(
             KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :], mask=m_k[:, None], other=0.0
         )  # [BLOCK, Dp]
-        nxt = _item_rows(PERM, e0, e1, Hs * K, K, BT, 1)
+        nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, 1)
         for c in range(e0, e1, BT):
             if not PREFETCH:
-                nxt = _item_rows(PERM, c, e1, Hs * K, K, BT, 1)
+                nxt = item_rows(PERM, c, e1, Hs * K, K, BT, 1)
             t, slot, _, m_t = nxt
             b_qp = tl.load(
                 QP + (t * Hs + p)[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0
             )  # [BT, Dp]
             if PREFETCH:
-                nxt = _item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
+                nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
             b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale
             b_z = tl.where(m_k[None, :] & (kpos[None, :] <= t[:, None]), b_z, float("-inf"))
-            b_m = tl.max(b_z, axis=1)
-            b_m = tl.where(b_m == float("-inf"), 0.0, b_m)
-            b_l = tl.sum(tl.exp(b_z - b_m[:, None]), axis=1)
-            b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+            b_m, _, b_l = row_exp(b_z)
+            b_lse = finish_lse(b_m, b_l)
             tl.store(PL_PART + ((t - tok0) * Hs + p) * K + slot, b_lse, mask=m_t)
 
 
@@ -184,12 +161,8 @@ def _combine_kernel(
     valid = ids >= 0  # [HB, KP2]
     p_l = L_PART + (t * H + h[:, None]) * K + o_s[None, :]
     b_lse = tl.load(p_l, mask=valid, other=float("-inf"))
-    b_m = tl.max(b_lse, axis=1)
-    b_m = tl.where(b_m == float("-inf"), 0.0, b_m)
-    b_w = tl.exp(b_lse - b_m[:, None])  # 0 for unused slots and empty partials
-    b_l = tl.sum(b_w, axis=1)
-    b_safe = tl.where(b_l > 0, b_l, 1.0)
-    tl.store(LSE + t * H + h, tl.where(b_l > 0, b_m + tl.log(b_safe), float("-inf")), mask=m_h)
+    b_m, b_w, b_l = row_exp(b_lse)  # b_w: 0 for unused slots and empty partials
+    tl.store(LSE + t * H + h, finish_lse(b_m, b_l), mask=m_h)
     if HAS_O:
         o_d = tl.arange(0, D)
         p_o = (
@@ -197,6 +170,7 @@ def _combine_kernel(
         )
         m_o = (valid & (b_w > 0))[:, :, None]
         b_o = tl.load(p_o, mask=m_o, other=0.0).to(tl.float32)  # [HB, KP2, D]
+        b_safe = tl.where(b_l > 0, b_l, 1.0)
         b_out = tl.sum(b_w[:, :, None] * b_o, axis=1) / b_safe[:, None]  # [HB, D]
         p_out = OUT + (t * H + h[:, None]) * D + o_d[None, :]
         tl.store(p_out, b_out.to(OUT.dtype.element_ty), mask=m_h[:, None])
@@ -306,12 +280,23 @@ def combine(o_part, l_part, idx, out, lse):
     )  # fmt: skip
 
 
+def forward_stages() -> sparse_forward.Stages:
+    """This backend's stages of the sparse-forward driver (:mod:`flash_msa.sparse_forward`):
+    one kernel makes the main and the proxy LSE partials; the KL pass also makes the proxy
+    gradient for ``dkl = 1`` when the step will need it."""
+    return sparse_forward.Stages(
+        partials=partials,
+        partials_make_proxy=True,
+        proxy_partials=proxy_partials,
+        combine=combine,
+        kl=proxy.kl,
+        kl_makes_proxy_grad=True,
+    )
+
+
 def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, proxy_grad=False):
     """Backend op ``fwd`` for given indices (not warmup): the sparse-forward driver
     (:func:`flash_msa.sparse_forward.fwd`) with this backend's stages."""
-    from .. import sparse_forward
-    from . import forward_stages
-
     return sparse_forward.fwd(
         forward_stages(), q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad
     )

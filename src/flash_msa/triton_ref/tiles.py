@@ -53,6 +53,12 @@ def _shared_limit(dev) -> int:
     return getattr(props, "shared_memory_per_block_optin", 232448)
 
 
+def chosen() -> dict[tuple, object]:
+    """The tiles :func:`pick` chose so far (a copy): ``(kernel name, candidates, device,
+    capability, *key) -> tile`` (benchmarks/tune_triton.py prints them)."""
+    return dict(_chosen)
+
+
 def pick(kernel, args, candidates, options, key):
     """First of ``candidates`` whose kernel compiles without spills, for ``args`` (checked for
     the specialization of the first call of a configuration: Triton may compile another one

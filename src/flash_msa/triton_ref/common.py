@@ -1,0 +1,201 @@
+"""``@triton.jit`` helpers shared by the Triton kernels (they inline into their callers).
+
+- Work items (the reverse index of :mod:`flash_msa.worklist`): :func:`item_block` (a work
+  item's selection head and key positions) and :func:`item_rows` (the token, slot and head of
+  each MMA row of a token chunk), for the sparse forward, backward and proxy pass.
+- Block-local LSE: :func:`row_exp` (row max and ``exp``) and :func:`finish_lse` (``m + log l``,
+  ``-inf`` for a row with no visible key), for the forward's partials, the combine and the dense
+  forward.
+- Main probabilities from the saved LSE: :func:`probs` (sparse backward, and through
+  :func:`teacher` both proxy passes).
+- The proxy pass, one body for the sparse (``proxy.py``) and the warmup (``dense.py``) kernels:
+  :func:`teacher` (the mean over the group's main probabilities) and :func:`proxy_step` (the
+  proxy probabilities, the KL terms ``t * (log t - log q)`` and the gradient's ``q - t``, with
+  ``dz = coef * (q - t)``). The gradient MMAs that follow stay in the kernels: which side is
+  kept in registers and which goes out by atomics differs (the sparse pass keeps ``dk_proxy``
+  over its tokens, the dense one ``dq_proxy`` over its keys).
+
+Import graph of ``triton_ref/`` (``a -> b``: ``a`` imports ``b``; one way, no cycles)::
+
+    __init__      -> selection, sparse_fwd, sparse_bwd, dense, proxy (lazily, per op)
+    compile_check -> selection, sparse_fwd, sparse_bwd, proxy, dense, tiles
+    sparse_fwd    -> proxy, common, tiles    (``forward_stages``: the driver's stages)
+    sparse_bwd    -> proxy, common, tiles
+    dense         -> common, tiles
+    proxy         -> common, tiles
+    selection     -> tiles
+    tiles         -> (flash_msa.backends; flash_msa.cubin lazily)
+    common        -> (triton only)
+
+Outside the package the modules import only neutral ones: ``flash_msa.problem``,
+``flash_msa.worklist``, ``flash_msa.sparse_forward`` (sparse_fwd), ``flash_msa.cubin`` (tiles,
+compile_check), ``flash_msa.backends`` (tiles). Nothing imports ``compile_check`` (the CI's
+check, run as a program; ``tiles`` reads cubins through ``flash_msa.cubin``), and no module
+imports another's ``_private`` names. The one reach into other modules' private objects is
+``compile_check`` compiling their ``@triton.jit`` kernels (``sparse_fwd._fwd_kernel`` ...; the
+tests use those names too).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------------------------
+# work items
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def item_rows(PERM, c, e1, HsK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, G2: tl.constexpr):
+    """Token (int64), slot, head-in-group and mask of each of the ``BT * G2`` rows of the chunk
+    of entries ``c .. min(c + BT, e1)`` of ``PERM`` (row = token-major: token ``r // G2``, head
+    ``r % G2``); ``HsK = Hs * K`` entries per token."""
+    o_r = tl.arange(0, BT * G2)
+    e = c + o_r // G2
+    m_r = e < e1
+    flat = tl.load(PERM + e, mask=m_r, other=0)
+    return (flat // HsK).to(tl.int64), flat % K, o_r % G2, m_r
+
+
+@triton.jit
+def item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN: tl.constexpr, sub=0):
+    """Selection head, key positions [BN] (packed, int64) and their mask of work item ``w``'s
+    key block, or of its ``sub``-th part of BN keys (kernels that split a block over
+    programs)."""
+    lst = tl.load(ITEM_LIST + w)
+    gb = lst % NB
+    kpos = (tl.load(BLK_START + gb) + sub * BN + tl.arange(0, BN)).to(tl.int64)
+    return lst // NB, kpos, kpos < tl.load(BLK_END + gb)
+
+
+# ---------------------------------------------------------------------------------------------
+# block-local LSE
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def row_exp(b_s):
+    """For scores ``b_s`` [M, N] (``-inf`` where masked): the row max [M] (0 for a row with no
+    finite score, so that ``exp`` gives 0 there, not NaN), ``exp(b_s - max)`` [M, N] and its
+    row sums [M]."""
+    b_m = tl.max(b_s, axis=1)
+    b_m = tl.where(b_m == float("-inf"), 0.0, b_m)  # a row with no visible key
+    b_p = tl.exp(b_s - b_m[:, None])
+    return b_m, b_p, tl.sum(b_p, axis=1)
+
+
+@triton.jit
+def finish_lse(b_m, b_l):
+    """Natural-log LSE ``m + log l`` [M] of rows with max ``b_m`` and sum ``b_l`` of
+    ``exp(s - m)``; ``-inf`` for a row with no visible key (``l = 0``)."""
+    return tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# main probabilities and the proxy pass
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def probs(Q, LSE, b_k, row, m_r, q_pos, k_pos, m_k, scale, D: tl.constexpr, PREC: tl.constexpr):
+    """P [BM, BN] = ``exp(q k^T * scale - lse)`` of main rows ``row`` [BM] (int64 ``token * H +
+    head``, mask ``m_r``) on the key tile ``b_k`` [BN, D] (mask ``m_k``), 0 where a key is
+    masked or after the query (``k_pos > q_pos``: positions [BN] and [BM] on one axis, packed
+    or per sequence); also the rows' q [BM, D]."""
+    o_d = tl.arange(0, D)
+    b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
+    keep = m_r[:, None] & m_k[None, :] & (k_pos[None, :] <= q_pos[:, None])
+    b_lse = tl.load(LSE + row, mask=m_r, other=0.0)
+    return tl.where(keep, tl.exp(b_s - b_lse[:, None]), 0.0), b_q
+
+
+@triton.jit
+def teacher(
+    Q,
+    LSE,
+    Kt,
+    b_k0,
+    tok,
+    hj,
+    m_r,
+    q_pos,
+    kpos,
+    k_pos,
+    m_k,
+    p,
+    scale,
+    H: tl.constexpr,
+    Hkv: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    G2: tl.constexpr,
+    R: tl.constexpr,
+    BT: tl.constexpr,
+    BN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The KL's teacher [BT, BN]: the mean over selection head ``p``'s G main heads of their
+    probabilities on the keys ``kpos`` [BN] (packed, int64; mask ``m_k``).
+
+    The G heads are visited in R sub-groups of G2 heads that share a KV head, packed into the
+    MMA's M dimension: BT * G2 rows of token ``tok`` (packed, int64) and head ``p * G + r * G2 +
+    hj``, mask ``m_r``; causality compares ``k_pos`` [BN] with ``q_pos`` [BT * G2] (see
+    :func:`probs`). With one sub-group (R == 1) the key tile is the caller's ``b_k0`` [BN, D],
+    which it may keep in registers over several calls; otherwise each sub-group's tile is
+    loaded here."""
+    o_d = tl.arange(0, D)
+    b_tgt = tl.zeros([BT, BN], tl.float32)
+    for r in tl.static_range(R):
+        h0 = p * G + r * G2  # first main head of this KV sub-group
+        kvh = h0 // (H // Hkv)
+        if R == 1:
+            b_k = b_k0
+        else:
+            p_k = Kt + (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
+            b_k = tl.load(p_k, mask=m_k[:, None], other=0.0)  # [BN, D]
+        row = tok * H + h0 + hj
+        b_p, _ = probs(Q, LSE, b_k, row, m_r, q_pos, k_pos, m_k, scale, D, PREC)  # [BT * G2, BN]
+        b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BN]), axis=1)
+    return b_tgt / G
+
+
+@triton.jit
+def proxy_step(
+    kl_acc,
+    b_tgt,
+    b_qp,
+    b_kp,
+    b_plse,
+    m_t,
+    q_pos,
+    k_pos,
+    m_k,
+    pscale,
+    KL_VALUE: tl.constexpr,
+    GRAD: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The proxy side of one [BT, BN] tile, against the teacher ``b_tgt``: the proxy
+    probabilities ``q = exp(z - proxy_lse)``, ``z = q_proxy k_proxy^T * pscale`` (``b_qp`` [BT,
+    Dp], ``b_kp`` [BN, Dp], ``b_plse`` [BT]; tokens masked by ``m_t``, keys by ``m_k``, causal
+    by ``k_pos <= q_pos``). Returns
+
+    - ``kl_acc`` [BT] plus the tile's KL row sums ``t * (log t - log q)`` (with ``KL_VALUE``;
+      terms with ``t = 0`` are 0, their ``log t`` never evaluated), else ``kl_acc``;
+    - ``q - t`` [BT, BN] in the input dtype, the operand of the gradient's MMAs
+      (``dz = coef * (q - t)``; with ``GRAD``, else ``b_tgt``). The caller applies ``coef =
+      dkl / (Hs * T)`` to their fp32 results: ``coef`` is ~1/T and ``coef * (q - t)`` would
+      underflow fp16."""
+    b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale
+    keep = m_t[:, None] & m_k[None, :] & (k_pos[None, :] <= q_pos[:, None])
+    b_logq = b_z - b_plse[:, None]
+    if KL_VALUE:
+        pos = keep & (b_tgt > 0)
+        b_logt = tl.log(tl.where(pos, b_tgt, 1.0))
+        kl_acc += tl.sum(tl.where(pos, b_tgt * (b_logt - b_logq), 0.0), axis=1)
+    b_diff = b_tgt  # unused without GRAD
+    if GRAD:
+        b_diff = (tl.where(keep, tl.exp(b_logq), 0.0) - b_tgt).to(b_qp.dtype)  # q - t
+    return kl_acc, b_diff
