@@ -21,6 +21,11 @@ from .problem import Config, Problem, Saved
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK_SIZES = (64, 128)
+# top_k counts key *blocks*: 2**14 is every block of a 1M-token sequence at block 64 (the longest
+# lengths of docs/performance.md), far above any sparse use (the paper keeps 16, the GPU kernels
+# at most 64). A larger value is a mistake (keys for blocks, a typo), refused before it can size
+# select_blocks' (tokens, Hp, top_k) output.
+MAX_TOP_K = 1 << 14
 
 
 def _debug() -> bool:
@@ -135,6 +140,27 @@ def _bool_arg(name, value):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return value
+
+
+def _top_k_arg(top_k):
+    top_k = _int_arg("top_k", top_k, 1)
+    if top_k > MAX_TOP_K:
+        raise ValueError(
+            f"top_k must be <= {MAX_TOP_K} (it counts key blocks of block_size tokens, not "
+            f"keys), got {top_k}"
+        )
+    return top_k
+
+
+def _kernel_top_k(top_k, max_seqlen, block_size):
+    """The K the backends run with: ``top_k`` clamped to the blocks of the longest sequence.
+
+    No row has more than ``ceil(max_seqlen / block_size)`` visible blocks, so a larger ``top_k``
+    selects exactly the same blocks and would only add ``-1`` slots (and, for ``top_k=10**6``, a
+    ``(tokens, Hp, 10**6)`` index tensor). The clamp also lets a backend whose kernels keep at
+    most 64 blocks run a short sequence asked for more.
+    """
+    return min(top_k, -(-max_seqlen // block_size))
 
 
 def _block_size_arg(block_size):
@@ -387,8 +413,13 @@ def msa_attention(
       divide one another.
 
     Args:
-        top_k: number of key *blocks* each query keeps (its own block included); validated
-            (an int >= 1) but unused when ``warmup=True``.
+        top_k: number of key *blocks* each query keeps (its own block included), an int in
+            ``[1, MAX_TOP_K]`` (``2**14``; larger values raise ``ValueError``). A ``top_k`` above
+            the blocks of the longest sequence, ``ceil(max_seqlen / block_size)``, is
+            **clamped** to that number: the result is the same (every row keeps all of its
+            visible blocks), and the internal index tensor and the backends' ``top_k`` limits
+            see the clamped value, so nothing is allocated per requested slot. Validated but
+            unused when ``warmup=True``.
         block_size: 64 or 128 tokens per key block.
         softmax_scale: main attention scale, default ``D ** -0.5``.
         proxy_scale: proxy score scale, default ``Dp ** -0.5``.
@@ -408,7 +439,7 @@ def msa_attention(
     _check_main(q, k, v)
     _check_proxy(q_proxy, k_proxy)
     _check_heads(q.shape[-2], k.shape[-2], q_proxy.shape[-2], "q_proxy")
-    top_k = _int_arg("top_k", top_k, 1)
+    top_k = _top_k_arg(top_k)
     block_size = _block_size_arg(block_size)
     softmax_scale = _scale_arg("softmax_scale", softmax_scale, q.shape[-1] ** -0.5)
     proxy_scale = _scale_arg("proxy_scale", proxy_scale, q_proxy.shape[-1] ** -0.5)
@@ -421,7 +452,7 @@ def msa_attention(
         softmax_scale=softmax_scale,
         max_seqlen=max_seqlen,
         proxy_scale=proxy_scale,
-        top_k=None if warmup else top_k,
+        top_k=None if warmup else _kernel_top_k(top_k, max_seqlen, block_size),
         warmup=warmup,
         compute_kl=compute_kl,
     )
@@ -454,17 +485,21 @@ def select_blocks(
     Args:
         q_proxy: ``(B, S, Hp, Dp)`` or varlen ``(T, Hp, Dp)``.
         k_proxy: ``(B, S, Hpk, Dp)`` or varlen ``(T, Hpk, Dp)``; ``Hp % Hpk == 0``.
-        top_k, block_size, proxy_scale, cu_seqlens, max_seqlen: as in :func:`msa_attention`.
+        top_k, block_size, proxy_scale, cu_seqlens, max_seqlen: as in :func:`msa_attention`
+            (``top_k`` in ``[1, MAX_TOP_K]``).
 
     Returns:
         int32 ``(B, S, Hp, top_k)`` (or ``(T, Hp, top_k)``): sequence-local block numbers,
-        ascending, the own block always present, unused slots ``-1``.
+        ascending, the own block always present, unused slots ``-1``. The selection runs with
+        ``top_k`` **clamped** to ``ceil(max_seqlen / block_size)`` (as in
+        :func:`msa_attention`); the slots past that are ``-1`` padding, so the width stays the
+        requested ``top_k`` and a sequence's indices do not depend on what it is packed with.
     """
     varlen = cu_seqlens is not None
     tensors = {"q_proxy": q_proxy, "k_proxy": k_proxy}
     _check_tensors(tensors, varlen)
     _check_proxy(q_proxy, k_proxy)
-    top_k = _int_arg("top_k", top_k, 1)
+    top_k = _top_k_arg(top_k)
     block_size = _block_size_arg(block_size)
     proxy_scale = _scale_arg("proxy_scale", proxy_scale, q_proxy.shape[-1] ** -0.5)
     cu, max_seqlen = _sequences(q_proxy, cu_seqlens, max_seqlen)
@@ -474,7 +509,7 @@ def select_blocks(
         softmax_scale=1.0,
         max_seqlen=max_seqlen,
         proxy_scale=proxy_scale,
-        top_k=top_k,
+        top_k=_kernel_top_k(top_k, max_seqlen, block_size),
     )
     problem = _problem(
         q_proxy,
@@ -491,6 +526,8 @@ def select_blocks(
     select_be = backends.resolve("select", problem)[1]
     with torch.no_grad():
         indices = select_be.select(_packed(q_proxy), _packed(k_proxy), cu, cfg)
+    if cfg.top_k < top_k:  # the clamped slots: -1 in every row (see the docstring)
+        indices = torch.nn.functional.pad(indices, (0, top_k - cfg.top_k), value=-1)
     return indices.view(*q_proxy.shape[:-1], top_k)
 
 
