@@ -3,8 +3,8 @@
 One problem on given indices is checked the same way everywhere (CPU Triton tests, GPU tests):
 
 - :func:`references`: the *exact* result (the torch reference in fp64 on the same input values)
-  and the *same-dtype* result (the reference in the input dtype with ``upcast=False``; its
-  backward in fp32 from input-dtype tensors, cast back), forward and backward, as dicts;
+  and the *same-dtype* result (the reference's forward and backward with ``upcast=False``: every
+  matmul on input-dtype operands, statistics in fp32, as the kernels' MMAs), as dicts;
 - :func:`results`: a backend's ``Forward`` / ``Grads`` as the same kind of dict;
 - :func:`check`: every quantity by ``testing.assert_close`` (``err <= 2 * err(same) + atol``,
   and the check must be able to fail).
@@ -72,7 +72,8 @@ def _reference(qp, kp, q, k, v, idx, cu, cfg, dout, dkl, *, exact):
     qp, kp, q, k, v, dout = (None if x is None else cast(x) for x in (qp, kp, q, k, v, dout))
     f = reference.fwd(q, k, v, idx, cu, cfg, qp, kp, upcast=exact)
     saved = Saved(q, k, v, f.out, f.lse, idx, qp, kp, f.proxy_lse)
-    g = reference.bwd(dout, dkl, saved, cu, cfg) if dout is not None or dkl is not None else None
+    wanted = dout is not None or dkl is not None
+    g = reference.bwd(dout, dkl, saved, cu, cfg, upcast=exact) if wanted else None
     return results(f, g)
 
 

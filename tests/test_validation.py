@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flash_msa
-from flash_msa import backends, reference
+from flash_msa import backends, reference, testing
 from flash_msa.problem import Config, Problem
 
 FNS = {
@@ -365,15 +365,79 @@ VALID = [
 ]
 
 
+def _scale(value):
+    return None if value is None else float(value)
+
+
+def _brute_force(fn, kw):
+    """``testing.brute_force`` (fp64, loops, dense masks) of the call ``FNS[fn](**kw)``."""
+    b = int(kw.get("block_size", 128))
+    cu = kw.get("cu_seqlens")
+    if fn == "sparse":  # no proxy: a zero one of the index heads (its KL is not looked at)
+        lead = kw["q"].shape[:-2]
+        qp = torch.zeros(*lead, kw["indices"].shape[-2], 1, dtype=kw["q"].dtype)
+        kp = torch.zeros(*lead, 1, 1, dtype=kw["q"].dtype)
+        selection, warmup = testing.indices_to_lists(kw["indices"]), False
+    else:
+        qp, kp = kw["q_proxy"], kw["k_proxy"]
+        warmup = kw.get("warmup", False)
+        proxy_scale = _scale(kw.get("proxy_scale")) or qp.shape[-1] ** -0.5
+        selection = testing.brute_force_select(qp, kp, kw["top_k"], b, proxy_scale, cu)
+    if fn == "select":
+        return selection
+    return testing.brute_force(
+        qp,
+        kp,
+        kw["q"],
+        kw["k"],
+        kw["v"],
+        None if warmup else selection,
+        block_size=b,
+        softmax_scale=_scale(kw.get("softmax_scale")),
+        proxy_scale=_scale(kw.get("proxy_scale")),
+        cu_seqlens=cu,
+        warmup=warmup,
+    )
+
+
+GRAD_INPUTS = {"msa": ("q_proxy", "k_proxy", "q", "k", "v"), "select": (), "sparse": "qkv"}
+
+
 @pytest.mark.parametrize("fn, varlen, shape, changes, exc, match", VALID)
 def test_valid_edge_inputs(fn, varlen, shape, changes, exc, match):
-    kw = mutated(fn, varlen, shape, changes)
+    """Accepted, and right: the result and the gradients of a loss with O(1) gradients equal the
+    fp64 brute force (inputs in fp64: two fp64 implementations, the rule with atol only)."""
+    torch.manual_seed(0)  # rand() draws from the global generator
+    kw = mutated(fn, varlen, {"dtype": torch.float64, **shape}, changes)
+    names = GRAD_INPUTS[fn]
+    for name in names:
+        kw[name].requires_grad_()
     result = FNS[fn](**kw)
     if fn == "select":
         assert result.shape == (*kw["q_proxy"].shape[:-1], int(kw["top_k"]))
         assert result.dtype == torch.int32
+        assert testing.indices_to_lists(result) == _brute_force(fn, kw)
+        return
+    out, kl = result if fn == "msa" else (result, None)
+    assert out.shape == kw["q"].shape
+    if fn == "sparse" and (kw["indices"] < 0).all():  # no key anywhere: out = 0, no gradient
+        out.sum().backward()
+        assert (out == 0).all() and all((kw[n].grad == 0).all() for n in names)
+        return
+    leaves = {n: kw[n].detach().clone().requires_grad_() for n in names}
+    ref = _brute_force(fn, {**kw, **leaves})
+    rows = kw["q_proxy"].shape[:-1].numel() if fn == "msa" else 1
+    if fn == "msa":
+        testing.training_loss(out, kl, rows).backward()
+        testing.training_loss(ref["out"], ref["kl"], rows).backward()
     else:
-        out = result[0] if fn == "msa" else result
-        assert out.shape == kw["q"].shape and torch.isfinite(out).all()
-        if fn == "sparse" and (kw["indices"] < 0).all():
-            assert (out == 0).all()
+        dout = testing.loss_weights(out.shape, rows)[0].double()
+        (out * dout).sum().backward()
+        (ref["out"] * dout).sum().backward()
+    testing.assert_close("out", out, ref["out"])
+    if fn == "msa" and kw.get("compute_kl", True):
+        testing.assert_close("kl", kl, ref["kl"])
+    elif fn == "msa":
+        assert kl.item() == 0.0
+    for name in names:
+        testing.assert_close(f"d{name}", kw[name].grad, leaves[name].grad)

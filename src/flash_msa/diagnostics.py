@@ -180,7 +180,7 @@ def reference_step(inputs, indices, cu_seqlens, cfg: Config, *, seed=0, upcast=T
     dout, w = testing.loss_weights(fwd.out.shape, qp.shape[1] * qp.shape[0], seed, q.device)
     dkl = torch.tensor(w, dtype=torch.float32, device=q.device)  # as autograd gives kl.float()
     saved = Saved(q, k, v, fwd.out, fwd.lse, indices, qp, kp, fwd.proxy_lse)
-    g = _reference_bwd(dout.to(q.dtype), dkl, saved, cu_seqlens, cfg)
+    g = _reference_bwd(dout.to(q.dtype), dkl, saved, cu_seqlens, cfg, upcast=upcast)
     return dict(zip(QUANTITIES, (fwd.out, fwd.kl, g.dq_proxy, g.dk_proxy, g.dq, g.dk, g.dv)))
 
 

@@ -238,7 +238,7 @@ def _kl_terms(target, log_q, mask):
 # ---------------------------------------------------------------------------------------------
 # backward
 # ---------------------------------------------------------------------------------------------
-def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
+def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, upcast=True) -> Grads:
     """Main gradients (when ``dout`` is given) and closed-form proxy gradients (when ``dkl`` is).
 
     Recomputes the probabilities from the saved ``lse`` / ``proxy_lse`` (no reselection). The
@@ -247,6 +247,10 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
     Args:
         dout: ``(T, H, D)`` or ``None``; dkl: 0-dim tensor or ``None``.
         saved: :class:`~flash_msa.problem.Saved` from the forward.
+        upcast: ``False`` runs every matmul on operands in the input dtype, as the kernels'
+            MMAs do (``P`` and ``dS`` rounded to it; the proxy's ``Q - target`` too, its
+            ``dkl / R`` factor applied to the fp32 product): the same-dtype reference of the
+            tolerance rule. Statistics and accumulation stay fp32.
     Returns:
         :class:`~flash_msa.problem.Grads` in the input dtypes, ``None`` where not computed.
     """
@@ -255,6 +259,11 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
     Hkv = k.shape[1]
     b = cfg.block_size
     sdt = _stat_dtype(q.dtype)
+    cdt = sdt if upcast else q.dtype
+
+    def mm(a, b):  # a @ b on operands rounded to cdt, the product in sdt
+        return (a.to(cdt) @ b.to(cdt)).to(sdt)
+
     main = dout is not None
     proxy = dkl is not None
     if proxy and (q_proxy is None or proxy_lse is None):
@@ -285,24 +294,24 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
             mask = _kept_mask(None if indices is None else indices[sl], rows, L, b)
             mask_h = mask.repeat_interleave(H // mask.shape[0], dim=0)
             qh = _heads_first(q[sl], sdt)  # [H, C, D]
-            s = (qh @ kh.transpose(1, 2)) * cfg.softmax_scale
+            s = mm(qh, kh.transpose(1, 2)) * cfg.softmax_scale
             p = _probs(s, mask_h, lse[sl].transpose(0, 1).to(sdt))  # [H, C, L]
             if main:
                 do = _heads_first(dout[sl], sdt)  # [H, C, D]
                 delta = (do * _heads_first(out[sl], sdt)).sum(-1, keepdim=True)  # [H, C, 1]
-                dvh += p.transpose(1, 2) @ do
-                ds = p * (do @ vh.transpose(1, 2) - delta)
-                dq[sl] = (cfg.softmax_scale * (ds @ kh)).transpose(0, 1)
-                dkh += cfg.softmax_scale * (ds.transpose(1, 2) @ qh)
+                dvh += mm(p.transpose(1, 2), do)
+                ds = p * (mm(do, vh.transpose(1, 2)) - delta)
+                dq[sl] = (cfg.softmax_scale * mm(ds, kh)).transpose(0, 1)
+                dkh += cfg.softmax_scale * mm(ds.transpose(1, 2), qh)
             if proxy:
                 pmask = mask.repeat_interleave(Hp // mask.shape[0], dim=0)
                 qp = _heads_first(q_proxy[sl], sdt)  # [Hp, C, Dp]
                 z = cfg.proxy_scale * (qp @ kp.transpose(1, 2))
                 prob_q = _probs(z, pmask, proxy_lse[sl].transpose(0, 1).to(sdt))
                 target = p.view(Hp, H // Hp, c1 - c0, L).mean(1)
-                dz = scale_kl * (prob_q - target)  # both are 0 off the mask
-                dqp[sl] = (cfg.proxy_scale * (dz @ kp)).transpose(0, 1)
-                dkph += cfg.proxy_scale * (dz.transpose(1, 2) @ qp)
+                diff = prob_q - target  # both are 0 off the mask; dz = scale_kl * diff
+                dqp[sl] = (scale_kl * cfg.proxy_scale * mm(diff, kp)).transpose(0, 1)
+                dkph += scale_kl * cfg.proxy_scale * mm(diff.transpose(1, 2), qp)
         if main:
             dk[s0 : s0 + L] = dkh.view(Hkv, H // Hkv, L, D).sum(1).transpose(0, 1)
             dv[s0 : s0 + L] = dvh.view(Hkv, H // Hkv, L, D).sum(1).transpose(0, 1)
