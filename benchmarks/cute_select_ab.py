@@ -27,19 +27,9 @@ from flash_msa.triton_ref import selection as triton_sel
 STAGES = (2, 6)  # key-pipeline depths timed besides the default (SelectSm90.stages), top_k 16
 
 
-def median_ms(fn, warmup=2, iters=10):
-    """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def median_ms(fn):
+    """Median of 10 timed calls after 2 warm-up calls (``flash_msa.bench.time_ms``)."""
+    return bench.time_ms(fn, iters=10)
 
 
 def verify(idx, ref, qp, kp, cu, cfg):

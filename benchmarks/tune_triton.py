@@ -101,7 +101,7 @@ def main():
                 ref = (kl, grads)
             err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, ref[1]))
             kl_err = abs(kl.item() - ref[0].item()) / abs(ref[0].item())
-            ms = bench._time(step, iters=7)
+            ms = bench.time_ms(step, iters=7)
             per = profile(step)
             kernels = ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items(), key=lambda x: -x[1]))
             chosen = [(k[0], v) for k, v in tiles.chosen().items() if k[1] == _table(k[0], cfg)]

@@ -41,8 +41,9 @@ def _log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def _time(fn, warmup=2, iters=5):
-    """Median milliseconds of ``fn`` by CUDA events."""
+def time_ms(fn, warmup=2, iters=5):
+    """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls (the one timer of
+    ``flash-msa bench`` and the A/B scripts)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -291,18 +292,18 @@ def _measure(prov, xs, dense, iters):
         q, k, v = leaves[2:]
         dout = torch.randn_like(q)
         fn = dense[prov]
-        res["fwd_ms"] = _time(lambda: fn(q, k, v), iters=iters)
+        res["fwd_ms"] = time_ms(lambda: fn(q, k, v), iters=iters)
 
         def step():
             fn(q, k, v).backward(dout)
     else:
         dout = torch.randn_like(leaves[2])
         with forced(prov), torch.no_grad():
-            res["select_ms"] = _time(
+            res["select_ms"] = time_ms(
                 lambda: select_blocks(leaves[0], leaves[1], TOP_K), iters=iters
             )
         with forced(_mix(prov)), torch.no_grad():
-            res["fwd_ms"] = _time(lambda: msa_attention(*leaves, TOP_K), iters=iters)
+            res["fwd_ms"] = time_ms(lambda: msa_attention(*leaves, TOP_K), iters=iters)
 
         def step():
             with forced(_mix(prov)):
@@ -312,7 +313,7 @@ def _measure(prov, xs, dense, iters):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    res["step_ms"] = _time(step, iters=iters)
+    res["step_ms"] = time_ms(step, iters=iters)
     res["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     res["bwd_ms"] = res["step_ms"] - res["fwd_ms"]
     return res
