@@ -17,7 +17,8 @@ import os
 import torch
 
 from . import backends
-from .problem import Config, Problem, Saved
+from . import ops as custom_ops
+from .problem import Config, Problem, Saved, problem_of
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK_SIZES = (64, 128)
@@ -30,6 +31,16 @@ MAX_TOP_K = 1 << 14
 
 def _debug() -> bool:
     return os.environ.get("FLASH_MSA_DEBUG", "0") not in ("", "0")
+
+
+def _value_checks(device: torch.device) -> bool:
+    """Whether checks that read tensor values (a device-to-host copy) run for ``device``.
+
+    Always on CPU, on GPU only with ``FLASH_MSA_DEBUG=1``, and never while ``torch.compile``
+    traces the call: a value read is data-dependent control flow, a graph break that
+    ``fullgraph=True`` refuses (the eager call of the same function still checks).
+    """
+    return (device.type == "cpu" or _debug()) and not torch.compiler.is_compiling()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,10 +124,15 @@ def _check_proxy(q_proxy, k_proxy):
 def _int_arg(name, value, low):
     if isinstance(value, (bool, torch.Tensor)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    # an int needs no conversion, and under torch.compile with dynamic shapes it is symbolic
+    # (max_seqlen): operator.index would specialize it, i.e. recompile per value
+    if not isinstance(value, int):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(
+                f"{name} must be an int, got {type(value).__name__} {value!r}"
+            ) from None
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     return value
@@ -198,13 +214,17 @@ def _sequences(ref, cu_seqlens, max_seqlen):
     cu_seqlens = cu_seqlens.contiguous()  # kernels read it with stride 1
     if max_seqlen is not None:
         max_seqlen = _int_arg("max_seqlen", max_seqlen, 1)
-    host = cu_seqlens.device.type == "cpu"
-    if max_seqlen is None and not host:
+    if max_seqlen is None and torch.compiler.is_compiling():
+        raise ValueError(
+            "max_seqlen is required under torch.compile (computing it would read cu_seqlens: "
+            "a graph break)"
+        )
+    if max_seqlen is None and cu_seqlens.device.type != "cpu":
         raise ValueError(
             "max_seqlen is required when cu_seqlens is on a GPU (computing it would "
             "need a host sync)"
         )
-    if host or _debug():
+    if _value_checks(cu_seqlens.device):
         cu = cu_seqlens.tolist()
         total = ref.shape[0]
         if cu[0] != 0:
@@ -227,7 +247,7 @@ def _sequences(ref, cu_seqlens, max_seqlen):
 def _check_finite(tensors: dict):
     """Inputs are assumed finite; checked on CPU tensors or with FLASH_MSA_DEBUG=1."""
     for name, x in tensors.items():
-        if (x.device.type == "cpu" or _debug()) and not torch.isfinite(x).all():
+        if _value_checks(x.device) and not torch.isfinite(x).all():
             raise ValueError(f"{name} contains non-finite values (NaN or inf)")
 
 
@@ -249,7 +269,7 @@ def _check_indices(indices, ref, cu, max_seqlen, block_size, varlen):
         )
     if indices.device != ref.device:
         raise ValueError(f"indices is on {indices.device} but q is on {ref.device}")
-    if not (indices.device.type == "cpu" or _debug()):
+    if not _value_checks(indices.device):
         return
     idx = indices.reshape(-1, *indices.shape[-2:])
     lengths = (cu[1:] - cu[:-1]).long()
@@ -280,21 +300,7 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
 
 def _problem(ref, H, Hkv, D, Hsel, Hpk, Dp, cu, varlen, cfg) -> Problem:
     """The call as backends see it (0 for the heads/dims a call does not have)."""
-    cap = torch.cuda.get_device_capability(ref.device) if ref.device.type == "cuda" else None
-    return Problem(
-        device_type=ref.device.type,
-        capability=cap,
-        dtype=ref.dtype,
-        num_heads=H,
-        num_kv_heads=Hkv,
-        head_dim=D,
-        num_sel_heads=Hsel,
-        num_proxy_k_heads=Hpk,
-        proxy_head_dim=Dp,
-        varlen=varlen,
-        cfg=cfg,
-        num_seqs=cu.numel() - 1,
-    )
+    return problem_of(ref, (H, Hkv, D, Hsel, Hpk, Dp), cu, varlen, cfg)
 
 
 def _wants_grad(*tensors) -> bool:
@@ -383,6 +389,130 @@ class _SparseFunction(torch.autograd.Function):
         return g.dq, g.dk, g.dv, None, None, None, None
 
 
+def _op_args(cfg: Config, varlen: bool, dims) -> tuple:
+    """The trailing scalar arguments of the ``flash_msa::`` custom ops (ops.py): ``cfg``, the
+    form, ``dims = (H, Hkv, D, Hsel, Hpk, Dp)`` as in :func:`_problem` and the
+    ``FLASH_MSA_BACKEND`` value, read here, when the graph is traced; each op resolves its
+    backend from them per call, as the eager path does (``backends.resolve``)."""
+    return (
+        cfg.max_seqlen,
+        cfg.block_size,
+        cfg.softmax_scale,
+        cfg.proxy_scale,
+        cfg.top_k,
+        cfg.warmup,
+        cfg.compute_kl,
+        varlen,
+        list(dims),
+        backends.requested(),
+    )
+
+
+class _MSAOpFunction(torch.autograd.Function):
+    """:class:`_MSAFunction` under ``torch.compile``: the same steps as ``flash_msa::`` custom ops.
+
+    ``args`` is :func:`_op_args`; ``wants_grad`` says whether a backward can follow. Dynamo
+    traces this Function (forward and backward) into the graph; the ops stay opaque nodes.
+
+    An unused ``kl``: the compiled backward materializes its gradient, so ``dkl`` arrives as a
+    0 tensor (not ``None`` as in eager) and the proxy backward runs with ``dkl = 0``. The proxy
+    gradients are then exactly 0 (the gradient is linear in ``dkl``) but the proxy pass costs
+    its time; a caller that knows the KL is unused skips it by passing ``q_proxy``/``k_proxy``
+    that do not require grad (e.g. ``.detach()``), which is decided at trace time.
+    """
+
+    @staticmethod
+    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, args, wants_grad):
+        warmup, compute_kl = args[5:7]
+        indices = None if warmup else custom_ops.select(q_proxy, k_proxy, cu_seqlens, *args)
+        proxy_grad = wants_grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        use_proxy = compute_kl or proxy_grad
+        out, lse, proxy_lse, kl, unit_dq, unit_dk = custom_ops.fwd(
+            q,
+            k,
+            v,
+            indices,
+            cu_seqlens,
+            q_proxy if use_proxy else None,
+            k_proxy if use_proxy else None,
+            proxy_grad,
+            *args,
+        )
+        ctx.save_for_backward(
+            q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu_seqlens, unit_dq, unit_dk
+        )
+        ctx.args, ctx.proxy_grad = args, proxy_grad
+        return out, kl
+
+    @staticmethod
+    def backward(ctx, dout, dkl):
+        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu, unit_dq, unit_dk = (
+            ctx.saved_tensors
+        )
+        main = dout is not None and any(ctx.needs_input_grad[2:5])
+        proxy = dkl is not None and ctx.proxy_grad
+        if not (main or proxy):
+            return (None,) * 8
+        dq, dk, dv, dq_proxy, dk_proxy = custom_ops.bwd(
+            dout.contiguous() if main else None,
+            dkl if proxy else None,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            indices,
+            q_proxy if proxy else None,
+            k_proxy if proxy else None,
+            proxy_lse if proxy else None,
+            unit_dq if proxy else None,
+            unit_dk if proxy else None,
+            cu,
+            *ctx.args,
+        )
+        if not main:
+            dq = dk = dv = None
+        if not proxy:
+            dq_proxy = dk_proxy = None
+        return dq_proxy, dk_proxy, dq, dk, dv, None, None, None
+
+
+class _SparseOpFunction(torch.autograd.Function):
+    """:class:`_SparseFunction` under ``torch.compile`` (see :class:`_MSAOpFunction`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, indices, cu_seqlens, args):
+        out, lse = custom_ops.fwd(q, k, v, indices, cu_seqlens, None, None, False, *args)[:2]
+        ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens)
+        ctx.args = args
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None or not any(ctx.needs_input_grad[:3]):
+            return (None,) * 6
+        q, k, v, out, lse, indices, cu = ctx.saved_tensors
+        dq, dk, dv = custom_ops.bwd(
+            dout.contiguous(),
+            None,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            indices,
+            None,
+            None,
+            None,
+            None,
+            None,
+            cu,
+            *ctx.args,
+        )[:3]
+        return dq, dk, dv, None, None, None
+
+
 # ---------------------------------------------------------------------------------------------
 # public API
 # ---------------------------------------------------------------------------------------------
@@ -456,24 +586,18 @@ def msa_attention(
         warmup=warmup,
         compute_kl=compute_kl,
     )
-    problem = _problem(
-        q,
-        q.shape[-2],
-        k.shape[-2],
-        q.shape[-1],
-        q_proxy.shape[-2],
-        k_proxy.shape[-2],
-        q_proxy.shape[-1],
-        cu,
-        varlen,
-        cfg,
-    )
+    packed = [_packed(x) for x in tensors.values()]
+    Hp, Dp = q_proxy.shape[-2:]
+    dims = (q.shape[-2], k.shape[-2], q.shape[-1], Hp, k_proxy.shape[-2], Dp)
+    if torch.compiler.is_compiling():  # custom ops (ops.py), each resolving its backend
+        args = _op_args(cfg, varlen, dims)
+        out, kl = _MSAOpFunction.apply(*packed, cu, args, _wants_grad(*tensors.values()))
+        return out.view(q.shape), kl
+    problem = _problem(q, *dims, cu, varlen, cfg)
     select_be = None if warmup else backends.resolve("select", problem)[1]
     fwd_be = backends.resolve("fwd", problem)[1]
     bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(*tensors.values()) else None
-    out, kl = _MSAFunction.apply(
-        *(_packed(x) for x in tensors.values()), cu, cfg, (select_be, fwd_be, bwd_be)
-    )
+    out, kl = _MSAFunction.apply(*packed, cu, cfg, (select_be, fwd_be, bwd_be))
     return out.view(q.shape), kl
 
 
@@ -511,21 +635,16 @@ def select_blocks(
         proxy_scale=proxy_scale,
         top_k=_kernel_top_k(top_k, max_seqlen, block_size),
     )
-    problem = _problem(
-        q_proxy,
-        0,
-        0,
-        0,
-        q_proxy.shape[-2],
-        k_proxy.shape[-2],
-        q_proxy.shape[-1],
-        cu,
-        varlen,
-        cfg,
-    )
-    select_be = backends.resolve("select", problem)[1]
+    dims = (0, 0, 0, q_proxy.shape[-2], k_proxy.shape[-2], q_proxy.shape[-1])
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        select_be = backends.resolve("select", _problem(q_proxy, *dims, cu, varlen, cfg))[1]
     with torch.no_grad():
-        indices = select_be.select(_packed(q_proxy), _packed(k_proxy), cu, cfg)
+        packed = (_packed(q_proxy), _packed(k_proxy), cu)
+        if compiling:  # the custom op (ops.py), as in msa_attention
+            indices = custom_ops.select(*packed, *_op_args(cfg, varlen, dims))
+        else:
+            indices = select_be.select(*packed, cfg)
     if cfg.top_k < top_k:  # the clamped slots: -1 in every row (see the docstring)
         indices = torch.nn.functional.pad(indices, (0, top_k - cfg.top_k), value=-1)
     return indices.view(*q_proxy.shape[:-1], top_k)
@@ -569,13 +688,14 @@ def sparse_attention(
     _check_heads(q.shape[-2], k.shape[-2], indices.shape[-2], "indices")
     _check_finite(tensors)
     cfg = Config(block_size=block_size, softmax_scale=softmax_scale, max_seqlen=max_seqlen)
-    problem = _problem(
-        q, q.shape[-2], k.shape[-2], q.shape[-1], indices.shape[-2], 0, 0, cu, varlen, cfg
-    )
-    fwd_be = backends.resolve("fwd", problem)[1]
-    bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(q, k, v) else None
-    out, lse = _SparseFunction.apply(
-        _packed(q), _packed(k), _packed(v), _packed(indices), cu, cfg, (fwd_be, bwd_be)
-    )
+    dims = (q.shape[-2], k.shape[-2], q.shape[-1], indices.shape[-2], 0, 0)
+    packed = (_packed(q), _packed(k), _packed(v), _packed(indices), cu)
+    if torch.compiler.is_compiling():  # custom ops (ops.py), as in msa_attention
+        out, lse = _SparseOpFunction.apply(*packed, _op_args(cfg, varlen, dims))
+    else:
+        problem = _problem(q, *dims, cu, varlen, cfg)
+        fwd_be = backends.resolve("fwd", problem)[1]
+        bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(q, k, v) else None
+        out, lse = _SparseFunction.apply(*packed, cfg, (fwd_be, bwd_be))
     out = out.view(q.shape)
     return (out, lse.view(q.shape[:-1])) if return_lse else out

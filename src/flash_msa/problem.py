@@ -60,6 +60,28 @@ class Problem:
     num_seqs: int = 1  # sequences in the call (batch size, or len(cu_seqlens) - 1)
 
 
+def problem_of(ref: torch.Tensor, dims, cu_seqlens: torch.Tensor, varlen: bool, cfg: Config):
+    """The :class:`Problem` of a call on tensors like ``ref`` (device, dtype), with
+    ``dims = (H, Hkv, D, Hsel, Hpk, Dp)`` (0 for the heads/dims a call does not have) and
+    ``cu_seqlens`` giving the number of sequences (its length, not its values: no host sync)."""
+    H, Hkv, D, Hsel, Hpk, Dp = dims
+    cuda = ref.device.type == "cuda"
+    return Problem(
+        device_type=ref.device.type,
+        capability=torch.cuda.get_device_capability(ref.device) if cuda else None,
+        dtype=ref.dtype,
+        num_heads=H,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        num_sel_heads=Hsel,
+        num_proxy_k_heads=Hpk,
+        proxy_head_dim=Dp,
+        varlen=varlen,
+        cfg=cfg,
+        num_seqs=cu_seqlens.numel() - 1,
+    )
+
+
 class Forward(NamedTuple):
     """What a backend's ``fwd`` returns (docs/design.md, "fwd outputs").
 

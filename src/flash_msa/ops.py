@@ -1,0 +1,329 @@
+"""The op contract as ``torch.library`` custom ops, for ``torch.compile``.
+
+Three functional ops (``mutates_args=()``), each with a fake (meta) implementation, so that
+Dynamo and AOTAutograd treat a backend call as one opaque node and never trace into a kernel
+launcher (CuTe DSL reads data pointers, which fake tensors do not have):
+
+- ``flash_msa::select(q_proxy, k_proxy, cu_seqlens, max_seqlen, block_size, proxy_scale, top_k,
+  backend) -> indices``
+- ``flash_msa::fwd(q, k, v, indices?, cu_seqlens, q_proxy?, k_proxy?, max_seqlen, ...,
+  backend) -> (out, lse, proxy_lse, kl, unit_dq_proxy, unit_dk_proxy)``
+- ``flash_msa::bwd(dout?, dkl?, <the saved tensors>, cu_seqlens, max_seqlen, ..., backend)
+  -> (dq, dk, dv, dq_proxy, dk_proxy)``
+
+``backend`` is the name ``backends.resolve`` chose (``"cute"``, ``"triton"``, ``"torch"``);
+the real implementation runs that module's ``select``/``fwd``/``bwd`` (docs/design.md,
+"Contract") on a :class:`~flash_msa.problem.Config` rebuilt from the scalar arguments.
+
+Outputs have a fixed arity and never alias an input or each other. An output the contract
+makes optional is an empty tensor of shape ``(0,)`` when absent: ``proxy_lse`` without a
+proxy; the unit proxy gradient pair when the backend does not make it in the forward
+(:func:`makes_unit_proxy_grad`, which the fake and the real implementation share); ``dq``,
+``dk``, ``dv`` without ``dout``; ``dq_proxy``, ``dk_proxy`` without ``dkl``. ``kl`` is always a
+0-dim tensor (0 when not computed). Dtypes: ``lse``, ``proxy_lse``, ``kl`` fp32 (fp64 for fp64
+inputs), the unit pair fp32, gradients in their input's dtype.
+
+``max_seqlen`` and ``top_k`` are ``SymInt`` in the schemas: under ``torch.compile`` with dynamic
+shapes they stay symbolic, so a new sequence length does not recompile (the real
+implementation always receives plain ints). ``api.py`` calls these ops only while compiling
+(``torch.compiler.is_compiling()``); eager calls go straight to the backends.
+"""
+
+import torch
+
+from . import backends, sparse_forward
+from .problem import Config, Problem, Saved, problem_of
+
+_EMPTY = (0,)
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``lse``, ``proxy_lse`` and ``kl`` for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _module(name: str):
+    module, why = backends.load(name)
+    if module is None:  # resolve() has checked it; kept for a direct call of the op
+        raise backends.BackendError(f"backend {name!r} cannot be loaded: {why}")
+    return module
+
+
+def resolve(backend: str, op: str, problem: Problem) -> str:
+    """The backend that runs ``op``: :func:`backends.resolve` as if ``FLASH_MSA_BACKEND`` were
+    ``backend`` (the value read when the graph was traced), the same rules and messages."""
+    if backend == backends.requested():
+        return backends.resolve(op, problem)[0]
+    if backend not in backends.CHOICES:
+        raise ValueError(f"backend must be one of {', '.join(backends.CHOICES)}; got {backend!r}")
+    with backends.forced(backend):  # FLASH_MSA_BACKEND changed since the trace
+        return backends.resolve(op, problem)[0]
+
+
+def _call(
+    ref,
+    cu_seqlens,
+    max_seqlen,
+    block_size,
+    softmax_scale,
+    proxy_scale,
+    top_k,
+    warmup,
+    compute_kl,
+    varlen,
+    dims,
+):
+    """``(Config, Problem)`` of one call from the ops' scalar arguments (as api.py builds them;
+    ``dims`` is ``(H, Hkv, D, Hsel, Hpk, Dp)``, 0 for what the call does not have)."""
+    cfg = Config(
+        block_size=block_size,
+        softmax_scale=softmax_scale,
+        max_seqlen=max_seqlen,
+        proxy_scale=proxy_scale,
+        top_k=top_k,
+        warmup=warmup,
+        compute_kl=compute_kl,
+    )
+    problem = problem_of(ref, dims, cu_seqlens, varlen, cfg)
+    return cfg, problem
+
+
+def makes_unit_proxy_grad(
+    name: str, sparse: bool, proxy: bool, compute_kl: bool, proxy_grad: bool
+) -> bool:
+    """Whether backend ``name``'s ``fwd`` returns ``Forward.proxy_grad`` for this call.
+
+    Only the sparse-forward driver's KL stage makes it (``sparse_forward.fwd``: a proxy,
+    ``compute_kl``, ``proxy_grad`` asked for, and a ``kl`` stage with ``kl_makes_proxy_grad``);
+    the torch backend and the dense (warmup) forwards never do. The fake implementation needs
+    this to give the pair its shape; the real implementation checks its backend agrees.
+    """
+    if not (sparse and proxy and compute_kl and proxy_grad):
+        return False
+    stages = getattr(_module(name), "forward_stages", None)
+    return stages is not None and sparse_forward.borrowed(stages()).kl_makes_proxy_grad
+
+
+# ---------------------------------------------------------------------------------------------
+# select
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("flash_msa::select", mutates_args=())
+def select(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    block_size: int,
+    softmax_scale: float,
+    proxy_scale: float | None,
+    top_k: int | None,
+    warmup: bool,
+    compute_kl: bool,
+    varlen: bool,
+    dims: list[int],
+    backend: str,
+) -> torch.Tensor:
+    """Backend op ``select``: int32 ``indices (T, Hp, top_k)`` (``top_k`` already clamped)."""
+    cfg, problem = _call(
+        q_proxy,
+        cu_seqlens,
+        max_seqlen,
+        block_size,
+        softmax_scale,
+        proxy_scale,
+        top_k,
+        warmup,
+        compute_kl,
+        varlen,
+        dims,
+    )
+    name = resolve(backend, "select", problem)
+    return _module(name).select(q_proxy, k_proxy, cu_seqlens, cfg)
+
+
+@select.register_fake
+def _select_fake(
+    q_proxy,
+    k_proxy,
+    cu_seqlens,
+    max_seqlen,
+    block_size,
+    softmax_scale,
+    proxy_scale,
+    top_k,
+    warmup,
+    compute_kl,
+    varlen,
+    dims,
+    backend,
+):
+    problem = _call(
+        q_proxy,
+        cu_seqlens,
+        max_seqlen,
+        block_size,
+        softmax_scale,
+        proxy_scale,
+        top_k,
+        warmup,
+        compute_kl,
+        varlen,
+        dims,
+    )[1]
+    resolve(backend, "select", problem)  # a BackendError surfaces when the graph is traced
+    T, Hp = q_proxy.shape[:2]
+    return q_proxy.new_empty((T, Hp, top_k), dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# fwd
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("flash_msa::fwd", mutates_args=())
+def fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    q_proxy: torch.Tensor | None,
+    k_proxy: torch.Tensor | None,
+    proxy_grad: bool,
+    max_seqlen: int,
+    block_size: int,
+    softmax_scale: float,
+    proxy_scale: float | None,
+    top_k: int | None,
+    warmup: bool,
+    compute_kl: bool,
+    varlen: bool,
+    dims: list[int],
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backend op ``fwd``: ``(out, lse, proxy_lse, kl, unit_dq_proxy, unit_dk_proxy)``."""
+    cfg, problem = _call(
+        q,
+        cu_seqlens,
+        max_seqlen,
+        block_size,
+        softmax_scale,
+        proxy_scale,
+        top_k,
+        warmup,
+        compute_kl,
+        varlen,
+        dims,
+    )
+    name = resolve(backend, "fwd", problem)
+    f = _module(name).fwd(
+        q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad=proxy_grad
+    )
+    made = f.proxy_grad is not None
+    sparse, proxy = indices is not None, q_proxy is not None
+    if made != makes_unit_proxy_grad(name, sparse, proxy, compute_kl, proxy_grad):
+        raise RuntimeError(
+            f"backend {name!r} {'made' if made else 'did not make'} the forward's unit proxy "
+            "gradient, unlike flash_msa.ops.makes_unit_proxy_grad (the fake's shapes): update it"
+        )
+    empty = q.new_empty(_EMPTY, dtype=torch.float32)
+    kl = f.kl if f.kl is not None else torch.zeros((), dtype=f.lse.dtype, device=q.device)
+    unit = f.proxy_grad if made else (empty, empty.clone())
+    proxy_lse = f.proxy_lse if f.proxy_lse is not None else empty.to(f.lse.dtype, copy=True)
+    return f.out, f.lse, proxy_lse, kl, *unit
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, indices, cu_seqlens, q_proxy, k_proxy, proxy_grad, *call):
+    name = resolve(call[-1], "fwd", _call(q, cu_seqlens, *call[:-1])[1])
+    compute_kl = call[6]
+    T, H = q.shape[:2]
+    sdt = _stat_dtype(q.dtype)
+    proxy = q_proxy is not None
+    proxy_lse = q.new_empty((T, q_proxy.shape[1]) if proxy else _EMPTY, dtype=sdt)
+    if makes_unit_proxy_grad(name, indices is not None, proxy, compute_kl, proxy_grad):
+        unit = (
+            q.new_empty(q_proxy.shape, dtype=torch.float32),
+            q.new_empty(k_proxy.shape, dtype=torch.float32),
+        )
+    else:
+        unit = (q.new_empty(_EMPTY, dtype=torch.float32), q.new_empty(_EMPTY, dtype=torch.float32))
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        q.new_empty((T, H), dtype=sdt),
+        proxy_lse,
+        q.new_empty((), dtype=sdt),
+        *unit,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# bwd
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("flash_msa::bwd", mutates_args=())
+def bwd(
+    dout: torch.Tensor | None,
+    dkl: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    indices: torch.Tensor | None,
+    q_proxy: torch.Tensor | None,
+    k_proxy: torch.Tensor | None,
+    proxy_lse: torch.Tensor | None,
+    unit_dq_proxy: torch.Tensor | None,
+    unit_dk_proxy: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    block_size: int,
+    softmax_scale: float,
+    proxy_scale: float | None,
+    top_k: int | None,
+    warmup: bool,
+    compute_kl: bool,
+    varlen: bool,
+    dims: list[int],
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backend op ``bwd``: ``(dq, dk, dv, dq_proxy, dk_proxy)``, ``(0,)`` where not asked.
+
+    ``dout=None`` skips the main gradients, ``dkl=None`` the proxy pass. The unit pair is the
+    forward's (``fwd``'s last two outputs); a ``(0,)`` pair (or ``None``) means it was not made.
+    """
+    cfg, problem = _call(
+        q,
+        cu_seqlens,
+        max_seqlen,
+        block_size,
+        softmax_scale,
+        proxy_scale,
+        top_k,
+        warmup,
+        compute_kl,
+        varlen,
+        dims,
+    )
+    name = resolve(backend, "bwd", problem)
+    unit = None
+    if unit_dq_proxy is not None and unit_dq_proxy.dim() == 3:
+        unit = (unit_dq_proxy, unit_dk_proxy)
+    saved = Saved(q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit)
+    g = _module(name).bwd(dout, dkl, saved, cu_seqlens, cfg)
+    return tuple(
+        x if x is not None else q.new_empty(_EMPTY)
+        for x in (g.dq, g.dk, g.dv, g.dq_proxy, g.dk_proxy)
+    )
+
+
+@bwd.register_fake
+def _bwd_fake(dout, dkl, q, k, v, out, lse, indices, q_proxy, k_proxy, *rest):
+    cu_seqlens, call = rest[3], rest[4:]
+    resolve(call[-1], "bwd", _call(q, cu_seqlens, *call[:-1])[1])
+
+    def like(x, wanted):
+        if not wanted or x is None:
+            return q.new_empty(_EMPTY)
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    main, proxy = dout is not None, dkl is not None
+    return (like(q, main), like(k, main), like(v, main), like(q_proxy, proxy), like(k_proxy, proxy))

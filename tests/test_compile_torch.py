@@ -1,0 +1,188 @@
+"""torch.compile(fullgraph=True) through the public ops: the ``flash_msa::`` custom ops
+(flash_msa/ops.py) inside the autograd Functions of api.py.
+
+CPU tests run the torch backend (``FLASH_MSA_BACKEND=torch``); the last test (GPU, CUDA graphs
+through ``mode="reduce-overhead"``) only collects here.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import flash_msa
+from flash_msa import ops, reference, testing
+
+HP, HPK, H, HKV, DP, D = 2, 1, 4, 2, 16, 32
+TOP_K, BLOCK = 2, 64
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend(monkeypatch):
+    monkeypatch.setenv("FLASH_MSA_BACKEND", "torch")
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _inputs(lead, seed=0, dtype=torch.float32, device="cpu"):
+    """``(q_proxy, k_proxy, q, k, v)`` leaves of leading dims ``lead`` ((B, S) or (T,))."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((HP, DP), (HPK, DP), (H, D), (HKV, D), (HKV, D))
+    return [torch.randn(*lead, *s, generator=g).to(device, dtype).requires_grad_() for s in shapes]
+
+
+class Layer(torch.nn.Module):
+    """The smallest module around msa_attention: a projection, then the op."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D, bias=False, dtype=torch.float32)
+
+    def forward(self, qp, kp, q, k, v, cu_seqlens=None, max_seqlen=None):
+        out, kl = flash_msa.msa_attention(
+            qp, kp, self.proj(q), k, v, TOP_K, block_size=BLOCK,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        )  # fmt: skip
+        return out, kl
+
+
+def _step(fn, xs, **kw):
+    """Forward, backward of the O(1)-gradient loss; returns (out, kl, five input gradients)."""
+    for x in xs:
+        x.grad = None
+    out, kl = fn(*xs, **kw)
+    testing.training_loss(out, kl, rows=HP * out[..., 0, 0].numel()).backward()
+    return out.detach(), kl.detach(), [x.grad.clone() for x in xs]
+
+
+def _same(name, mine, eager):
+    out, kl, grads = mine
+    testing.assert_close(f"{name} out", out, eager[0])
+    testing.assert_close(f"{name} kl", kl, eager[1])
+    for g_name, g, e in zip(("dq_proxy", "dk_proxy", "dq", "dk", "dv"), grads, eager[2]):
+        testing.assert_close(f"{name} {g_name}", g, e)
+
+
+@pytest.mark.parametrize("form", ["batch", "varlen"])
+def test_fullgraph_matches_eager_and_does_not_recompile(form):
+    layer = Layer()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    # two lengths per form, both above TOP_K blocks (the clamp of top_k is a guard, not a shape)
+    cases = {
+        "batch": [((2, 160), {}), ((2, 224), {})],
+        "varlen": [((200,), [70, 130]), ((260,), [0, 150, 110])],
+    }[form]
+    for i, (lead, lengths) in enumerate(cases):
+        xs = _inputs(lead, seed=i)
+        kw = {}
+        if form == "varlen":
+            kw = dict(cu_seqlens=testing.cu(lengths), max_seqlen=max(lengths))
+        _same(f"{form} {lead}", _step(compiled, xs, **kw), _step(layer, xs, **kw))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["recompiles"], dict(counters["recompiles"])
+
+
+def test_sparse_attention_and_select_blocks_fullgraph():
+    qp, kp, q, k, v = _inputs((1, 192))
+
+    def f(qp, kp, q, k, v):
+        idx = flash_msa.select_blocks(qp, kp, 3, block_size=BLOCK)
+        return idx, flash_msa.sparse_attention(q, k, v, idx, block_size=BLOCK)
+
+    idx_c, out_c = torch.compile(f, fullgraph=True, dynamic=True)(qp, kp, q, k, v)
+    idx_e, out_e = f(qp, kp, q, k, v)
+    assert torch.equal(idx_c, idx_e)  # top_k 3 = every block of 192 tokens: no clamp padding
+    testing.assert_close("sparse out", out_c, out_e)
+
+
+def test_unused_kl_runs_proxy_backward_with_zero(monkeypatch):
+    """Eager skips the proxy backward of an unused ``kl`` (``dkl is None``); the compiled
+    backward materializes ``dkl = 0`` and runs it: exact zero proxy gradients, the pass's cost.
+    ``q_proxy``/``k_proxy`` that do not require grad skip it under compile too."""
+    seen = []
+    bwd = reference.bwd
+
+    def spy(dout, dkl, *args, **kw):
+        seen.append(None if dkl is None else float(dkl))
+        return bwd(dout, dkl, *args, **kw)
+
+    monkeypatch.setattr(reference, "bwd", spy)
+
+    def f(qp, kp, q, k, v):
+        return flash_msa.msa_attention(qp, kp, q, k, v, TOP_K, block_size=BLOCK)[0].sum()
+
+    xs = _inputs((1, 128))
+    f(*xs).backward()
+    assert seen == [None]  # eager: no proxy pass
+    assert xs[0].grad is None and xs[1].grad is None
+    seen.clear()
+    torch.compile(f, fullgraph=True)(*xs).backward()
+    assert seen == [0.0]  # compiled: the proxy pass runs with dkl = 0 ...
+    assert xs[0].grad.abs().max() == 0 and xs[1].grad.abs().max() == 0  # ... exact zeros
+    seen.clear()
+    xs2 = [xs[0].detach(), xs[1].detach(), *xs[2:]]
+    torch.compile(f, fullgraph=True)(*xs2).backward()
+    assert seen == [None]  # proxy inputs without grad: skipped at trace time
+
+
+def test_varlen_without_max_seqlen_is_refused_under_compile():
+    xs = _inputs((100,))
+
+    def f(qp, kp, q, k, v, cu):
+        return flash_msa.msa_attention(qp, kp, q, k, v, TOP_K, block_size=BLOCK, cu_seqlens=cu)
+
+    with pytest.raises(Exception, match="max_seqlen is required under torch.compile"):
+        torch.compile(f, fullgraph=True)(*xs, testing.cu([40, 60]))
+
+
+def _op_args(T, max_seqlen, top_k, varlen=True, dims=(H, HKV, D, HP, HPK, DP)):
+    """The trailing scalar arguments of the ops (see api._op_args)."""
+    return (max_seqlen, BLOCK, D**-0.5, DP**-0.5, top_k, False, True, varlen, list(dims), "torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck_each_op(dtype):
+    xs = [x.detach() for x in _inputs((150,), dtype=dtype)]
+    qp, kp, q, k, v = xs
+    cu = testing.cu([50, 100])
+    args = _op_args(150, 100, TOP_K)
+    torch.library.opcheck(ops.select, (qp, kp, cu, *args))
+    idx = ops.select(qp, kp, cu, *args)
+    for proxy in (True, False):
+        p = (qp, kp) if proxy else (None, None)
+        torch.library.opcheck(ops.fwd, (q, k, v, idx, cu, *p, proxy, *args))
+    out, lse, plse, kl, u1, u2 = ops.fwd(q, k, v, idx, cu, qp, kp, True, *args)
+    assert plse.shape == (150, HP) and kl.shape == () and u1.shape == (0,)  # torch: bwd's pass
+    dout, dkl = torch.randn_like(out), torch.ones((), dtype=kl.dtype)
+    saved = (q, k, v, out, lse, idx, qp, kp, plse, u1, u2, cu)
+    for d_out, d_kl in ((dout, dkl), (dout, None), (None, dkl)):
+        torch.library.opcheck(ops.bwd, (d_out, d_kl, *saved, *args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("form", ["batch", "varlen"])
+def test_gpu_reduce_overhead_cuda_graphs(form, monkeypatch):
+    """``mode="reduce-overhead"`` (CUDA graph trees) on the automatic GPU backend: two steps per
+    length (warm-up, then replay) equal eager, and a second length does not recompile."""
+    monkeypatch.setenv("FLASH_MSA_BACKEND", "auto")
+    torch._dynamo.reset()
+
+    def f(qp, kp, q, k, v, **kw):
+        return flash_msa.msa_attention(qp, kp, q, k, v, TOP_K, block_size=BLOCK, **kw)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, mode="reduce-overhead")
+    cases = {"batch": [((2, 256), None), ((2, 384), None)], "varlen": [((320,), [128, 192])]}
+    cases["varlen"].append(((448,), [0, 256, 192]))
+    for i, (lead, lengths) in enumerate(cases[form]):
+        xs = _inputs(lead, seed=i, dtype=torch.bfloat16, device="cuda")
+        kw = {}
+        if lengths is not None:
+            kw = dict(cu_seqlens=testing.cu(lengths, "cuda"), max_seqlen=max(lengths))
+        eager = _step(f, xs, **kw)
+        for _ in range(3):  # record, then replay
+            mine = _step(compiled, xs, **kw)
+        _same(f"{form} {lead}", mine, eager)
+    assert not counters["recompiles"], dict(counters["recompiles"])
