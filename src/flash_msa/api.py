@@ -17,7 +17,13 @@ import os
 import torch
 
 from . import backends
-from . import ops as custom_ops
+
+try:  # the torch.compile path only; eager calls never touch it
+    from . import ops as custom_ops
+
+    _OPS_ERROR = None
+except Exception as e:  # a torch whose torch.library cannot register them: eager still works
+    custom_ops, _OPS_ERROR = None, e
 from .problem import Config, Problem, Saved, problem_of
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -394,6 +400,11 @@ def _op_args(cfg: Config, varlen: bool, dims) -> tuple:
     form, ``dims = (H, Hkv, D, Hsel, Hpk, Dp)`` as in :func:`_problem` and the
     ``FLASH_MSA_BACKEND`` value, read here, when the graph is traced; each op resolves its
     backend from them per call, as the eager path does (``backends.resolve``)."""
+    if custom_ops is None:
+        raise RuntimeError(
+            f"flash_msa under torch.compile needs its custom ops, which failed to register with "
+            f"torch {torch.__version__}: {_OPS_ERROR!r}"
+        )
     return (
         cfg.max_seqlen,
         cfg.block_size,
