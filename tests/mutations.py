@@ -220,7 +220,7 @@ MUTANTS = (
         (
             (
                 PKG + "api.py",
-                "    return min(top_k, -(-max_seqlen // block_size))",
+                "    return min(top_k, max(-(-max_seqlen // block_size), UNCLAMPED_TOP_K))",
                 "    return top_k",
             ),
         ),

@@ -1,5 +1,6 @@
-"""``top_k`` beyond the number of blocks: clamped to ``ceil(max_seqlen / block_size)`` for the
-backends (nothing is allocated per requested slot), refused above ``api.MAX_TOP_K``.
+"""``top_k`` beyond the number of blocks: clamped to ``max(ceil(max_seqlen / block_size),
+api.UNCLAMPED_TOP_K)`` for the backends (nothing is allocated per requested slot; up to 64 it is
+kept, so the compiled kernels do not depend on the lengths), refused above ``api.MAX_TOP_K``.
 
 ``select_blocks`` keeps its documented width ``top_k`` (the clamped slots are ``-1``), so a
 sequence's indices do not depend on what it is packed with.
@@ -39,28 +40,29 @@ def seen_top_k(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("top_k", [4, 100, api.MAX_TOP_K])
-def test_msa_attention_clamps_top_k(top_k, seen_top_k):
-    xs = _inputs()
+@pytest.mark.parametrize("top_k, K", [(4, 4), (64, 64), (100, 64), (api.MAX_TOP_K, 64)])
+def test_msa_attention_clamps_top_k(top_k, K, seen_top_k):
+    xs = _inputs()  # ceil(150 / 64) = 3 blocks: kept up to 64, clamped to 64 above
     out, kl = flash_msa.msa_attention(*xs, top_k, block_size=B64)
-    assert seen_top_k == [("select", 3), ("fwd", 3)]  # ceil(150 / 64) = 3, not top_k
+    assert seen_top_k == [("select", K), ("fwd", K)]
     seen_top_k.clear()
     out3, kl3 = flash_msa.msa_attention(*xs, 3, block_size=B64)
     assert torch.equal(out, out3) and torch.equal(kl, kl3)
 
 
 def test_msa_attention_clamps_to_max_seqlen_in_varlen(seen_top_k):
-    xs = [x[0] for x in _inputs(S=270)]
-    cu = testing.cu([70, 200])  # the longest has 4 blocks of 64
-    flash_msa.msa_attention(*xs, 50, block_size=B64, cu_seqlens=cu)
-    assert seen_top_k == [("select", 4), ("fwd", 4)]
+    xs = [x[0] for x in _inputs(S=4300)]
+    cu = testing.cu([70, 4230])  # the longest has 67 blocks of 64 (more than 64)
+    with torch.no_grad():
+        flash_msa.msa_attention(*xs, 500, block_size=B64, cu_seqlens=cu, compute_kl=False)
+    assert seen_top_k == [("select", 67), ("fwd", 67)]
 
 
 def test_select_blocks_keeps_the_documented_width(seen_top_k):
     qp, kp = _inputs()[:2]
-    idx = flash_msa.select_blocks(qp, kp, 20, block_size=B64)
-    assert seen_top_k == [("select", 3)]  # the backend ran with the clamped K
-    assert idx.shape == (1, 150, 2, 20) and idx.dtype == torch.int32
+    idx = flash_msa.select_blocks(qp, kp, 200, block_size=B64)
+    assert seen_top_k == [("select", 64)]  # the backend ran with the clamped K
+    assert idx.shape == (1, 150, 2, 200) and idx.dtype == torch.int32
     assert torch.equal(idx[..., :3], flash_msa.select_blocks(qp, kp, 3, block_size=B64))
     assert (idx[..., 3:] == -1).all()
 

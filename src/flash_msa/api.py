@@ -174,15 +174,23 @@ def _top_k_arg(top_k):
     return top_k
 
 
+# K below which top_k is never clamped: the GPU kernels' own top_k limit. K is a compile-time
+# constant of every kernel, so clamping a top_k <= 64 to a varlen batch's block count would
+# compile a new set of kernels per distinct max_seqlen (CuTe: tens of seconds each).
+UNCLAMPED_TOP_K = 64
+
+
 def _kernel_top_k(top_k, max_seqlen, block_size):
-    """The K the backends run with: ``top_k`` clamped to the blocks of the longest sequence.
+    """The K the backends run with: ``top_k`` clamped to ``max(ceil(max_seqlen / block_size),
+    UNCLAMPED_TOP_K)``.
 
     No row has more than ``ceil(max_seqlen / block_size)`` visible blocks, so a larger ``top_k``
-    selects exactly the same blocks and would only add ``-1`` slots (and, for ``top_k=10**6``, a
-    ``(tokens, Hp, 10**6)`` index tensor). The clamp also lets a backend whose kernels keep at
-    most 64 blocks run a short sequence asked for more.
+    selects exactly the same blocks and would only add ``-1`` slots (for ``top_k=10**4``, a
+    ``(tokens, Hp, 10**4)`` index tensor). Values up to ``UNCLAMPED_TOP_K`` are kept as given, so
+    the compiled kernels do not depend on the batch's lengths; the clamp also lets a backend
+    whose kernels keep at most 64 blocks run a short sequence asked for more.
     """
-    return min(top_k, -(-max_seqlen // block_size))
+    return min(top_k, max(-(-max_seqlen // block_size), UNCLAMPED_TOP_K))
 
 
 def _block_size_arg(block_size):
@@ -556,11 +564,12 @@ def msa_attention(
     Args:
         top_k: number of key *blocks* each query keeps (its own block included), an int in
             ``[1, MAX_TOP_K]`` (``2**14``; larger values raise ``ValueError``). A ``top_k`` above
-            the blocks of the longest sequence, ``ceil(max_seqlen / block_size)``, is
-            **clamped** to that number: the result is the same (every row keeps all of its
-            visible blocks), and the internal index tensor and the backends' ``top_k`` limits
-            see the clamped value, so nothing is allocated per requested slot. Validated but
-            unused when ``warmup=True``.
+            both 64 and the blocks of the longest sequence, ``ceil(max_seqlen / block_size)``,
+            is **clamped** to the larger of the two: the result is the same (every row keeps
+            all of its visible blocks), and the internal index tensor and the backends'
+            ``top_k`` limits see the clamped value, so nothing is allocated per requested slot
+            (up to 64 it is kept, so the compiled kernels do not change with the lengths).
+            Validated but unused when ``warmup=True``.
         block_size: 64 or 128 tokens per key block.
         softmax_scale: main attention scale, default ``D ** -0.5``.
         proxy_scale: proxy score scale, default ``Dp ** -0.5``.
@@ -626,7 +635,7 @@ def select_blocks(
     Returns:
         int32 ``(B, S, Hp, top_k)`` (or ``(T, Hp, top_k)``): sequence-local block numbers,
         ascending, the own block always present, unused slots ``-1``. The selection runs with
-        ``top_k`` **clamped** to ``ceil(max_seqlen / block_size)`` (as in
+        ``top_k`` **clamped** to ``max(ceil(max_seqlen / block_size), 64)`` (as in
         :func:`msa_attention`); the slots past that are ``-1`` padding, so the width stays the
         requested ``top_k`` and a sequence's indices do not depend on what it is packed with.
     """
