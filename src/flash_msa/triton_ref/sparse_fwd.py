@@ -237,7 +237,9 @@ def _launch(q, k, v, wl, cfg: Config, tok0: int, main, proxy):
     T, H, D = q.shape
     Hkv, Hs, K = k.shape[1], wl.heads, wl.slots
     qp, kp, pl_part = proxy if proxy is not None else (q, k, None)
-    o_part, l_part = main if main is not None else (pl_part, pl_part)
+    # absent buffers: pointers of the types the compile check's SIGNATURE names (input dtype
+    # for O_PART, fp32 for L_PART), so the proxy-only launch is the binary it checks
+    o_part, l_part = main if main is not None else (q, pl_part)
     pl_part = l_part if pl_part is None else pl_part
     v = q if v is None else v
     Dp = qp.shape[2] if proxy is not None else 16
