@@ -30,7 +30,6 @@ import torch
 
 from flash_msa import bench, testing, triton_ref, worklist
 from flash_msa.cute import fwd_partials_sm90
-from flash_msa.problem import Config
 from flash_msa.triton_ref import selection as tri_sel
 
 SAMPLES = 2048  # rows verified per line
@@ -97,15 +96,7 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
         for x in testing.make_inputs(1, S, H, Hkv, Hp, Hpk, D, Dp, device="cuda", kind=kind, seed=0)
     )
     cu = testing.cu([S], "cuda")
-    cfg = Config(
-        block_size=bench.BLOCK,
-        softmax_scale=D**-0.5,
-        max_seqlen=S,
-        proxy_scale=Dp**-0.5,
-        top_k=bench.TOP_K,
-        warmup=False,
-        compute_kl=True,
-    )
+    cfg = bench.step_config(S, D, Dp)
     idx = tri_sel.select(qp, kp, cu, cfg)
     pairs = bench.sparse_pairs(idx[None], S, bench.BLOCK)
     flops = 4 * D * H * pairs

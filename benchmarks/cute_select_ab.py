@@ -21,7 +21,6 @@ import torch
 
 from flash_msa import bench, reference, testing
 from flash_msa.cute import select_sm90
-from flash_msa.problem import Config
 from flash_msa.triton_ref import selection as triton_sel
 
 STAGES = (2, 6)  # key-pipeline depths timed besides the default (SelectSm90.stages), top_k 16
@@ -53,15 +52,7 @@ def main():
             )[:2]
             qp, kp = qp[0].contiguous(), kp[0].contiguous()
             cu = testing.cu([S], "cuda")
-            cfg = Config(
-                block_size=bench.BLOCK,
-                softmax_scale=D**-0.5,
-                max_seqlen=S,
-                proxy_scale=Dp**-0.5,
-                top_k=bench.TOP_K,
-                warmup=False,
-                compute_kl=True,
-            )
+            cfg = bench.step_config(S, D, Dp)
             flops = 2 * Dp * Hp * S * (S + 1) / 2
             lines = []  # (name, cfg, function writing the indices into a given buffer)
             for top_k in (bench.TOP_K, 64):

@@ -314,7 +314,9 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
 
 def _problem(ref, H, Hkv, D, Hsel, Hpk, Dp, cu, varlen, cfg) -> Problem:
     """The call as backends see it (0 for the heads/dims a call does not have)."""
-    return problem_of(ref, (H, Hkv, D, Hsel, Hpk, Dp), cu, varlen, cfg)
+    return problem_of(
+        ref.device, ref.dtype, (H, Hkv, D, Hsel, Hpk, Dp), cu.numel() - 1, varlen, cfg
+    )
 
 
 def _wants_grad(*tensors) -> bool:

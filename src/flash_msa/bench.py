@@ -37,6 +37,22 @@ SHAPES = {  # B, H, Hkv, Hp, Hpk, D, Dp, default seqlens
 BLOCK, TOP_K, PEAK_TFLOPS = 128, 16, 989.0
 
 
+def step_config(S: int, D: int, Dp: int, *, top_k: int = None, block_size: int = None):
+    """The :class:`~flash_msa.problem.Config` of the benchmarked step on one sequence of ``S``
+    tokens (default scales, KL value on; ``top_k``/``block_size`` default to the bench's)."""
+    from .problem import Config
+
+    return Config(
+        block_size=BLOCK if block_size is None else block_size,
+        softmax_scale=D**-0.5,
+        max_seqlen=S,
+        proxy_scale=Dp**-0.5,
+        top_k=TOP_K if top_k is None else top_k,
+        warmup=False,
+        compute_kl=True,
+    )
+
+
 def _log(*a):
     print(*a, file=sys.stderr, flush=True)
 
@@ -146,22 +162,13 @@ def verify_msa(
     """
     from . import diagnostics, reference, testing
     from .api import select_blocks
-    from .problem import Config
 
     B, H, Hkv, Hp, Hpk, D, Dp, _ = shape
     xs = testing.make_inputs(1, S, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device=device, seed=seed)
     with forced(backend):
         idx = select_blocks(xs[0], xs[1], top_k, block_size=block_size)
     cu = testing.cu([S], device)
-    cfg = Config(
-        block_size=block_size,
-        softmax_scale=D**-0.5,
-        max_seqlen=S,
-        proxy_scale=Dp**-0.5,
-        top_k=top_k,
-        warmup=False,
-        compute_kl=True,
-    )
+    cfg = step_config(S, D, Dp, top_k=top_k, block_size=block_size)
     flat = [x[0] for x in xs]
     ref_idx = reference.select(*flat[:2], cu, cfg)
     bad = testing.selection_mismatch(

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from . import __version__, backends, reference, testing
-from .problem import Config, Problem, Saved
+from .problem import Config, Problem, Saved, problem_of
 
 
 def version(dist: str) -> str | None:
@@ -31,8 +31,6 @@ def _devices() -> list[str]:
 
 def sample_problem(device: str) -> Problem:
     """The anchor shape (H=16, Hkv=2, Hp=4, Hpk=1, D=Dp=128, block 128, top_k 16) in bf16."""
-    dev = torch.device(device)
-    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     cfg = Config(
         block_size=128,
         softmax_scale=128**-0.5,
@@ -42,19 +40,7 @@ def sample_problem(device: str) -> Problem:
         warmup=False,
         compute_kl=True,
     )
-    return Problem(
-        device_type=dev.type,
-        capability=cap,
-        dtype=torch.bfloat16,
-        num_heads=16,
-        num_kv_heads=2,
-        head_dim=128,
-        num_sel_heads=4,
-        num_proxy_k_heads=1,
-        proxy_head_dim=128,
-        varlen=False,
-        cfg=cfg,
-    )
+    return problem_of(device, torch.bfloat16, (16, 2, 128, 4, 1, 128), 1, False, cfg)
 
 
 def explain(op: str, problem: Problem) -> tuple[str | None, str]:
@@ -349,8 +335,6 @@ def check(seed: int = 0, names=None):
 
 def _case_problem(case, device, dtype) -> Problem:
     _, _, H, Hkv, Hp, Hpk, D, Dp, b, top_k, warmup = case
-    dev = torch.device(device)
-    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     cfg = Config(
         block_size=b,
         softmax_scale=D**-0.5,
@@ -360,16 +344,5 @@ def _case_problem(case, device, dtype) -> Problem:
         warmup=warmup,
         compute_kl=True,
     )
-    return Problem(
-        device_type=dev.type,
-        capability=cap,
-        dtype=dtype,
-        num_heads=H,
-        num_kv_heads=Hkv,
-        head_dim=D,
-        num_sel_heads=Hp,
-        num_proxy_k_heads=Hpk,
-        proxy_head_dim=Dp,
-        varlen=isinstance(case[1], tuple),
-        cfg=cfg,
-    )
+    dims = (H, Hkv, D, Hp, Hpk, Dp)
+    return problem_of(device, dtype, dims, 1, isinstance(case[1], tuple), cfg)

@@ -84,7 +84,7 @@ def _call(
         warmup=warmup,
         compute_kl=compute_kl,
     )
-    problem = problem_of(ref, dims, cu_seqlens, varlen, cfg)
+    problem = problem_of(ref.device, ref.dtype, dims, cu_seqlens.numel() - 1, varlen, cfg)
     return cfg, problem
 
 

@@ -60,16 +60,17 @@ class Problem:
     num_seqs: int = 1  # sequences in the call (batch size, or len(cu_seqlens) - 1)
 
 
-def problem_of(ref: torch.Tensor, dims, cu_seqlens: torch.Tensor, varlen: bool, cfg: Config):
-    """The :class:`Problem` of a call on tensors like ``ref`` (device, dtype), with
-    ``dims = (H, Hkv, D, Hsel, Hpk, Dp)`` (0 for the heads/dims a call does not have) and
-    ``cu_seqlens`` giving the number of sequences (its length, not its values: no host sync)."""
+def problem_of(device, dtype, dims, num_seqs: int, varlen: bool, cfg: Config) -> Problem:
+    """The :class:`Problem` of a call on ``device`` in ``dtype``, with
+    ``dims = (H, Hkv, D, Hsel, Hpk, Dp)`` (0 for the heads/dims a call does not have); the
+    capability is read from the device (the one place a Problem is built)."""
     H, Hkv, D, Hsel, Hpk, Dp = dims
-    cuda = ref.device.type == "cuda"
+    device = torch.device(device)
+    cuda = device.type == "cuda"
     return Problem(
-        device_type=ref.device.type,
-        capability=torch.cuda.get_device_capability(ref.device) if cuda else None,
-        dtype=ref.dtype,
+        device_type=device.type,
+        capability=torch.cuda.get_device_capability(device) if cuda else None,
+        dtype=dtype,
         num_heads=H,
         num_kv_heads=Hkv,
         head_dim=D,
@@ -78,7 +79,7 @@ def problem_of(ref: torch.Tensor, dims, cu_seqlens: torch.Tensor, varlen: bool, 
         proxy_head_dim=Dp,
         varlen=varlen,
         cfg=cfg,
-        num_seqs=cu_seqlens.numel() - 1,
+        num_seqs=num_seqs,
     )
 
 
