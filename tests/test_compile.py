@@ -40,6 +40,7 @@ def test_cute_kernels_compile_for_sm90_without_spills():
 
     expected = {name for name, *_ in compile_check.configurations()}
     expected |= {name for name, *_ in compile_check.fwd_configurations()}
+    expected |= {name for name, *_ in compile_check.bwd_configurations()}
     res = subprocess.run(
         [sys.executable, "-m", "flash_msa.cute.compile_check"],
         capture_output=True, text=True, timeout=600,
@@ -93,6 +94,55 @@ def test_cute_kernel_limits_and_shared_memory_arithmetic():
         assert other != base and hash(other) != hash(base), name
     with pytest.raises(dataclasses.FrozenInstanceError):
         base.warpgroups = 1
+
+
+def test_cute_backward_limits_and_shared_memory_arithmetic():
+    """``BwdSm90.can_implement``: the numbers its docstring states, the head layouts it refuses
+    (a selection head's main heads over several KV heads), dims and dtypes; the kernel object
+    is its whole configuration (the compile cache key); ``bwd_kernel_reason`` on a Problem."""
+    pytest.importorskip("cutlass")
+    import dataclasses
+
+    import torch
+    from cutlass import BFloat16, Float16, Float32
+
+    from flash_msa import cute
+    from flash_msa.cute.bwd_sm90 import BwdSm90
+    from flash_msa.problem import Config, Problem
+
+    assert BwdSm90.shared_bytes(2, 128, 128, 128, True)["total"] == 182272
+    assert BwdSm90.shared_bytes(2, 128, 128, 128, False)["total"] == 117760
+    ok = BwdSm90.can_implement
+    assert ok(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128) is None  # anchor
+    assert ok(BFloat16, 64, 4, 4, 1, 128, 128, 16, 128) is None  # paper
+    assert ok(Float16, 8, 1, 4, 1, 64, 128, 3, 64) is None  # Hp > Hkv, Dp > D
+    assert "share one KV head" in ok(BFloat16, 8, 4, 2, 1, 64, 64, 8, 64)  # Hp < Hkv
+    assert "head_dim" in ok(BFloat16, 16, 2, 4, 1, 96, 128, 16, 128)
+    assert "proxy_head_dim" in ok(BFloat16, 16, 2, 4, 1, 128, 32, 16, 128)
+    assert "block_size" in ok(BFloat16, 16, 2, 4, 1, 128, 128, 16, 256)
+    assert "bf16 or fp16" in ok(Float32, 16, 2, 4, 1, 128, 128, 16, 128)
+    with pytest.raises(ValueError, match="share one KV head"):
+        BwdSm90(BFloat16, 8, 4, 2, 1, 64, 64, 8, 64)
+    with pytest.raises(ValueError, match="nothing to make"):
+        BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, main=False, proxy=False)
+    base = BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
+    for name, value in dict(main=False, proxy=False, top_k=8, proxy_k_heads=2).items():
+        other = dataclasses.replace(base, **{name: value})
+        assert other != base and hash(other) != hash(base), name
+
+    cfg = Config(block_size=128, softmax_scale=0.1, max_seqlen=4096, proxy_scale=0.1, top_k=16)
+    prob = Problem(
+        device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, num_heads=16,
+        num_kv_heads=2, head_dim=128, num_sel_heads=4, num_proxy_k_heads=1, proxy_head_dim=128,
+        varlen=False, cfg=cfg,
+    )  # fmt: skip
+    assert cute.bwd_kernel_reason(prob) is None
+    assert "sm_80" in cute.bwd_kernel_reason(dataclasses.replace(prob, capability=(8, 0)))
+    assert "share one KV head" in cute.bwd_kernel_reason(dataclasses.replace(prob, num_kv_heads=8))
+    assert cute.unsupported_reason("bwd", prob) is None  # registered: LIMITS["bwd"]
+    assert "share one KV head" in cute.unsupported_reason(
+        "bwd", dataclasses.replace(prob, num_kv_heads=8)
+    )
 
 
 def test_cute_compile_cache_key_has_the_static_argument_layout():

@@ -176,14 +176,13 @@ def test_cute_select_is_sync_free_and_graph_capturable():
     assert torch.equal(captured, cute_be.select(qp, kp, cu, cfg))
 
 
-def test_auto_mixes_cute_selection_and_forward_with_triton_backward(monkeypatch):
-    """``auto`` on Hopper: CuTe selection and forward, Triton backward, one training step by
-    the rule against the reference on the same indices; ``cute`` forced refuses the backward."""
+def test_auto_runs_the_training_step_on_cute(monkeypatch):
+    """``auto`` on Hopper: CuTe selection, forward and fused backward, one training step by the
+    rule against the reference on the same indices; forced ``cute`` runs the same step."""
     _cute()
     monkeypatch.setenv("FLASH_MSA_BACKEND", "auto")
     info = next(v for k, v in flash_msa.info()["devices"].items() if k.startswith("cuda"))["ops"]
-    assert info["select"]["backend"] == "cute" and info["fwd"]["backend"] == "cute"
-    assert info["bwd"]["backend"] == "triton"
+    assert [info[op]["backend"] for op in ("select", "fwd", "bwd")] == ["cute"] * 3, info
     S, H, Hkv, Hp, Hpk, D, Dp, top_k, seed = 3000, 8, 2, 4, 1, 64, 64, 8, 4
     xs = [
         x.requires_grad_()
@@ -193,26 +192,20 @@ def test_auto_mixes_cute_selection_and_forward_with_triton_backward(monkeypatch)
         idx = flash_msa.select_blocks(xs[0], xs[1], top_k)
         monkeypatch.setenv("FLASH_MSA_BACKEND", "triton")
         idx_triton = flash_msa.select_blocks(xs[0], xs[1], top_k)
-        monkeypatch.setenv("FLASH_MSA_BACKEND", "auto")
     assert torch.equal(idx, idx_triton), "a near-tie on these inputs: pick another seed"
-    out, kl = flash_msa.msa_attention(*xs, top_k)
-    testing.training_loss(out, kl, Hp * S, seed).backward()
     names = ("dq_proxy", "dk_proxy", "dq", "dk", "dv")  # of xs
-    mine = dict(out=out[0], kl=kl, **{n: x.grad[0] for n, x in zip(names, xs)})
-
     qp, kp, q, k, v = (x.detach()[0] for x in xs)
     dout, dkl = incoming(q, Hp, seed)
     cu = testing.cu([S], "cuda")
     exact, same = references(qp, kp, q, k, v, idx[0], cu, config(S, D, Dp, 128, top_k), dout, dkl)
-    check(mine, exact, same, ("out", "kl", *GRADS))
-
-    monkeypatch.setenv("FLASH_MSA_BACKEND", "cute")
-    with pytest.raises(flash_msa.BackendError, match="backward is not implemented"):
-        flash_msa.msa_attention(*xs, top_k)  # inputs need gradients: the backward is Triton's
-    with torch.no_grad():
-        out_c, kl_c = flash_msa.msa_attention(*xs, top_k)
-    assert torch.equal(out_c, out)  # the same CuTe forward, without the proxy gradient
-    check(dict(kl=kl_c), exact, same, ("kl",))  # KL-only vs KL + gradient pass
+    for backend in ("auto", "cute"):
+        monkeypatch.setenv("FLASH_MSA_BACKEND", backend)
+        for x in xs:
+            x.grad = None
+        out, kl = flash_msa.msa_attention(*xs, top_k)
+        testing.training_loss(out, kl, Hp * S, seed).backward()
+        mine = dict(out=out[0], kl=kl, **{n: x.grad[0] for n, x in zip(names, xs)})
+        check(mine, exact, same, ("out", "kl", *GRADS), label=f"{backend} ")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -346,7 +346,8 @@ class _MSAFunction(torch.autograd.Function):
             cfg,
             q_proxy if use_proxy else None,
             k_proxy if use_proxy else None,
-            proxy_grad=proxy_grad,
+            # a backward that fuses the proxy gradient (CuTe) makes it itself: not the forward
+            proxy_grad=proxy_grad and not getattr(bwd_be, "FUSED_PROXY_GRAD", False),
         )
         if kl is None:  # compute_kl=False: the value is 0, the gradient stays exact
             kl = torch.zeros((), dtype=lse.dtype, device=q.device)

@@ -15,10 +15,16 @@ configuration, tuning choices included, as constructor arguments) with a ``@cute
 ``can_implement`` that says why a configuration cannot run (shared-memory arithmetic
 included); ``common.py`` holds what they share.
 
-The backward and the dense warmup forward are not available here: ``unsupported_reason`` says
-so, ``auto`` then runs them on the Triton backend within the same autograd step (the ops share
-one tensor contract, see docs/design.md), and ``FLASH_MSA_BACKEND=cute`` raises
-:class:`~flash_msa.BackendError` for them. Blackwell (sm_100) kernels are not written yet.
+* ``bwd`` (sparse, not warmup): one fused key-outer kernel for the main and the proxy gradients
+  (``bwd_sm90.py``: ``BwdSm90``), within ``BWD_LIMITS`` and :func:`bwd_kernel_reason` (each
+  selection head's main heads share one KV head); the forward then does not make the proxy
+  gradient (``FUSED_PROXY_GRAD``).
+
+The dense warmup is not available here: ``unsupported_reason`` says so, ``auto`` then runs it
+on the Triton backend (the ops share one tensor contract, see docs/design.md), and
+``FLASH_MSA_BACKEND=cute`` raises :class:`~flash_msa.BackendError`; so does a backward outside
+its limits (``auto`` runs it on Triton within the same autograd step). Blackwell (sm_100)
+kernels are not written yet.
 
 Kernels are compiled on first use and cached in-process (``common.run``) per kernel object
 (every field of its configuration: dtype, head dims, head counts, top_k, block size, tuning),
@@ -33,6 +39,14 @@ from ..limits import Limits
 from ..problem import Problem
 
 _SM90 = dict(capabilities=((9, 0),), capability_note="CuTe kernels exist for Hopper only so far")
+# the fused backward (bwd_sm90.py)
+BWD_LIMITS = Limits(
+    **_SM90,
+    head_dims=(64, 128),
+    proxy_head_dims=(64, 128),
+    note="one fused kernel for the main and proxy gradients; each selection head's main heads "
+    "must share one KV head",
+)
 LIMITS = {
     "select": Limits(**_SM90, proxy_head_dims=(64, 128), max_top_k=64),
     # the proxy LSE / combine / KL stages are borrowed from Triton: their limits are added
@@ -43,7 +57,7 @@ LIMITS = {
         note="per-block attention on CuTe; proxy LSE, combine and KL are Triton stages (with "
         "their limits) until CuTe stage 3",
     ),
-    "bwd": "the CuTe backward is not implemented yet (auto runs it on Triton)",
+    "bwd": BWD_LIMITS,
     "warmup": "warmup (dense attention, no selection) is not on CuTe (auto runs it on Triton)",
 }
 
@@ -65,6 +79,8 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
         return why
     if op == "fwd":
         return _fwd_reason(problem)
+    if op == "bwd":
+        return bwd_kernel_reason(problem)
     return _select_reason(problem)
 
 
@@ -115,6 +131,23 @@ def _fwd_reason(problem: Problem) -> str | None:
     return borrowed_reason(forward_stages(), problem)
 
 
+def bwd_kernel_reason(problem: Problem) -> str | None:
+    """Why the fused backward kernel cannot run ``problem`` (``None``: it can): ``BWD_LIMITS``
+    and ``BwdSm90.can_implement`` (the head-group arithmetic and shared memory)."""
+    from .bwd_sm90 import BwdSm90
+    from .common import cutlass_dtype
+
+    why = limits.reason({"bwd": BWD_LIMITS}, "bwd", problem)
+    if why is not None:
+        return why
+    Hs = problem.num_sel_heads
+    return BwdSm90.can_implement(
+        cutlass_dtype(problem.dtype), problem.num_heads, problem.num_kv_heads, Hs,
+        problem.num_proxy_k_heads or Hs, problem.head_dim, problem.proxy_head_dim or
+        problem.head_dim, problem.cfg.top_k, problem.cfg.block_size,
+    )  # fmt: skip
+
+
 def select(q_proxy, k_proxy, cu_seqlens, cfg):
     """Backend op ``select``: see :func:`flash_msa.cute.select_sm90.select`."""
     from .select_sm90 import select as _select
@@ -129,6 +162,13 @@ def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_gra
     return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad)
 
 
-def bwd(*args, **kwargs):
-    """Not implemented on this backend (``unsupported_reason`` says so before a call)."""
-    raise NotImplementedError(LIMITS["bwd"])
+def bwd(dout, dkl, saved, cu_seqlens, cfg):
+    """Backend op ``bwd``: see :func:`flash_msa.cute.bwd_sm90.bwd`."""
+    from .bwd_sm90 import bwd as _bwd
+
+    return _bwd(dout, dkl, saved, cu_seqlens, cfg)
+
+
+# this backend's backward makes the proxy gradient itself: the forward need not
+# (Forward.proxy_grad); read by api.py when the backward runs here
+FUSED_PROXY_GRAD = True

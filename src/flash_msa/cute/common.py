@@ -5,6 +5,7 @@ cache keyed by everything a compiled kernel bakes in)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -16,6 +17,17 @@ from cutlass.cute.nvgpu import cpasync
 ALIGN = 16  # bytes: every CuTe view made by cute_tensor assumes this base alignment
 
 
+class WorkItems(NamedTuple):
+    """CuTe views of the six tensors of a work list (:class:`flash_msa.worklist.WorkList`)."""
+
+    perm: cute.Tensor  # (E,) int64 flat entries token * Hs * K + head * K + slot
+    item_list: cute.Tensor  # (W,) int32 list id p * NB + global block of each work item
+    item_start: cute.Tensor  # (W,) int64 first entry of the item (into perm)
+    item_end: cute.Tensor  # (W,) int64 one past its last entry
+    block_start: cute.Tensor  # (NB,) int32 packed position of each global block's first key
+    block_end: cute.Tensor  # (NB,) int32 one past its last key
+
+
 def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
     """View a thread's m64nNk16 accumulator ``((2, 2, V), M, N)`` as ``(rows, cols)``.
 
@@ -25,6 +37,15 @@ def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
     s, d = t.layout.shape, t.layout.stride
     shape = ((s[0][1], s[1]), (s[0][0], s[0][2], s[2]))
     stride = ((d[0][1], d[1]), (d[0][0], d[0][2], d[2]))
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+def acc_as_a(t: cute.Tensor) -> cute.Tensor:
+    """A ``((2, 2, V), M, N)`` accumulator-shaped register tensor as a wgmma register-A fragment
+    ``((2, 2, 2), M, (V / 2, N))``: two neighbouring 8-column groups make one k16 slice."""
+    s, d = t.layout.shape, t.layout.stride
+    shape = ((s[0][0], s[0][1], 2), s[1], (s[0][2] // 2, s[2]))
+    stride = ((d[0][0], d[0][1], d[0][2]), d[1], (d[0][2] * 2, d[2]))
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 

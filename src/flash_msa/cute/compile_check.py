@@ -68,6 +68,64 @@ def fwd_configurations():
             yield f"{name} wg{wgs}", *cfg, wgs
 
 
+def bwd_configurations():
+    """(name, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy) of the backward kernels
+    checked: the anchor and paper head layouts, both head dims and blocks, fp16, and the main-
+    or proxy-only variants."""
+    for D in (64, 128):
+        for block in (64, 128):
+            yield f"bwd bf16 anchor D={D} b={block}", "bf16", 16, 2, 4, 1, D, D, 16, block, 1, 1
+    yield "bwd bf16 paper D=128 b=128", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1
+    yield "bwd fp16 anchor D=128 Dp=64 b=128", "fp16", 16, 2, 4, 1, 128, 64, 16, 128, 1, 1
+    yield "bwd bf16 Hp>Hkv D=64 Dp=128 b=128", "bf16", 8, 1, 4, 1, 64, 128, 3, 128, 1, 1
+    yield "bwd bf16 G2=1 D=128 b=128", "bf16", 4, 4, 4, 2, 128, 128, 8, 128, 1, 1
+    yield "bwd bf16 Hp>Hpk>1 G2=2 D=64 b=64", "bf16", 8, 2, 4, 2, 64, 64, 8, 64, 1, 1
+    yield "bwd bf16 anchor main-only", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0
+    yield "bwd bf16 anchor proxy-only", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 0, 1
+
+
+def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **dump) -> dict:
+    """Compile :class:`~flash_msa.cute.bwd_sm90.BwdSm90` on specimen tensors of the layouts
+    :func:`~flash_msa.cute.bwd_sm90.bwd` passes."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    from .bwd_sm90 import BwdSm90
+    from .common import WorkItems
+
+    dt = _dtype(dtype)
+    kernel = BwdSm90(dt, H, Hkv, Hs, Hpk, D, Dp, K, block, bool(main), bool(proxy))
+    sym = cute.sym_int32
+    T = sym(symbol="T")
+
+    def rows(n, dim):
+        return make_fake_tensor(dt, (sym(symbol=n), dim), stride=(dim, 1), assumed_align=16)
+
+    def heads(h, dim):
+        return make_fake_tensor(dt, (T, dim, h), stride=(h * dim, 1, dim), assumed_align=16)
+
+    def flat(ty, n):
+        return make_fake_compact_tensor(ty, (sym(symbol=n),), assumed_align=16)
+
+    def rows32(n, dim):
+        return make_fake_tensor(Float32, (sym(symbol=n), dim), stride=(dim, 1), assumed_align=16)
+
+    work = WorkItems(
+        *(flat(ty, n) for ty, n in (
+            (Int64, "E"), (Int32, "W"), (Int64, "W"), (Int64, "W"), (Int32, "NB"), (Int32, "NB"),
+        ))
+    )  # fmt: skip
+    args = (
+        rows("TH", D), rows("TH", D), heads(Hkv, D), heads(Hkv, D),
+        flat(Float32, "TH"), flat(Float32, "TH"),
+        rows("TS", Dp), heads(Hpk, Dp), flat(Float32, "TS"), work,
+        rows32("TH", D), rows32("TK", D), rows32("TK", D), rows32("TS", Dp), rows32("TP", Dp),
+        Float32(1.0), Float32(1.0), Float32(1.0), Float32(1.0), Int32(1), make_fake_stream(),
+    )  # fmt: skip
+    return _compile(kernel, *args, **dump)
+
+
 def _dtype(name: str):
     from cutlass import BFloat16, Float16
 
@@ -83,7 +141,8 @@ def compile_fwd(
     from cutlass import Float32, Int32, Int64
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-    from .fwd_partials_sm90 import FwdPartialsSm90, WorkItems
+    from .common import WorkItems
+    from .fwd_partials_sm90 import FwdPartialsSm90
 
     dt = _dtype(dtype)
     kernel = FwdPartialsSm90(dt, H, Hkv, Hs, D, K, block, wgs)
@@ -141,6 +200,7 @@ def main(argv: list[str]) -> int:
         os.environ["CUTE_DSL_DUMP_DIR"] = tmp  # --keep-* also write files: keep them out of CWD
         checks = [(n, compile_select, c) for n, *c in configurations()]
         checks += [(n, compile_fwd, c) for n, *c in fwd_configurations()]
+        checks += [(n, compile_bwd, c) for n, *c in bwd_configurations()]
         for name, compile_one, cfg in checks:
             if name.startswith(only):
                 res = compile_one(*cfg, dump=dump, name=name)

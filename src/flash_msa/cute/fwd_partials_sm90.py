@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -52,20 +52,19 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..cubin import SHARED_LIMIT
 from ..worklist import geometry
-from .common import acc_rows_cols, aligned, cute_tensor, cutlass_dtype, run, stream, tma_tiles
+from .common import (
+    WorkItems,
+    acc_as_a,
+    acc_rows_cols,
+    aligned,
+    cute_tensor,
+    cutlass_dtype,
+    run,
+    stream,
+    tma_tiles,
+)
 
 LN2 = 0.6931471805599453
-
-
-class WorkItems(NamedTuple):
-    """CuTe views of the six tensors of a work list (:class:`flash_msa.worklist.WorkList`)."""
-
-    perm: cute.Tensor  # (E,) int64 flat entries token * Hs * K + head * K + slot
-    item_list: cute.Tensor  # (W,) int32 list id p * NB + global block of each work item
-    item_start: cute.Tensor  # (W,) int64 first entry of the item (into perm)
-    item_end: cute.Tensor  # (W,) int64 one past its last entry
-    block_start: cute.Tensor  # (NB,) int32 packed position of each global block's first key
-    block_end: cute.Tensor  # (NB,) int32 one past its last key
 
 
 def head_geometry_reason(H: int, Hkv: int, Hs: int) -> str | None:
@@ -83,15 +82,6 @@ def head_geometry_reason(H: int, Hkv: int, Hs: int) -> str | None:
             "sub-groups of a power-of-two number of heads sharing one KV head"
         )
     return None
-
-
-def _acc_as_a(t: cute.Tensor) -> cute.Tensor:
-    """A ``((2, 2, V), M, N)`` accumulator-shaped register tensor as a wgmma register-A fragment
-    ``((2, 2, 2), M, (V / 2, N))``: two neighbouring 8-column groups make one k16 slice."""
-    s, d = t.layout.shape, t.layout.stride
-    shape = ((s[0][0], s[0][1], 2), s[1], (s[0][2] // 2, s[2]))
-    stride = ((d[0][0], d[0][1], d[0][2]), d[1], (d[0][2] * 2, d[2]))
-    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
 def _pairs(t: cute.Tensor) -> cute.Tensor:
@@ -356,7 +346,7 @@ class FwdPartialsSm90:
             cS = acc_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLOCK))))
             cO = acc_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((ROWS, D))))
             rP = cute.make_rmem_tensor_like(acc_S, mQ.element_type)
-            tOrP = _acc_as_a(rP)
+            tOrP = acc_as_a(rP)
             rO = cute.make_rmem_tensor_like(acc_O, mQ.element_type)
 
             thr_g = gather.get_slice(tidx)

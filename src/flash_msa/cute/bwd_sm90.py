@@ -1,0 +1,819 @@
+"""Sparse backward on Hopper (sm_90a) in CuTe DSL: main and proxy gradients in one key-outer pass.
+
+The CuTe backend's ``bwd`` (:func:`bwd`). One CTA per work item = (selection head p, key block,
+up to :attr:`BwdSm90.ITEM_TOKENS` query tokens that kept it), the reverse index of
+:mod:`flash_msa.worklist` (docs/algorithm.md, "Main attention: key-outer over a reverse index").
+The CTA has ``block_size / 64`` warpgroups; warpgroup w owns keys ``64 w .. 64 w + 63`` of the
+block, so its dK and dV tiles (64 keys x D, fp32) stay in its registers for the whole item.
+
+**Phase A: main gradients** (when ``main``). K and V of the block arrive once by TMA. For each
+chunk of 64 rows (BT = 64 / G2 tokens x G2 heads of one KV sub-group, row = token-major) the
+CTA gathers the rows' q and dO (cp.async, 16-byte pieces, row from ``perm``) and their LSE and
+Delta, then each warpgroup, with keys in the MMA's M dimension (so that P and dS are the
+register A operands of the dV and dK products, and a token's heads sit in neighbouring columns):
+
+1. ``S^T = K q^T`` and ``dP^T = V dO^T`` (warpgroup MMAs, both operands in shared memory),
+2. ``P^T = exp2(S^T * scale * log2 e - LSE * log2 e)`` (0 for keys past the block's end or
+   after the row's token, and for pad rows), ``dS^T = P^T (dP^T - Delta)``,
+3. adds the group's teacher: the sum over the row's heads of P^T into a per-item fp32 slab in
+   shared memory ``(ITEM_TOKENS, block)`` (proxy only; the heads of a token are in one thread
+   or two neighbouring lanes),
+4. ``dV += P^T dO``, ``dK += dS^T q`` (A from registers, B through transposed views),
+5. writes dS (input dtype) to shared memory; ``dQ = dS K`` (split over the warpgroups by
+   columns when D allows) is added to the fp32 dQ buffer with ``red.global.add.f32``.
+
+dK and dV are added to fp32 buffers at the end of the item (several items share a key block).
+
+**Phase B: proxy gradient** (when ``proxy``), after phase A over the same tokens, 64 per chunk:
+Kp of the block by TMA, q_proxy rows gathered, ``Sp^T = Kp qp^T``, the proxy probabilities
+``pr = exp(Sp * pscale - proxy_lse)`` on the visible keys, ``d = pr - teacher / G`` (cast to the
+input dtype, as the Triton proxy pass does: ``coef`` ~ 1/T would underflow fp16), ``dKp +=
+d^T qp`` in registers (phase A's registers are free by now), ``dQp = d Kp`` through shared
+memory and ``red.add``; ``coef * pscale`` (``coef = 1 / (Hs T)``, the unit KL gradient) is
+applied to the fp32 results. The host scales by ``dkl``.
+
+Limits (:meth:`BwdSm90.can_implement`): bf16 / fp16, D and Dp in {64, 128}, block 64
+or 128, and every main head of a selection head sharing one KV head (``(H / Hkv) % (H / Hs) ==
+0``: the chunk's KV sub-groups then reuse one K/V tile and one dK/dV accumulator).
+
+Version 1 (docs/perf-notes.md "CuTe backward v1"): no warp specialization, one gather buffer,
+per-element fp32 reductions. Deterministic mode is not here yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import Constexpr, Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from .. import worklist
+from ..cubin import SHARED_LIMIT
+from ..problem import Grads, Saved
+from ..worklist import geometry
+from .common import (
+    WorkItems,
+    acc_as_a,
+    acc_rows_cols,
+    aligned,
+    cute_tensor,
+    cutlass_dtype,
+    run,
+    stream,
+    tma_tiles,
+)
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class BwdSm90:
+    """The fused sparse backward of a work list (module docstring), one static configuration;
+    the fields are all of it (the compile cache keys on the object).
+
+    Run-time values: the token, entry, work-item and block counts, the scales."""
+
+    dtype: type[cutlass.Numeric]  # BFloat16 or Float16: q, k, v, dout, q_proxy, k_proxy
+    heads: int  # H
+    kv_heads: int  # Hkv
+    sel_heads: int  # Hs = Hp: selection (proxy) heads
+    proxy_k_heads: int  # Hpk
+    head_dim: int  # D
+    proxy_head_dim: int  # Dp
+    top_k: int  # K: index slots per (token, selection head)
+    block_size: int  # keys per block (one block per work item)
+    main: bool = True  # make dq, dk, dv
+    proxy: bool = True  # make the unit proxy gradient dq_proxy, dk_proxy
+
+    ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
+    THREADS: ClassVar[int] = 128  # threads per warpgroup
+    KEYS: ClassVar[int] = 64  # keys per warpgroup (its M)
+    ITEM_TOKENS: ClassVar[int] = 128  # tokens per work item: the teacher slab's rows
+
+    # -----------------------------------------------------------------------------------------
+    # static limits
+    # -----------------------------------------------------------------------------------------
+    @staticmethod
+    def shared_bytes(elem_bytes, head_dim, proxy_head_dim, block_size, proxy) -> dict:
+        """Bytes of each shared-memory buffer, in the order of the ``Storage`` struct (operand
+        tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum."""
+        rows, D, Dmax = BwdSm90.ROWS, head_dim, max(head_dim, proxy_head_dim)
+        sizes = {
+            "mbar": 16,  # K/V and Kp mbarriers
+            "sRowF": 2 * rows * 4,  # per row: LSE (log2 units) and Delta / proxy LSE
+            "sRowI": 2 * rows * 4,  # per row: token (-1: pad) and gradient row index
+            "sQ": rows * Dmax * elem_bytes,  # q rows, then q_proxy rows
+            "sdO": rows * D * elem_bytes,
+            "sK": block_size * D * elem_bytes,
+            "sV": block_size * Dmax * elem_bytes,  # V, then K_proxy
+            "sdS": rows * block_size * elem_bytes,
+            "slab": BwdSm90.ITEM_TOKENS * block_size * 4 if proxy else 4,  # (a 1-float stub)
+        }
+        end = 0
+        for name, size in sizes.items():
+            if name.startswith("s") and name not in ("sRowF", "sRowI"):
+                end = -(-end // 1024) * 1024
+            end += size
+        return {**sizes, "total": -(-end // 1024) * 1024}  # the struct's size: its alignment
+
+    @classmethod
+    def can_implement(
+        cls, dtype, heads, kv_heads, sel_heads, proxy_k_heads, head_dim, proxy_head_dim, top_k,
+        block_size, proxy=True,
+    ) -> str | None:  # fmt: skip
+        """Why this configuration cannot be compiled or run (``None``: it can).
+
+        Shared memory (:meth:`shared_bytes`) at D = Dp = 128, block 128, bf16: q and dO tiles
+        of 64 x 128 x 2 = 16 KB each, K and V tiles of 128 x 128 x 2 = 32 KB each, the dS tile
+        64 x 128 x 2 = 16 KB, the teacher slab 128 tokens x 128 keys x 4 = 64 KB, 1 KB of row
+        data, aligned: 182,272 bytes of the sm_90 capacity of 232,448 (SHARED_LIMIT)."""
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"the CuTe backward needs bf16 or fp16, not {dtype}"
+        if head_dim not in (64, 128):
+            return f"the CuTe backward needs head_dim 64 or 128, not {head_dim}"
+        if proxy_head_dim not in (64, 128):
+            return f"the CuTe backward needs proxy_head_dim 64 or 128, not {proxy_head_dim}"
+        if block_size not in (64, 128):
+            return f"the CuTe backward needs block_size 64 or 128, not {block_size}"
+        if top_k is not None and top_k < 1:
+            return f"top_k must be positive, not {top_k}"
+        H, Hkv, Hs = heads, kv_heads, sel_heads
+        if H % Hs or H % Hkv or Hs % proxy_k_heads:
+            return f"H={H} must be a multiple of Hs={Hs} and Hkv={Hkv}, Hs of Hpk={proxy_k_heads}"
+        if (H // Hkv) % (H // Hs):
+            return (
+                f"the CuTe backward needs each selection head's {H // Hs} main heads to share one "
+                f"KV head (H={H}, Hkv={Hkv}, Hs={Hs})"
+            )
+        G, G2, R, _ = geometry(H, Hkv, Hs, cls.ROWS)
+        if G2 * R != G or G2 not in (1, 2, 4):
+            return f"H={H}, Hkv={Hkv}, Hs={Hs}: sub-groups of {G2} heads do not tile {G}"
+        smem = cls.shared_bytes(dtype.width // 8, head_dim, proxy_head_dim, block_size, proxy)
+        if smem["total"] > SHARED_LIMIT:
+            return f"{smem['total']} bytes of shared memory exceed the sm_90 capacity"
+        return None
+
+    def __post_init__(self):
+        why = self.can_implement(
+            self.dtype, self.heads, self.kv_heads, self.sel_heads, self.proxy_k_heads,
+            self.head_dim, self.proxy_head_dim, self.top_k, self.block_size, self.proxy,
+        )  # fmt: skip
+        if why is not None:
+            raise ValueError(f"CuTe backward: {why}")
+        if not (self.main or self.proxy):
+            raise ValueError("CuTe backward: nothing to make (main and proxy both False)")
+
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        """``(G, G2, R)``: main heads per selection head, heads per sub-group, sub-groups."""
+        return geometry(self.heads, self.kv_heads, self.sel_heads, self.ROWS)[:3]
+
+    @property
+    def warpgroups(self) -> int:
+        return self.block_size // self.KEYS
+
+    # -----------------------------------------------------------------------------------------
+    # host: MMAs, layouts, TMA atoms, shared storage, launch
+    # -----------------------------------------------------------------------------------------
+    def _mmas(self, dim: int):
+        """``(sdp, dkv, dq)`` tiled MMAs for head dim ``dim``: ``S^T = K q^T`` (keys x rows, both
+        K-major from shared memory), ``dK += dS^T q`` (A from registers, q as MN-major B) and
+        ``dQ = dS K`` (dS M-major, K as MN-major B; split by columns over the warpgroups when
+        each gets >= 64, the 128B swizzle's width, else warpgroup 0 alone)."""
+        dt, ROWS, WGS = self.dtype, self.ROWS, self.warpgroups
+        K_, MN = OperandMajorMode.K, OperandMajorMode.MN
+        sdp = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K_, K_, Float32, atom_layout_mnk=(WGS, 1, 1), tiler_mn=(self.KEYS, ROWS)
+        )
+        dkv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K_, MN, Float32, atom_layout_mnk=(WGS, 1, 1), tiler_mn=(self.KEYS, dim),
+            a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        nq = self.dq_split(dim)
+        dq = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, MN, MN, Float32, atom_layout_mnk=(1, nq, 1), tiler_mn=(ROWS, dim // nq)
+        )
+        return sdp, dkv, dq
+
+    def dq_split(self, dim: int) -> int:
+        """Warpgroups sharing the dQ product's columns (each >= 64 of them)."""
+        return self.warpgroups if dim // self.warpgroups >= 64 else 1
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mDO: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mQp: cute.Tensor,
+        mKp: cute.Tensor,
+        mPLSE: cute.Tensor,
+        work: WorkItems,
+        mDQ: cute.Tensor,
+        mDK: cute.Tensor,
+        mDV: cute.Tensor,
+        mDQp: cute.Tensor,
+        mDKp: cute.Tensor,
+        scale: Float32,
+        scale_log2: Float32,
+        pscale_log2: Float32,
+        pcoef: Float32,
+        NB: Int32,
+        stream: cuda.CUstream,
+    ):
+        """Launch one CTA per work item. ``mQ``, ``mDO (T*H, D)``; ``mK``, ``mV`` the ``(T, D,
+        Hkv)`` views of k and v; ``mLSE``, ``mDelta (T*H,)`` fp32 (natural-log LSE; Delta =
+        rowsum(out * dout)); ``mQp (T*Hs, Dp)``, ``mKp`` the ``(T, Dp, Hpk)`` view of k_proxy,
+        ``mPLSE (T*Hs,)``; fp32 outputs, zero-filled, as rows (2-D: more than 2**31 elements
+        at 1M tokens; the kernel adds by 64-bit offsets from the base): ``mDQ (T*H, D)``,
+        ``mDK``, ``mDV (T*Hkv, D)``, ``mDQp (T*Hs, Dp)``, ``mDKp (T*Hpk, Dp)``; the scales: softmax
+        scale, its * log2 e, proxy scale * log2 e, coef * proxy scale (coef = 1 / (Hs T)); ``NB``
+        the block count."""
+        ROWS, D, DP, BLOCK = self.ROWS, self.head_dim, self.proxy_head_dim, self.block_size
+        dtype = self.dtype
+        mmas = self._mmas(D)
+        mmas_p = self._mmas(DP)
+        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK, ROWS, D), dtype, 1)
+        sQp_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (BLOCK, ROWS, DP), dtype, 1
+        )
+        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK, ROWS, D), dtype, 1)
+        sKp_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (BLOCK, ROWS, DP), dtype, 1
+        )
+        sdS_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.COL_MAJOR, (ROWS, D, BLOCK), dtype, 1
+        )  # (ROWS, BLOCK), rows contiguous: the A operand of dQ = dS K, M-major
+        one = (None, None, 0)
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, one), (BLOCK, D)
+        )
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mV, cute.slice_(sK_layout, one), (BLOCK, D)
+        )
+        tma_kp, tma_mKp = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mKp, cute.slice_(sKp_layout, one), (BLOCK, DP)
+        )
+        nthreads = self.THREADS * self.warpgroups
+
+        def gather_copy(dim):
+            tpr = dim // 8  # threads per row: 16-byte pieces
+            return cute.make_tiled_copy_tv(
+                cute.make_copy_atom(
+                    cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                    num_bits_per_copy=128,
+                ),
+                cute.make_layout((nthreads // tpr, tpr), stride=(tpr, 1)),
+                cute.make_layout((1, 8)),
+            )  # fmt: skip
+
+        smem_q = max(cute.cosize(sQ_layout), cute.cosize(sQp_layout))
+        smem_v = max(cute.cosize(sK_layout), cute.cosize(sKp_layout))
+        SLAB = self.ITEM_TOKENS * BLOCK if self.proxy else 1
+
+        @cute.struct
+        class Storage:  # sizes: shared_bytes
+            mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            sRowF: cute.struct.MemRange[Float32, 2 * ROWS]
+            sRowI: cute.struct.MemRange[Int32, 2 * ROWS]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, smem_q], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, smem_v], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdS_layout)], 1024]
+            slab: cute.struct.Align[cute.struct.MemRange[Float32, SLAB], 1024]
+
+        smem = self.shared_bytes(
+            dtype.width // 8, D, DP, BLOCK, self.proxy
+        )["total"]  # fmt: skip
+        assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
+        self.kernel(
+            mQ, mDO, tma_k, tma_mK, tma_v, tma_mV, mLSE, mDelta, mQp, tma_kp, tma_mKp, mPLSE,
+            work, mDQ, mDK, mDV, mDQp, mDKp, (scale, scale_log2, pscale_log2, pcoef), NB, mmas,
+            mmas_p,
+            (sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout),
+            (gather_copy(D), gather_copy(DP)), Storage,
+        ).launch(
+            grid=(work.item_list.shape[0], 1, 1), block=(nthreads, 1, 1), stream=stream
+        )  # fmt: skip
+
+    # -----------------------------------------------------------------------------------------
+    # device
+    # -----------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mDO: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mQp: cute.Tensor,
+        tma_kp: cute.CopyAtom,
+        mKp: cute.Tensor,
+        mPLSE: cute.Tensor,
+        work: WorkItems,
+        mDQ: cute.Tensor,
+        mDK: cute.Tensor,
+        mDV: cute.Tensor,
+        mDQp: cute.Tensor,
+        mDKp: cute.Tensor,
+        scales: tuple,
+        NB: Int32,
+        mmas: tuple,
+        mmas_p: tuple,
+        layouts: tuple,
+        gathers: tuple,
+        Storage: Constexpr,
+    ):
+        ROWS, BLOCK, D = self.ROWS, self.block_size, self.head_dim
+        H, HKV, HS = self.heads, self.kv_heads, self.sel_heads
+        G, G2, R = self.geometry
+        sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout = layouts
+        t_all, _, _ = cute.arch.thread_idx()
+        w, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        st = SmemAllocator().allocate(Storage)
+        sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (ROWS, D, 1)
+        sdO = st.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (BLOCK, D, 1)
+        sV = st.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sdS = st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (ROWS, BLOCK, 1)
+        sRowF = st.sRowF.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))
+        sRowI = st.sRowI.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))
+        bars = st.mbar.data_ptr()
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(bars, 1)
+                cute.arch.mbarrier_init(bars + 1, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        e0 = work.item_start[w]
+        e1 = work.item_end[w]
+        if e0 < e1:  # CTA-uniform: empty work items (the grid is a worst-case bound) do nothing
+            lst = work.item_list[w]
+            p = lst // NB
+            gb = lst % NB
+            ks = work.block_start[gb]  # packed position of the block's first key
+            ke = work.block_end[gb]
+            kvh = (p * G) // (H // HKV)  # every head of the group uses this KV head
+            if cutlass.const_expr(self.main):
+                self.load_tile(tma_k, mK, sK, D, ks, kvh, bars, warp_idx, 2)
+                self.load_tile(tma_v, mV, sV, D, ks, kvh, bars, warp_idx, -1)
+            else:
+                self.load_tile(tma_k, mK, sK, D, ks, kvh, bars, warp_idx, 1)
+            slab = None
+            if cutlass.const_expr(self.proxy):
+                slab = st.slab.get_tensor(cute.make_layout(self.ITEM_TOKENS * BLOCK))
+            cute.arch.mbarrier_wait(bars, 0)
+            self.phase_a(
+                mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, work.perm,
+                mDQ, mDK, mDV, mmas, gathers[0], scales, e0, e1, p, ks, ke, kvh, t_all,
+            )  # fmt: skip
+            if cutlass.const_expr(self.proxy):
+                # phase A's MMAs are done (waited, then the CTA barrier closing its last chunk):
+                # sV may take K_proxy, sQ the proxy rows
+                sKp = st.sV.get_tensor(sKp_layout.outer, swizzle=sKp_layout.inner)
+                sQp = st.sQ.get_tensor(sQp_layout.outer, swizzle=sQp_layout.inner)
+                pk = p // (HS // self.proxy_k_heads)
+                self.load_tile(tma_kp, mKp, sKp, self.proxy_head_dim, ks, pk, bars + 1, warp_idx, 1)
+                cute.arch.mbarrier_wait(bars + 1, 0)
+                self.phase_b(
+                    mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, work.perm, mDQp, mDKp,
+                    mmas_p, gathers[1], scales, e0, e1, p, ks, ke, pk, t_all,
+                )  # fmt: skip
+
+    # -----------------------------------------------------------------------------------------
+    # device roles (traced inline into the kernel)
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def load_tile(self, tma, mX, sX, dim: Constexpr, ks, head, bar, warp_idx, tiles: Constexpr):
+        """TMA the ``(BLOCK, dim)`` tile of head ``head`` of the block starting at packed
+        position ``ks`` into ``sX`` (warp 0), completing on ``bar``. ``tiles`` > 0: arm the
+        barrier for that many tiles of this size first; -1: the barrier is already armed."""
+        BLOCK = self.block_size
+        gX = cute.local_tile(
+            cute.domain_offset((ks, 0, 0), mX)[None, None, head], (BLOCK, dim), (0, 0)
+        )
+        tXsX, tXgX = tma_tiles(tma, sX, gX)
+        if warp_idx == 0:
+            if cutlass.const_expr(tiles > 0):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(
+                        bar, tiles * BLOCK * dim * (self.dtype.width // 8)
+                    )
+            cute.copy(tma, tXgX, tXsX[(None, 0)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def gather_rows(self, gather, mX, sX, dim: Constexpr, sRowI, t_all):
+        """cp.async rows ``sRowI[r, 1]`` of ``mX`` (pad rows: any valid row) into ``sX`` (one
+        commit group)."""
+        thr = gather.get_slice(t_all)
+        tGsX = thr.partition_D(sX)  # ((8, 1), passes, 1, 1)
+        tGcX = thr.partition_D(cute.make_identity_tensor((self.ROWS, dim)))
+        col = tGcX[0, 0, 0][1]
+        for ps in cutlass.range_constexpr(cute.size(tGsX, mode=[1])):
+            row = tGcX[0, ps, 0][0]
+            src_row = sRowI[row, 1]
+            off = cute.assume(Int64(src_row) * mX.stride[0] + col, divby=8)
+            src = cute.make_tensor(mX.iterator + off, cute.make_layout(((8, 1),)))
+            cute.copy(gather, src, tGsX[None, ps, 0, 0])
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def phase_a(
+        self, mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, mPerm, mDQ,
+        mDK, mDV, mmas, gather, scales, e0, e1, p, ks, ke, kvh, t_all,
+    ):  # fmt: skip
+        """Main gradients (and the teacher slab) over the item's rows (module docstring)."""
+        ROWS, D, BLOCK = self.ROWS, self.head_dim, self.block_size
+        H, HS, K = self.heads, self.sel_heads, self.top_k
+        G, G2, R = self.geometry
+        BT = ROWS // G2
+        scale, scale_log2 = scales[0], scales[1]
+        mma_sdp, mma_dkv, mma_dq = mmas
+        thr_sdp = mma_sdp.get_slice(t_all)
+        thr_dkv = mma_dkv.get_slice(t_all)
+        sQt = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[1, 0, 2]))  # (D, ROWS)
+        sdOt = cute.make_tensor(sdO.iterator, cute.select(sdO.layout, mode=[1, 0, 2]))
+        sKt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))  # (D, BLOCK)
+        tSrK = mma_sdp.make_fragment_A(thr_sdp.partition_A(sK))
+        tSrQ = mma_sdp.make_fragment_B(thr_sdp.partition_B(sQ))
+        tSrV = mma_sdp.make_fragment_A(thr_sdp.partition_A(sV))
+        tSrdO = mma_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
+        tVrdO = mma_dkv.make_fragment_B(thr_dkv.partition_B(sdOt))
+        tKrQ = mma_dkv.make_fragment_B(thr_dkv.partition_B(sQt))
+        acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BLOCK, ROWS)), Float32)
+        acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BLOCK, ROWS)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((BLOCK, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((BLOCK, D)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        S_rc = acc_rows_cols(acc_S)
+        dP_rc = acc_rows_cols(acc_dP)
+        cS = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((BLOCK, ROWS))))
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        wg = cute.arch.make_warp_uniform(t_all // self.THREADS)
+        n_chunks = (e1 - e0 + BT - 1) // BT
+        for ch in cutlass.range(n_chunks, unroll=1):
+            c = e0 + ch * BT
+            for r in cutlass.range(R, unroll=1):  # (unrolled: 264 B of spills at R = 4)
+                h0 = p * G + r * G2  # first main head of this sub-group
+                # rows' data: token (-1 = pad), q/dO row, LSE (log2 units), Delta
+                if t_all < ROWS:
+                    e = c + t_all // G2
+                    flat = mPerm[cutlass.min(e, e1 - 1)]
+                    t = Int32(flat // (HS * K))
+                    qrow = t * H + h0 + t_all % G2
+                    sRowI[t_all, 1] = qrow
+                    if e < e1:
+                        sRowI[t_all, 0] = t
+                        sRowF[t_all, 0] = mLSE[qrow] * LOG2E
+                        if cutlass.const_expr(self.main):
+                            sRowF[t_all, 1] = mDelta[qrow]
+                    else:
+                        sRowI[t_all, 0] = Int32(-1)
+                        sRowF[t_all, 0] = Float32.inf
+                        sRowF[t_all, 1] = Float32(0.0)
+                cute.arch.sync_threads()
+                self.gather_rows(gather, mQ, sQ, D, sRowI, t_all)
+                if cutlass.const_expr(self.main):
+                    self.gather_rows(gather, mDO, sdO, D, sRowI, t_all)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
+
+                # 1. S^T = K q^T, dP^T = V dO^T
+                warpgroup.fence()
+                mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
+                    cute.gemm(
+                        mma_sdp, acc_S, tSrK[None, None, kb, 0], tSrQ[None, None, kb, 0], acc_S
+                    )
+                    mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
+                if cutlass.const_expr(self.main):
+                    mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
+                    for kb in cutlass.range_constexpr(cute.size(tSrV, mode=[2])):
+                        cute.gemm(
+                            mma_sdp, acc_dP, tSrV[None, None, kb, 0], tSrdO[None, None, kb, 0],
+                            acc_dP,
+                        )  # fmt: skip
+                        mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # 2. P^T and dS^T (in place), 3. the teacher
+                for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
+                    row = cS[0, j][1]
+                    tok = sRowI[row, 0]
+                    lse2 = sRowF[row, 0]
+                    delta = sRowF[row, 1]
+                    for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
+                        kpos = ks + cS[i, j][0]
+                        pv = cute.math.exp2(S_rc[i, j] * scale_log2 - lse2, fastmath=True)
+                        if kpos >= ke or kpos > tok:
+                            pv = Float32(0.0)
+                        S_rc[i, j] = pv
+                        if cutlass.const_expr(self.main):
+                            dP_rc[i, j] = pv * (dP_rc[i, j] - delta)
+                if cutlass.const_expr(self.proxy):
+                    self.add_teacher(S_rc, cS, slab, ch * BT, r)
+                if cutlass.const_expr(self.main):
+                    # 4. dV += P^T dO, dK += dS^T q (A from registers)
+                    rP.store(acc_S.load().to(self.dtype))
+                    rdS.store(acc_dP.load().to(self.dtype))
+                    tVrP = acc_as_a(rP)
+                    tKrdS = acc_as_a(rdS)
+                    warpgroup.fence()
+                    mma_dkv.set(warpgroup.Field.ACCUMULATE, True)
+                    for kb in cutlass.range_constexpr(cute.size(tVrP, mode=[2])):
+                        cute.gemm(
+                            mma_dkv, acc_dV, tVrP[None, None, kb], tVrdO[None, None, kb, 0], acc_dV
+                        )
+                    for kb in cutlass.range_constexpr(cute.size(tKrdS, mode=[2])):
+                        cute.gemm(
+                            mma_dkv, acc_dK, tKrdS[None, None, kb], tKrQ[None, None, kb, 0], acc_dK
+                        )
+                    warpgroup.commit_group()
+                    # 5. dS to shared memory, dQ = dS K
+                    for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
+                        for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
+                            sdS[cS[i, j][1], cS[i, j][0], 0] = dP_rc[i, j].to(self.dtype)
+                    warpgroup.wait_group(0)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.sync_threads()
+                    self.dq_product(mma_dq, sdS, sKt, sRowI, mDQ, D, scale, t_all, wg)
+                cute.arch.sync_threads()  # sQ, sdO, sdS and the row data are rewritten next
+        if cutlass.const_expr(self.main):
+            self.store_dkv(thr_dkv, acc_dK, mDK, ks, ke, kvh, self.kv_heads, D, scale)
+            self.store_dkv(thr_dkv, acc_dV, mDV, ks, ke, kvh, self.kv_heads, D, Float32(1.0))
+
+    @cute.jit
+    def add_teacher(self, S_rc, cS, slab, tok0, r):
+        """Add each token's sum over its G2 heads of P^T to the slab's rows ``tok0 ..`` (the
+        first sub-group ``r == 0`` writes, later ones add). Columns are (token, head), head
+        fastest; a thread holds column pairs, so G2 <= 2 sums in-thread and G2 = 4 adds the
+        neighbouring lane's pair."""
+        G2 = self.geometry[1]
+        BLOCK = self.block_size
+        lane = cute.arch.lane_idx()
+        npairs = cute.size(S_rc, mode=[1]) // 2
+        for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
+            key = cS[i, 0][0]
+            for jj in cutlass.range_constexpr(npairs):
+                col = cS[i, 2 * jj][1]
+                a = S_rc[i, 2 * jj]
+                b = S_rc[i, 2 * jj + 1]
+                if cutlass.const_expr(G2 == 1):
+                    for u, val in ((0, a), (1, b)):
+                        idx = (tok0 + col + u) * BLOCK + key
+                        slab[idx] = (slab[idx] if r > 0 else Float32(0.0)) + val
+                elif cutlass.const_expr(G2 == 2):
+                    idx = (tok0 + col // 2) * BLOCK + key
+                    slab[idx] = (slab[idx] if r > 0 else Float32(0.0)) + (a + b)
+                else:  # G2 == 4: lanes 2m and 2m + 1 hold the token's four heads
+                    s = a + b
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+                    if lane % 2 == 0:
+                        idx = (tok0 + col // 4) * BLOCK + key
+                        slab[idx] = (slab[idx] if r > 0 else Float32(0.0)) + s
+
+    @cute.jit
+    def dq_product(self, mma_dq, sdS, sXt, sRowI, mOut, dim: Constexpr, coef, t_all, wg):
+        """``out[row, :] += coef * (dS X)[r, :]`` for the chunk's real rows r (``sRowI[r, 0] >=
+        0``), ``row = sRowI[r, 1]``, a flat fp32 ``(rows * dim,)`` output. The warpgroups split
+        the columns (:meth:`dq_split`), or warpgroup 0 does it all."""
+        if cutlass.const_expr(self.dq_split(dim) > 1):
+            self.dq_part(mma_dq, sdS, sXt, sRowI, mOut, dim, coef, t_all)
+        else:
+            if wg == 0:
+                self.dq_part(mma_dq, sdS, sXt, sRowI, mOut, dim, coef, t_all % self.THREADS)
+
+    @cute.jit
+    def dq_part(self, mma_dq, sdS, sXt, sRowI, mOut, dim: Constexpr, coef, tq):
+        """Thread ``tq`` of :meth:`dq_product`'s MMA: its part of the product, reduced into
+        ``out``."""
+        ROWS = self.ROWS
+        thr = mma_dq.get_slice(tq)
+        tArdS = mma_dq.make_fragment_A(thr.partition_A(sdS))
+        tBrX = mma_dq.make_fragment_B(thr.partition_B(sXt))
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((ROWS, dim)), Float32)
+        warpgroup.fence()
+        mma_dq.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(tArdS, mode=[2])):
+            cute.gemm(mma_dq, acc, tArdS[None, None, kb, 0], tBrX[None, None, kb, 0], acc)
+            mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        a_rc = acc_rows_cols(acc)
+        c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((ROWS, dim))))
+        for i in cutlass.range_constexpr(cute.size(a_rc, mode=[0])):
+            row = c_rc[i, 0][0]
+            if sRowI[row, 0] >= 0:
+                base = Int64(sRowI[row, 1]) * dim
+                for j in cutlass.range_constexpr(cute.size(a_rc, mode=[1])):
+                    ptr = mOut.iterator + (base + c_rc[i, j][1])
+                    cute.arch.red(
+                        ptr, a_rc[i, j] * coef, op="add", dtype="f32", sem="relaxed", scope="gpu"
+                    )
+
+    @cute.jit
+    def store_dkv(self, thr, acc, mOut, ks, ke, head, heads: Constexpr, dim: Constexpr, coef):
+        """``out[(ks + key) * heads + head, :] += coef * acc[key, :]`` (a flat fp32 ``(T *
+        heads * dim,)`` output) for the block's keys before ``ke``: fp32 reductions, other
+        items add to the same block."""
+        a_rc = acc_rows_cols(acc)
+        c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((self.block_size, dim))))
+        for i in cutlass.range_constexpr(cute.size(a_rc, mode=[0])):
+            kpos = ks + c_rc[i, 0][0]
+            if kpos < ke:
+                base = (Int64(kpos) * heads + head) * dim
+                for j in cutlass.range_constexpr(cute.size(a_rc, mode=[1])):
+                    ptr = mOut.iterator + (base + c_rc[i, j][1])
+                    cute.arch.red(
+                        ptr, a_rc[i, j] * coef, op="add", dtype="f32", sem="relaxed", scope="gpu"
+                    )
+
+    @cute.jit
+    def phase_b(
+        self, mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, mPerm, mDQp, mDKp, mmas, gather,
+        scales, e0, e1, p, ks, ke, pk, t_all,
+    ):  # fmt: skip
+        """The unit proxy gradient over the item's tokens, against the slab's teacher."""
+        ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.block_size
+        HS, K = self.sel_heads, self.top_k
+        G = self.geometry[0]
+        pscale_log2, pcoef = scales[2], scales[3]
+        mma_sdp, mma_dkv, mma_dq = mmas
+        thr_sdp = mma_sdp.get_slice(t_all)
+        thr_dkv = mma_dkv.get_slice(t_all)
+        sQpt = cute.make_tensor(sQp.iterator, cute.select(sQp.layout, mode=[1, 0, 2]))
+        sKpt = cute.make_tensor(sKp.iterator, cute.select(sKp.layout, mode=[1, 0, 2]))
+        tSrKp = mma_sdp.make_fragment_A(thr_sdp.partition_A(sKp))
+        tSrQp = mma_sdp.make_fragment_B(thr_sdp.partition_B(sQp))
+        tKrQp = mma_dkv.make_fragment_B(thr_dkv.partition_B(sQpt))
+        acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BLOCK, ROWS)), Float32)
+        acc_dKp = cute.make_rmem_tensor(thr_dkv.partition_shape_C((BLOCK, DP)), Float32)
+        acc_dKp.fill(0.0)
+        S_rc = acc_rows_cols(acc_S)
+        cS = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((BLOCK, ROWS))))
+        rD = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        wg = cute.arch.make_warp_uniform(t_all // self.THREADS)
+        inv_g = Float32(1.0 / G)
+        n_chunks = (e1 - e0 + ROWS - 1) // ROWS
+        for ch in cutlass.range(n_chunks, unroll=1):
+            c = e0 + ch * ROWS
+            if t_all < ROWS:
+                e = c + t_all
+                flat = mPerm[cutlass.min(e, e1 - 1)]
+                t = Int32(flat // (HS * K))
+                prow = t * HS + p
+                sRowI[t_all, 1] = prow
+                if e < e1:
+                    sRowI[t_all, 0] = t
+                    sRowF[t_all, 0] = mPLSE[prow] * LOG2E
+                else:
+                    sRowI[t_all, 0] = Int32(-1)
+                    sRowF[t_all, 0] = Float32.inf
+            cute.arch.sync_threads()
+            self.gather_rows(gather, mQp, sQp, DP, sRowI, t_all)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            warpgroup.fence()
+            mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(cute.size(tSrKp, mode=[2])):
+                cute.gemm(mma_sdp, acc_S, tSrKp[None, None, kb, 0], tSrQp[None, None, kb, 0], acc_S)
+                mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            # d = pr - teacher / G on the visible keys of real tokens, 0 elsewhere
+            for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
+                tl = cS[0, j][1]
+                tok = sRowI[tl, 0]
+                plse2 = sRowF[tl, 0]
+                for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
+                    key = cS[i, j][0]
+                    kpos = ks + key
+                    d = Float32(0.0)
+                    if kpos < ke and kpos <= tok:
+                        pr = cute.math.exp2(S_rc[i, j] * pscale_log2 - plse2, fastmath=True)
+                        d = pr - slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
+                    S_rc[i, j] = d
+            rD.store(acc_S.load().to(self.dtype))
+            tKrD = acc_as_a(rD)
+            warpgroup.fence()
+            mma_dkv.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(cute.size(tKrD, mode=[2])):
+                cute.gemm(mma_dkv, acc_dKp, tKrD[None, None, kb], tKrQp[None, None, kb, 0], acc_dKp)
+            warpgroup.commit_group()
+            for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
+                for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
+                    sdS[cS[i, j][1], cS[i, j][0], 0] = S_rc[i, j].to(self.dtype)
+            warpgroup.wait_group(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            self.dq_product(mma_dq, sdS, sKpt, sRowI, mDQp, DP, pcoef, t_all, wg)
+            cute.arch.sync_threads()
+        self.store_dkv(thr_dkv, acc_dKp, mDKp, ks, ke, pk, self.proxy_k_heads, DP, pcoef)
+
+
+# ---------------------------------------------------------------------------------------------
+# host: the backward op
+# ---------------------------------------------------------------------------------------------
+def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg) -> Grads:
+    """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup): the main
+    gradients when ``dout`` is given, the proxy gradients (``dkl`` times the unit gradient made
+    here; the forward's ``Saved.proxy_grad`` is not used) when ``dkl`` is given, in one launch
+    of :class:`BwdSm90`. Limits: ``flash_msa.cute.unsupported_reason("bwd", ...)``."""
+    q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
+    main, proxy = dout is not None, dkl is not None
+    if not (main or proxy):
+        return Grads(None, None, None, None, None)
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    Hs, K = indices.shape[1:]
+    Hpk, Dp = (k_proxy.shape[1], k_proxy.shape[2]) if proxy else (Hs, D)
+    kernel = BwdSm90(
+        cutlass_dtype(q.dtype), H, Hkv, Hs, Hpk, D, Dp, K, cfg.block_size, main, proxy
+    )  # raises ValueError with the reason if the kernel cannot run this configuration
+    wl = worklist.build(indices, cu_seqlens, cfg.block_size, BwdSm90.ITEM_TOKENS)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dummy = torch.zeros((1, 64), **f32)  # fp32 outputs / inputs of a part not made
+    qv = cute_tensor(aligned(q).view(T * H, D))
+    kv = cute_tensor(aligned(k).permute(0, 2, 1))  # (T, D, Hkv): a TMA box = one head's block
+    if main:
+        dq = torch.zeros((T, H, D), **f32)
+        dk = torch.zeros((T, Hkv, D), **f32)
+        dv = torch.zeros((T, Hkv, D), **f32)
+        dout = dout.contiguous()
+        delta = (dout.float() * out.float()).sum(-1)  # (T, H)
+        main_args = (
+            cute_tensor(aligned(dout).view(T * H, D)),
+            kv,
+            cute_tensor(aligned(v).permute(0, 2, 1)),
+            cute_tensor(aligned(lse.contiguous()).view(-1)),
+            cute_tensor(delta.view(-1)),
+        )
+        main_out = tuple(cute_tensor(x.view(-1, D)) for x in (dq, dk, dv))  # 2-D: > 2**31
+    else:
+        dq = dk = dv = None
+        lse_t = cute_tensor(aligned(lse.contiguous()).view(-1))
+        main_args = (qv, kv, kv, lse_t, cute_tensor(dummy.view(-1)))
+        main_out = (cute_tensor(dummy),) * 3
+    if proxy:
+        dqp = torch.zeros((T, Hs, Dp), **f32)
+        dkp = torch.zeros((T, Hpk, Dp), **f32)
+        proxy_args = (
+            cute_tensor(aligned(q_proxy).view(T * Hs, Dp)),
+            cute_tensor(aligned(k_proxy).permute(0, 2, 1)),
+            cute_tensor(aligned(proxy_lse.contiguous()).view(-1)),
+        )
+        proxy_out = (cute_tensor(dqp.view(-1, Dp)), cute_tensor(dkp.view(-1, Dp)))
+        pscale = cfg.proxy_scale
+    else:
+        dqp = dkp = None
+        proxy_args = (qv, kv, main_args[3])
+        proxy_out = (cute_tensor(dummy),) * 2
+        pscale = 1.0
+    dO, kt, vt, lse_t, delta_t = main_args
+    if T > 0:  # (no tokens: zero gradients, no launch)
+        run(
+            kernel,
+            q.device,
+            qv, dO, kt, vt, lse_t, delta_t, *proxy_args,
+            WorkItems(*(cute_tensor(x) for x in wl[:6])),
+            *main_out, *proxy_out,
+            Float32(cfg.softmax_scale),
+            Float32(cfg.softmax_scale * LOG2E),
+            Float32(pscale * LOG2E),
+            Float32(pscale / (Hs * T)),  # coef = 1 / (Hs T): the unit KL gradient, times pscale
+            Int32(wl.num_blocks),
+            stream(q.device),
+        )  # fmt: skip
+    if proxy:
+        dqp = (dqp * dkl).to(q_proxy.dtype)
+        dkp = (dkp * dkl).to(k_proxy.dtype)
+
+    def cast(x, like):
+        return None if x is None else x.to(like.dtype)
+
+    return Grads(cast(dq, q), cast(dk, k), cast(dv, v), dqp, dkp)
