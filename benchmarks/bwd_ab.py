@@ -1,13 +1,15 @@
 """Backward op A/B on one GPU: the CuTe fused backward against the Triton backward (main pass +
 proxy pass) on the same saved forward, in one run, interleaved.
 
-Usage: ``python benchmarks/bwd_ab.py [--out FILE.json] [--iters N] [--cases anchor:16384 ...]``.
-For each case (shape:seqlen, random inputs, top_k 16, block 128): selection and forward on CuTe,
-then the whole ``bwd`` op of each backend with ``dout`` and ``dkl`` given (all five gradients:
-glue included, i.e. the work list, Delta, zero-fills and casts), timed A B A B by CUDA events
-(``flash_msa.bench.time_ms``). TFLOP/s by the BWD formula ``10 * D * H * pairs`` (the proxy
-gradient's FLOPs are not counted, as in ``flash-msa bench``). Before timing, each gradient of
-the CuTe op is compared to Triton's: the max abs difference relative to Triton's max abs.
+Usage: ``python benchmarks/bwd_ab.py [--out FILE.json] [--iters N] [--cases anchor:16384 ...]
+[--variants cute "cute v2" ...]``. For each case (shape:seqlen, random inputs, top_k 16, block
+128): selection and forward on CuTe, then the whole ``bwd`` op of Triton and of each CuTe
+variant (the kernel's A/B switches, ``VARIANTS``) with ``dout`` and ``dkl`` given (all five
+gradients: glue included, i.e. the work list, Delta, zero-fills and casts), timed in turn, twice
+(A B A B), by CUDA events (``flash_msa.bench.time_ms``). TFLOP/s by the BWD formula ``10 * D *
+H * pairs`` (the proxy gradient's FLOPs are not counted, as in ``flash-msa bench``). Before
+timing, each CuTe variant's gradients are compared to Triton's (max abs difference relative to
+Triton's max abs); one further than ``MAX_REL_DIFF`` is reported and not timed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,19 @@ SHAPES = {  # H, Hkv, Hp, Hpk, D, Dp
 }
 
 
-def case(shape: str, S: int, iters: int) -> dict:
+VARIANTS = {  # CuTe providers: the kernel's A/B switches (BwdSm90 fields)
+    "cute": {},
+    "cute stages2": dict(gather_stages=2),
+    "cute vecred": dict(vec_red=True),
+    "cute pad4": dict(slab_pad=4),
+    "cute v2": dict(gather_stages=2, vec_red=True, slab_pad=4),
+}
+MAX_REL_DIFF = 1e-2  # a variant further than this from Triton's gradients is reported, not timed
+
+
+def case(shape: str, S: int, iters: int, variants: list[str]) -> dict:
+    from flash_msa.cute import bwd_sm90
+
     H, Hkv, Hp, Hpk, D, Dp = SHAPES[shape]
     cute_be, triton_be = backends.load("cute")[0], backends.load("triton")[0]
     qp, kp, q, k, v = (
@@ -42,26 +56,34 @@ def case(shape: str, S: int, iters: int) -> dict:
     saved = Saved(q, k, v, f.out, f.lse, idx, qp, kp, f.proxy_lse, None)
     dout, dkl = testing.loss_weights(q.shape, Hp * S, 0, q.device)
     dout, dkl = dout.to(q.dtype), torch.tensor(dkl, dtype=torch.float32, device="cuda")
-    grads = {
-        n: be.bwd(dout, dkl, saved, cu, cfg) for n, be in (("cute", cute_be), ("triton", triton_be))
-    }
+    fns = {"triton": triton_be.bwd}
+    for name in variants:
+        fns[name] = lambda *a, _v=VARIANTS[name]: bwd_sm90.bwd(*a, **_v)
     names = ("dq", "dk", "dv", "dq_proxy", "dk_proxy")
-    rel = {
-        n: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-        for n, a, b in zip(names, grads["cute"], grads["triton"])
-    }
-    del grads
+    ref = fns["triton"](dout, dkl, saved, cu, cfg)
+    res = dict(shape=shape, S=S, rel_diff_vs_triton={})
+    for name in variants:
+        grads = fns[name](dout, dkl, saved, cu, cfg)
+        rel = {
+            n: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            for n, a, b in zip(names, grads, ref)
+        }
+        res["rel_diff_vs_triton"][name] = rel
+        if not max(rel.values()) <= MAX_REL_DIFF:  # (NaN fails too)
+            print(f"[verify] {shape} {S} {name}: MISMATCH {rel}: not timed", file=sys.stderr)
+            del fns[name]
+    del ref
     pairs = sparse_pairs(idx[None], S, cfg.block_size)
     flop = 10 * D * H * pairs
-    ms = {"cute": [], "triton": []}
+    ms = {name: [] for name in fns}
     for _ in range(2):
-        for name, be in (("cute", cute_be), ("triton", triton_be)):
-            ms[name].append(time_ms(lambda be=be: be.bwd(dout, dkl, saved, cu, cfg), iters=iters))
-    res = dict(shape=shape, S=S, rel_diff_vs_triton=rel)
+        for name, fn in fns.items():
+            ms[name].append(time_ms(lambda fn=fn: fn(dout, dkl, saved, cu, cfg), iters=iters))
     for name, t in ms.items():
-        best = min(t)
-        res[name] = dict(ms=t, tflops=flop / best / 1e9)
-    res["speedup"] = min(ms["triton"]) / min(ms["cute"])
+        res[name] = dict(ms=t, tflops=flop / min(t) / 1e9)
+    for name in ms:
+        if name != "triton":
+            res[name]["speedup_vs_triton"] = min(ms["triton"]) / min(ms[name])
     return res
 
 
@@ -70,11 +92,14 @@ def main(argv):
     ap.add_argument("--out")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--cases", nargs="+", default=["anchor:16384", "anchor:32768", "paper:32768"])
+    ap.add_argument(
+        "--variants", nargs="+", default=["cute"], choices=list(VARIANTS), help="CuTe providers"
+    )
     args = ap.parse_args(argv)
     rows = []
     for c in args.cases:
         shape, S = c.split(":")
-        r = case(shape, int(S), args.iters)
+        r = case(shape, int(S), args.iters, args.variants)
         rows.append(r)
         print(json.dumps(r), flush=True)
     if args.out:

@@ -44,8 +44,11 @@ def _problem(q, k, qp, kp, cfg, num_seqs):
     )
 
 
-def _run(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed, *, main=True, proxy=True):
-    """One backward on the Triton forward's saved tensors: CuTe and Triton by the rule."""
+def _run(
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed, *, main=True, proxy=True, variant=None
+):
+    """One backward on the Triton forward's saved tensors: CuTe (with the kernel's A/B switches
+    ``variant``) and Triton by the rule."""
     cute_be, triton_be = _backends()
     (qp, kp, q, k, v), cu = packed_inputs(
         lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device="cuda", seed=seed
@@ -59,8 +62,13 @@ def _run(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed, *, main=True, p
     dout, dkl = (dout if main else None), (dkl if proxy else None)
     exact, same = references(qp, kp, q, k, v, idx, cu, cfg, dout, dkl)
     names = [n for n in GRADS if n in exact and exact[n] is not None]
-    for name, be in (("cute", cute_be), ("triton", triton_be)):
-        grads = be.bwd(dout, dkl, saved, cu, cfg)
+    from flash_msa.cute import bwd_sm90
+
+    def cute_bwd(*args):
+        return bwd_sm90.bwd(*args, **(variant or {}))
+
+    for name, fn in (("cute", cute_bwd), ("triton", triton_be.bwd)):
+        grads = fn(dout, dkl, saved, cu, cfg)
         mine = results(fwd, grads)
         for n in GRADS:  # a part not asked for is not made
             assert (n in mine) == (n in names), (name, n)
@@ -83,6 +91,24 @@ def test_cute_bwd_matches_reference_and_triton(case, dtype):
     """All five gradients of the CuTe backward by the rule, and the Triton backward's on the
     same saved forward."""
     _run(*case, dtype, seed=1)
+
+
+VARIANTS = {  # the kernel's A/B switches (BwdSm90 fields), each checked before it is timed
+    "stages2": dict(gather_stages=2),
+    "vecred": dict(vec_red=True),
+    "pad4": dict(slab_pad=4),
+    "v2": dict(gather_stages=2, vec_red=True, slab_pad=4),
+}
+
+
+@pytest.mark.parametrize("case", ["anchor", "paper", "Hp>Hpk>1-b64", "G2=1"])
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
+def test_cute_bwd_variants_match_reference(variant, case):
+    """Each A/B switch of the kernel (and all of them together) by the rule, on layouts with
+    one and several KV sub-groups, varlen with empty and one-token sequences, block 64."""
+    _run(*CASES[case], torch.bfloat16, seed=3, variant=variant)
+    if variant == VARIANTS["v2"]:
+        _run(*CASES[case], torch.bfloat16, seed=3, main=False, variant=variant)
 
 
 @pytest.mark.parametrize("part", ["main", "proxy"])

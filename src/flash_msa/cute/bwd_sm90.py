@@ -37,7 +37,11 @@ or 128, and every main head of a selection head sharing one KV head (``(H / Hkv)
 0``: the chunk's KV sub-groups then reuse one K/V tile and one dK/dV accumulator).
 
 Version 1 (docs/perf-notes.md "CuTe backward v1"): no warp specialization, one gather buffer,
-per-element fp32 reductions. Deterministic mode is not here yet.
+per-element fp32 reductions. Deterministic mode is not here yet. Constructor switches for the
+next A/B (compiled without spills, not yet run on a GPU; defaults = v1): ``gather_stages=2``
+(the next chunk's q/dO rows are gathered into a second buffer while this chunk computes),
+``vec_red`` (``red.global.add.v2.f32`` on the column pairs a thread holds), ``slab_pad=4``
+(teacher-slab rows padded against bank conflicts).
 """
 
 from __future__ import annotations
@@ -93,6 +97,12 @@ class BwdSm90:
     block_size: int  # keys per block (one block per work item)
     main: bool = True  # make dq, dk, dv
     proxy: bool = True  # make the unit proxy gradient dq_proxy, dk_proxy
+    # A/B switches of v2 (docs/perf-notes.md, "CuTe backward v1", levers 1-3), not measured yet:
+    # q/dO (and row data) buffers of phase A: 2 = the next (chunk, sub-group)'s gather is issued
+    # before this one's MMAs, so its rows land while they run
+    gather_stages: int = 1
+    vec_red: bool = False  # red.global.add.v2.f32 for the fp32 gradients (column pairs)
+    slab_pad: int = 0  # floats of padding per teacher-slab row (4: phase B reads conflict-free)
 
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
     THREADS: ClassVar[int] = 128  # threads per warpgroup
@@ -103,20 +113,22 @@ class BwdSm90:
     # static limits
     # -----------------------------------------------------------------------------------------
     @staticmethod
-    def shared_bytes(elem_bytes, head_dim, proxy_head_dim, block_size, proxy) -> dict:
+    def shared_bytes(
+        elem_bytes, head_dim, proxy_head_dim, block_size, proxy, gather_stages=1, slab_pad=0
+    ) -> dict:
         """Bytes of each shared-memory buffer, in the order of the ``Storage`` struct (operand
         tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum."""
         rows, D, Dmax = BwdSm90.ROWS, head_dim, max(head_dim, proxy_head_dim)
         sizes = {
             "mbar": 16,  # K/V and Kp mbarriers
-            "sRowF": 2 * rows * 4,  # per row: LSE (log2 units) and Delta / proxy LSE
-            "sRowI": 2 * rows * 4,  # per row: token (-1: pad) and gradient row index
-            "sQ": rows * Dmax * elem_bytes,  # q rows, then q_proxy rows
-            "sdO": rows * D * elem_bytes,
+            "sRowF": 2 * rows * 4 * gather_stages,  # per row: LSE (log2 units), Delta / proxy LSE
+            "sRowI": 2 * rows * 4 * gather_stages,  # per row: token (-1: pad), gradient row
+            "sQ": rows * Dmax * elem_bytes * gather_stages,  # q rows, then q_proxy rows
+            "sdO": rows * D * elem_bytes * gather_stages,
             "sK": block_size * D * elem_bytes,
             "sV": block_size * Dmax * elem_bytes,  # V, then K_proxy
             "sdS": rows * block_size * elem_bytes,
-            "slab": BwdSm90.ITEM_TOKENS * block_size * 4 if proxy else 4,  # (a 1-float stub)
+            "slab": BwdSm90.ITEM_TOKENS * (block_size + slab_pad) * 4 if proxy else 4,  # (stub)
         }
         end = 0
         for name, size in sizes.items():
@@ -128,7 +140,7 @@ class BwdSm90:
     @classmethod
     def can_implement(
         cls, dtype, heads, kv_heads, sel_heads, proxy_k_heads, head_dim, proxy_head_dim, top_k,
-        block_size, proxy=True,
+        block_size, proxy=True, gather_stages=1, slab_pad=0,
     ) -> str | None:  # fmt: skip
         """Why this configuration cannot be compiled or run (``None``: it can).
 
@@ -157,7 +169,14 @@ class BwdSm90:
         G, G2, R, _ = geometry(H, Hkv, Hs, cls.ROWS)
         if G2 * R != G or G2 not in (1, 2, 4):
             return f"H={H}, Hkv={Hkv}, Hs={Hs}: sub-groups of {G2} heads do not tile {G}"
-        smem = cls.shared_bytes(dtype.width // 8, head_dim, proxy_head_dim, block_size, proxy)
+        if gather_stages not in (1, 2) or slab_pad % 4 or slab_pad < 0:
+            return (
+                f"gather_stages must be 1 or 2 ({gather_stages}) and slab_pad a non-negative "
+                f"multiple of 4 ({slab_pad})"
+            )
+        smem = cls.shared_bytes(
+            dtype.width // 8, head_dim, proxy_head_dim, block_size, proxy, gather_stages, slab_pad
+        )
         if smem["total"] > SHARED_LIMIT:
             return f"{smem['total']} bytes of shared memory exceed the sm_90 capacity"
         return None
@@ -166,6 +185,7 @@ class BwdSm90:
         why = self.can_implement(
             self.dtype, self.heads, self.kv_heads, self.sel_heads, self.proxy_k_heads,
             self.head_dim, self.proxy_head_dim, self.top_k, self.block_size, self.proxy,
+            self.gather_stages, self.slab_pad,
         )  # fmt: skip
         if why is not None:
             raise ValueError(f"CuTe backward: {why}")
@@ -245,7 +265,10 @@ class BwdSm90:
         dtype = self.dtype
         mmas = self._mmas(D)
         mmas_p = self._mmas(DP)
-        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK, ROWS, D), dtype, 1)
+        STAGES = self.gather_stages
+        sQ_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (BLOCK, ROWS, D), dtype, STAGES
+        )
         sQp_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (BLOCK, ROWS, DP), dtype, 1
         )
@@ -281,13 +304,13 @@ class BwdSm90:
 
         smem_q = max(cute.cosize(sQ_layout), cute.cosize(sQp_layout))
         smem_v = max(cute.cosize(sK_layout), cute.cosize(sKp_layout))
-        SLAB = self.ITEM_TOKENS * BLOCK if self.proxy else 1
+        SLAB = self.ITEM_TOKENS * (BLOCK + self.slab_pad) if self.proxy else 1
 
         @cute.struct
         class Storage:  # sizes: shared_bytes
             mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            sRowF: cute.struct.MemRange[Float32, 2 * ROWS]
-            sRowI: cute.struct.MemRange[Int32, 2 * ROWS]
+            sRowF: cute.struct.MemRange[Float32, 2 * ROWS * STAGES]
+            sRowI: cute.struct.MemRange[Int32, 2 * ROWS * STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, smem_q], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
@@ -296,7 +319,7 @@ class BwdSm90:
             slab: cute.struct.Align[cute.struct.MemRange[Float32, SLAB], 1024]
 
         smem = self.shared_bytes(
-            dtype.width // 8, D, DP, BLOCK, self.proxy
+            dtype.width // 8, D, DP, BLOCK, self.proxy, STAGES, self.slab_pad
         )["total"]  # fmt: skip
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
         self.kernel(
@@ -355,8 +378,11 @@ class BwdSm90:
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (BLOCK, D, 1)
         sV = st.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sdS = st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (ROWS, BLOCK, 1)
-        sRowF = st.sRowF.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))
-        sRowI = st.sRowI.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))
+        row_layout = cute.make_layout(
+            (ROWS, 2, self.gather_stages), stride=(1, ROWS, 2 * ROWS)
+        )  # (row, field, buffer)
+        sRowF = st.sRowF.get_tensor(row_layout)
+        sRowI = st.sRowI.get_tensor(row_layout)
         bars = st.mbar.data_ptr()
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -381,7 +407,9 @@ class BwdSm90:
                 self.load_tile(tma_k, mK, sK, D, ks, kvh, bars, warp_idx, 1)
             slab = None
             if cutlass.const_expr(self.proxy):
-                slab = st.slab.get_tensor(cute.make_layout(self.ITEM_TOKENS * BLOCK))
+                slab = st.slab.get_tensor(
+                    cute.make_layout(self.ITEM_TOKENS * (BLOCK + self.slab_pad))
+                )
             cute.arch.mbarrier_wait(bars, 0)
             self.phase_a(
                 mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, work.perm,
@@ -422,20 +450,43 @@ class BwdSm90:
             cute.copy(tma, tXgX, tXsX[(None, 0)], tma_bar_ptr=bar)
 
     @cute.jit
-    def gather_rows(self, gather, mX, sX, dim: Constexpr, sRowI, t_all):
-        """cp.async rows ``sRowI[r, 1]`` of ``mX`` (pad rows: any valid row) into ``sX`` (one
-        commit group)."""
+    def gather_rows(self, gather, mX, sX, dim: Constexpr, sRowI, buf, t_all):
+        """cp.async rows ``sRowI[r, 1, buf]`` of ``mX`` (pad rows: any valid row) into buffer
+        ``buf`` of ``sX`` (one commit group)."""
         thr = gather.get_slice(t_all)
         tGsX = thr.partition_D(sX)  # ((8, 1), passes, 1, 1)
         tGcX = thr.partition_D(cute.make_identity_tensor((self.ROWS, dim)))
         col = tGcX[0, 0, 0][1]
         for ps in cutlass.range_constexpr(cute.size(tGsX, mode=[1])):
             row = tGcX[0, ps, 0][0]
-            src_row = sRowI[row, 1]
+            src_row = sRowI[row, 1, buf]
             off = cute.assume(Int64(src_row) * mX.stride[0] + col, divby=8)
             src = cute.make_tensor(mX.iterator + off, cute.make_layout(((8, 1),)))
-            cute.copy(gather, src, tGsX[None, ps, 0, 0])
+            cute.copy(gather, src, tGsX[None, ps, 0, buf])
         cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def row_data(self, mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, buf, t_all):
+        """Threads 0..63 write the data of phase A's rows (entries ``c + row / G2``, heads
+        ``h0 + row % G2``) into buffer ``buf``: token (-1: pad), q/dO row, LSE (log2 units,
+        +inf: pad), Delta."""
+        H, HS, K = self.heads, self.sel_heads, self.top_k
+        G2 = self.geometry[1]
+        if t_all < self.ROWS:
+            e = c + t_all // G2
+            flat = mPerm[cutlass.min(e, e1 - 1)]
+            t = Int32(flat // (HS * K))
+            qrow = t * H + h0 + t_all % G2
+            sRowI[t_all, 1, buf] = qrow
+            if e < e1:
+                sRowI[t_all, 0, buf] = t
+                sRowF[t_all, 0, buf] = mLSE[qrow] * LOG2E
+                if cutlass.const_expr(self.main):
+                    sRowF[t_all, 1, buf] = mDelta[qrow]
+            else:
+                sRowI[t_all, 0, buf] = Int32(-1)
+                sRowF[t_all, 0, buf] = Float32.inf
+                sRowF[t_all, 1, buf] = Float32(0.0)
 
     @cute.jit
     def phase_a(
@@ -444,7 +495,6 @@ class BwdSm90:
     ):  # fmt: skip
         """Main gradients (and the teacher slab) over the item's rows (module docstring)."""
         ROWS, D, BLOCK = self.ROWS, self.head_dim, self.block_size
-        H, HS, K = self.heads, self.sel_heads, self.top_k
         G, G2, R = self.geometry
         BT = ROWS // G2
         scale, scale_log2 = scales[0], scales[1]
@@ -473,31 +523,44 @@ class BwdSm90:
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         wg = cute.arch.make_warp_uniform(t_all // self.THREADS)
         n_chunks = (e1 - e0 + BT - 1) // BT
+        STAGES = self.gather_stages
+        pending = 2 if self.main else 1  # commit groups of one (chunk, sub-group)'s gathers
+        if cutlass.const_expr(STAGES == 2):  # prologue: the first (chunk, sub-group)'s rows
+            self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, e0, e1, p * G, 0, t_all)
+            cute.arch.sync_threads()
+            self.gather_rows(gather, mQ, sQ, D, sRowI, 0, t_all)
+            if cutlass.const_expr(self.main):
+                self.gather_rows(gather, mDO, sdO, D, sRowI, 0, t_all)
         for ch in cutlass.range(n_chunks, unroll=1):
             c = e0 + ch * BT
             for r in cutlass.range(R, unroll=1):  # (unrolled: 264 B of spills at R = 4)
                 h0 = p * G + r * G2  # first main head of this sub-group
-                # rows' data: token (-1 = pad), q/dO row, LSE (log2 units), Delta
-                if t_all < ROWS:
-                    e = c + t_all // G2
-                    flat = mPerm[cutlass.min(e, e1 - 1)]
-                    t = Int32(flat // (HS * K))
-                    qrow = t * H + h0 + t_all % G2
-                    sRowI[t_all, 1] = qrow
-                    if e < e1:
-                        sRowI[t_all, 0] = t
-                        sRowF[t_all, 0] = mLSE[qrow] * LOG2E
+                b = 0  # this (chunk, sub-group)'s buffer
+                if cutlass.const_expr(STAGES == 1):
+                    # rows' data: token (-1 = pad), q/dO row, LSE (log2 units), Delta
+                    self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, 0, t_all)
+                    cute.arch.sync_threads()
+                    self.gather_rows(gather, mQ, sQ, D, sRowI, 0, t_all)
+                    if cutlass.const_expr(self.main):
+                        self.gather_rows(gather, mDO, sdO, D, sRowI, 0, t_all)
+                    cute.arch.cp_async_wait_group(0)
+                else:
+                    # the next (chunk, sub-group)'s rows into the other buffer (last read by the
+                    # previous iteration, before its closing barrier), then wait for this one's
+                    it = ch * R + r
+                    b = it % 2
+                    if it + 1 < n_chunks * R:
+                        nch = (it + 1) // R
+                        h1 = p * G + Int32((it + 1) - nch * R) * G2
+                        c1 = e0 + nch * BT
+                        self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, c1, e1, h1, 1 - b, t_all)
+                        cute.arch.sync_threads()
+                        self.gather_rows(gather, mQ, sQ, D, sRowI, 1 - b, t_all)
                         if cutlass.const_expr(self.main):
-                            sRowF[t_all, 1] = mDelta[qrow]
+                            self.gather_rows(gather, mDO, sdO, D, sRowI, 1 - b, t_all)
+                        cute.arch.cp_async_wait_group(pending)
                     else:
-                        sRowI[t_all, 0] = Int32(-1)
-                        sRowF[t_all, 0] = Float32.inf
-                        sRowF[t_all, 1] = Float32(0.0)
-                cute.arch.sync_threads()
-                self.gather_rows(gather, mQ, sQ, D, sRowI, t_all)
-                if cutlass.const_expr(self.main):
-                    self.gather_rows(gather, mDO, sdO, D, sRowI, t_all)
-                cute.arch.cp_async_wait_group(0)
+                        cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.sync_threads()
 
@@ -506,14 +569,14 @@ class BwdSm90:
                 mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
                 for kb in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
                     cute.gemm(
-                        mma_sdp, acc_S, tSrK[None, None, kb, 0], tSrQ[None, None, kb, 0], acc_S
+                        mma_sdp, acc_S, tSrK[None, None, kb, 0], tSrQ[None, None, kb, b], acc_S
                     )
                     mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
                 if cutlass.const_expr(self.main):
                     mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
                     for kb in cutlass.range_constexpr(cute.size(tSrV, mode=[2])):
                         cute.gemm(
-                            mma_sdp, acc_dP, tSrV[None, None, kb, 0], tSrdO[None, None, kb, 0],
+                            mma_sdp, acc_dP, tSrV[None, None, kb, 0], tSrdO[None, None, kb, b],
                             acc_dP,
                         )  # fmt: skip
                         mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
@@ -523,9 +586,9 @@ class BwdSm90:
                 # 2. P^T and dS^T (in place), 3. the teacher
                 for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
                     row = cS[0, j][1]
-                    tok = sRowI[row, 0]
-                    lse2 = sRowF[row, 0]
-                    delta = sRowF[row, 1]
+                    tok = sRowI[row, 0, b]
+                    lse2 = sRowF[row, 0, b]
+                    delta = sRowF[row, 1, b]
                     for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
                         kpos = ks + cS[i, j][0]
                         pv = cute.math.exp2(S_rc[i, j] * scale_log2 - lse2, fastmath=True)
@@ -546,11 +609,11 @@ class BwdSm90:
                     mma_dkv.set(warpgroup.Field.ACCUMULATE, True)
                     for kb in cutlass.range_constexpr(cute.size(tVrP, mode=[2])):
                         cute.gemm(
-                            mma_dkv, acc_dV, tVrP[None, None, kb], tVrdO[None, None, kb, 0], acc_dV
+                            mma_dkv, acc_dV, tVrP[None, None, kb], tVrdO[None, None, kb, b], acc_dV
                         )
                     for kb in cutlass.range_constexpr(cute.size(tKrdS, mode=[2])):
                         cute.gemm(
-                            mma_dkv, acc_dK, tKrdS[None, None, kb], tKrQ[None, None, kb, 0], acc_dK
+                            mma_dkv, acc_dK, tKrdS[None, None, kb], tKrQ[None, None, kb, b], acc_dK
                         )
                     warpgroup.commit_group()
                     # 5. dS to shared memory, dQ = dS K
@@ -560,7 +623,7 @@ class BwdSm90:
                     warpgroup.wait_group(0)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.sync_threads()
-                    self.dq_product(mma_dq, sdS, sKt, sRowI, mDQ, D, scale, t_all, wg)
+                    self.dq_product(mma_dq, sdS, sKt, sRowI, b, mDQ, D, scale, t_all, wg)
                 cute.arch.sync_threads()  # sQ, sdO, sdS and the row data are rewritten next
         if cutlass.const_expr(self.main):
             self.store_dkv(thr_dkv, acc_dK, mDK, ks, ke, kvh, self.kv_heads, D, scale)
@@ -573,7 +636,7 @@ class BwdSm90:
         fastest; a thread holds column pairs, so G2 <= 2 sums in-thread and G2 = 4 adds the
         neighbouring lane's pair."""
         G2 = self.geometry[1]
-        BLOCK = self.block_size
+        SLAB_W = self.block_size + self.slab_pad  # floats per slab row
         lane = cute.arch.lane_idx()
         npairs = cute.size(S_rc, mode=[1]) // 2
         for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
@@ -584,31 +647,31 @@ class BwdSm90:
                 b = S_rc[i, 2 * jj + 1]
                 if cutlass.const_expr(G2 == 1):
                     for u, val in ((0, a), (1, b)):
-                        idx = (tok0 + col + u) * BLOCK + key
+                        idx = (tok0 + col + u) * SLAB_W + key
                         slab[idx] = (slab[idx] if r > 0 else Float32(0.0)) + val
                 elif cutlass.const_expr(G2 == 2):
-                    idx = (tok0 + col // 2) * BLOCK + key
+                    idx = (tok0 + col // 2) * SLAB_W + key
                     slab[idx] = (slab[idx] if r > 0 else Float32(0.0)) + (a + b)
                 else:  # G2 == 4: lanes 2m and 2m + 1 hold the token's four heads
                     s = a + b
                     s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
                     if lane % 2 == 0:
-                        idx = (tok0 + col // 4) * BLOCK + key
+                        idx = (tok0 + col // 4) * SLAB_W + key
                         slab[idx] = (slab[idx] if r > 0 else Float32(0.0)) + s
 
     @cute.jit
-    def dq_product(self, mma_dq, sdS, sXt, sRowI, mOut, dim: Constexpr, coef, t_all, wg):
+    def dq_product(self, mma_dq, sdS, sXt, sRowI, buf, mOut, dim: Constexpr, coef, t_all, wg):
         """``out[row, :] += coef * (dS X)[r, :]`` for the chunk's real rows r (``sRowI[r, 0] >=
         0``), ``row = sRowI[r, 1]``, a flat fp32 ``(rows * dim,)`` output. The warpgroups split
         the columns (:meth:`dq_split`), or warpgroup 0 does it all."""
         if cutlass.const_expr(self.dq_split(dim) > 1):
-            self.dq_part(mma_dq, sdS, sXt, sRowI, mOut, dim, coef, t_all)
+            self.dq_part(mma_dq, sdS, sXt, sRowI, buf, mOut, dim, coef, t_all)
         else:
             if wg == 0:
-                self.dq_part(mma_dq, sdS, sXt, sRowI, mOut, dim, coef, t_all % self.THREADS)
+                self.dq_part(mma_dq, sdS, sXt, sRowI, buf, mOut, dim, coef, t_all % self.THREADS)
 
     @cute.jit
-    def dq_part(self, mma_dq, sdS, sXt, sRowI, mOut, dim: Constexpr, coef, tq):
+    def dq_part(self, mma_dq, sdS, sXt, sRowI, buf, mOut, dim: Constexpr, coef, tq):
         """Thread ``tq`` of :meth:`dq_product`'s MMA: its part of the product, reduced into
         ``out``."""
         ROWS = self.ROWS
@@ -627,13 +690,8 @@ class BwdSm90:
         c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((ROWS, dim))))
         for i in cutlass.range_constexpr(cute.size(a_rc, mode=[0])):
             row = c_rc[i, 0][0]
-            if sRowI[row, 0] >= 0:
-                base = Int64(sRowI[row, 1]) * dim
-                for j in cutlass.range_constexpr(cute.size(a_rc, mode=[1])):
-                    ptr = mOut.iterator + (base + c_rc[i, j][1])
-                    cute.arch.red(
-                        ptr, a_rc[i, j] * coef, op="add", dtype="f32", sem="relaxed", scope="gpu"
-                    )
+            if sRowI[row, 0, buf] >= 0:
+                self.red_row(mOut, Int64(sRowI[row, 1, buf]) * dim, a_rc, c_rc, i, coef)
 
     @cute.jit
     def store_dkv(self, thr, acc, mOut, ks, ke, head, heads: Constexpr, dim: Constexpr, coef):
@@ -645,12 +703,25 @@ class BwdSm90:
         for i in cutlass.range_constexpr(cute.size(a_rc, mode=[0])):
             kpos = ks + c_rc[i, 0][0]
             if kpos < ke:
-                base = (Int64(kpos) * heads + head) * dim
-                for j in cutlass.range_constexpr(cute.size(a_rc, mode=[1])):
-                    ptr = mOut.iterator + (base + c_rc[i, j][1])
-                    cute.arch.red(
-                        ptr, a_rc[i, j] * coef, op="add", dtype="f32", sem="relaxed", scope="gpu"
-                    )
+                self.red_row(mOut, (Int64(kpos) * heads + head) * dim, a_rc, c_rc, i, coef)
+
+    @cute.jit
+    def red_row(self, mOut, base, a_rc, c_rc, i, coef):
+        """``out[base + col] += coef * acc[i, col]`` for this thread's columns of accumulator row
+        ``i`` (fp32 reductions: ``red.global.add.f32``, or ``.v2.f32`` on the column pairs a
+        thread holds with ``vec_red``)."""
+        red = dict(op="add", dtype="f32", sem="relaxed", scope="gpu")
+        if cutlass.const_expr(self.vec_red):
+            pair = cute.make_rmem_tensor(2, Float32)
+            for jj in cutlass.range_constexpr(cute.size(a_rc, mode=[1]) // 2):
+                pair[0] = a_rc[i, 2 * jj] * coef
+                pair[1] = a_rc[i, 2 * jj + 1] * coef
+                ptr = mOut.iterator + (base + c_rc[i, 2 * jj][1])
+                cute.arch.red(ptr, pair.load(), **red)
+        else:
+            for j in cutlass.range_constexpr(cute.size(a_rc, mode=[1])):
+                ptr = mOut.iterator + (base + c_rc[i, j][1])
+                cute.arch.red(ptr, a_rc[i, j] * coef, **red)
 
     @cute.jit
     def phase_b(
@@ -686,15 +757,15 @@ class BwdSm90:
                 flat = mPerm[cutlass.min(e, e1 - 1)]
                 t = Int32(flat // (HS * K))
                 prow = t * HS + p
-                sRowI[t_all, 1] = prow
+                sRowI[t_all, 1, 0] = prow
                 if e < e1:
-                    sRowI[t_all, 0] = t
-                    sRowF[t_all, 0] = mPLSE[prow] * LOG2E
+                    sRowI[t_all, 0, 0] = t
+                    sRowF[t_all, 0, 0] = mPLSE[prow] * LOG2E
                 else:
-                    sRowI[t_all, 0] = Int32(-1)
-                    sRowF[t_all, 0] = Float32.inf
+                    sRowI[t_all, 0, 0] = Int32(-1)
+                    sRowF[t_all, 0, 0] = Float32.inf
             cute.arch.sync_threads()
-            self.gather_rows(gather, mQp, sQp, DP, sRowI, t_all)
+            self.gather_rows(gather, mQp, sQp, DP, sRowI, 0, t_all)
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
@@ -708,15 +779,15 @@ class BwdSm90:
             # d = pr - teacher / G on the visible keys of real tokens, 0 elsewhere
             for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
                 tl = cS[0, j][1]
-                tok = sRowI[tl, 0]
-                plse2 = sRowF[tl, 0]
+                tok = sRowI[tl, 0, 0]
+                plse2 = sRowF[tl, 0, 0]
                 for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
                     key = cS[i, j][0]
                     kpos = ks + key
                     d = Float32(0.0)
                     if kpos < ke and kpos <= tok:
                         pr = cute.math.exp2(S_rc[i, j] * pscale_log2 - plse2, fastmath=True)
-                        d = pr - slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
+                        d = pr - slab[(ch * ROWS + tl) * (BLOCK + self.slab_pad) + key] * inv_g
                     S_rc[i, j] = d
             rD.store(acc_S.load().to(self.dtype))
             tKrD = acc_as_a(rD)
@@ -731,7 +802,7 @@ class BwdSm90:
             warpgroup.wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            self.dq_product(mma_dq, sdS, sKpt, sRowI, mDQp, DP, pcoef, t_all, wg)
+            self.dq_product(mma_dq, sdS, sKpt, sRowI, 0, mDQp, DP, pcoef, t_all, wg)
             cute.arch.sync_threads()
         self.store_dkv(thr_dkv, acc_dKp, mDKp, ks, ke, pk, self.proxy_k_heads, DP, pcoef)
 
@@ -739,11 +810,13 @@ class BwdSm90:
 # ---------------------------------------------------------------------------------------------
 # host: the backward op
 # ---------------------------------------------------------------------------------------------
-def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg) -> Grads:
+def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
     """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup): the main
     gradients when ``dout`` is given, the proxy gradients (``dkl`` times the unit gradient made
     here; the forward's ``Saved.proxy_grad`` is not used) when ``dkl`` is given, in one launch
-    of :class:`BwdSm90`. Limits: ``flash_msa.cute.unsupported_reason("bwd", ...)``."""
+    of :class:`BwdSm90`. ``variant``: the kernel's A/B switches (``gather_stages``, ``vec_red``,
+    ``slab_pad``; tests and ``benchmarks/bwd_ab.py``; the defaults are the measured choice).
+    Limits: ``flash_msa.cute.unsupported_reason("bwd", ...)``."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
     main, proxy = dout is not None, dkl is not None
     if not (main or proxy):
@@ -753,7 +826,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg) -> Grads:
     Hs, K = indices.shape[1:]
     Hpk, Dp = (k_proxy.shape[1], k_proxy.shape[2]) if proxy else (Hs, D)
     kernel = BwdSm90(
-        cutlass_dtype(q.dtype), H, Hkv, Hs, Hpk, D, Dp, K, cfg.block_size, main, proxy
+        cutlass_dtype(q.dtype), H, Hkv, Hs, Hpk, D, Dp, K, cfg.block_size, main, proxy, **variant
     )  # raises ValueError with the reason if the kernel cannot run this configuration
     wl = worklist.build(indices, cu_seqlens, cfg.block_size, BwdSm90.ITEM_TOKENS)
     f32 = dict(dtype=torch.float32, device=q.device)

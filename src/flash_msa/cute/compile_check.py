@@ -69,9 +69,9 @@ def fwd_configurations():
 
 
 def bwd_configurations():
-    """(name, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy) of the backward kernels
-    checked: the anchor and paper head layouts, both head dims and blocks, fp16, and the main-
-    or proxy-only variants."""
+    """(name, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy[, variant]) of the backward
+    kernels checked: the anchor and paper head layouts, both head dims and blocks, fp16, the
+    main- or proxy-only variants, and the A/B switches (``variant``: constructor arguments)."""
     for D in (64, 128):
         for block in (64, 128):
             yield f"bwd bf16 anchor D={D} b={block}", "bf16", 16, 2, 4, 1, D, D, 16, block, 1, 1
@@ -82,9 +82,18 @@ def bwd_configurations():
     yield "bwd bf16 Hp>Hpk>1 G2=2 D=64 b=64", "bf16", 8, 2, 4, 2, 64, 64, 8, 64, 1, 1
     yield "bwd bf16 anchor main-only", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0
     yield "bwd bf16 anchor proxy-only", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 0, 1
+    v2 = dict(gather_stages=2, vec_red=True, slab_pad=4)
+    for name, variant in (
+        ("stages2", dict(gather_stages=2)), ("vecred", dict(vec_red=True)),
+        ("pad4", dict(slab_pad=4)), ("v2", v2),
+    ):  # fmt: skip
+        yield f"bwd bf16 anchor {name}", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, variant
+    yield "bwd bf16 paper v2", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1, v2
+    yield "bwd bf16 anchor D=64 b=64 v2", "bf16", 16, 2, 4, 1, 64, 64, 16, 64, 1, 1, v2
+    yield "bwd bf16 anchor main-only v2", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0, v2
 
 
-def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **dump) -> dict:
+def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=None, **dump) -> dict:
     """Compile :class:`~flash_msa.cute.bwd_sm90.BwdSm90` on specimen tensors of the layouts
     :func:`~flash_msa.cute.bwd_sm90.bwd` passes."""
     import cutlass.cute as cute
@@ -95,7 +104,9 @@ def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **dump) ->
     from .common import WorkItems
 
     dt = _dtype(dtype)
-    kernel = BwdSm90(dt, H, Hkv, Hs, Hpk, D, Dp, K, block, bool(main), bool(proxy))
+    kernel = BwdSm90(
+        dt, H, Hkv, Hs, Hpk, D, Dp, K, block, bool(main), bool(proxy), **(variant or {})
+    )
     sym = cute.sym_int32
     T = sym(symbol="T")
 
