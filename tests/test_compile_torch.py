@@ -186,3 +186,41 @@ def test_gpu_reduce_overhead_cuda_graphs(form, monkeypatch):
             mine = _step(compiled, xs, **kw)
         _same(f"{form} {lead}", mine, eager)
     assert not counters["recompiles"], dict(counters["recompiles"])
+
+
+def test_forward_is_not_asked_for_the_proxy_gradient_a_fused_backward_makes(monkeypatch):
+    """Under compile, the ``fwd`` op makes the unit proxy gradient only when the backward's
+    backend does not make it itself (``FUSED_PROXY_GRAD``, CuTe's). On CPU the torch backend is
+    marked so: a compiled step then asks the backend's forward for ``proxy_grad=False``
+    (spied; unmarked it is asked True) and its gradients still equal eager."""
+    asked = []
+    real_fwd = reference.fwd
+
+    def spy(*a, **kw):
+        asked.append(kw.get("proxy_grad"))
+        return real_fwd(*a, **kw)
+
+    monkeypatch.setattr(reference, "fwd", spy)
+    leaves = [x.detach().clone().requires_grad_() for x in _inputs((1, 150))]
+
+    def f(*xs):
+        return flash_msa.msa_attention(*xs, TOP_K, block_size=BLOCK)
+
+    def compiled_step():
+        torch._dynamo.reset()
+        xs = [x.detach().clone().requires_grad_() for x in leaves]
+        out, kl = torch.compile(f, fullgraph=True)(*xs)
+        (out.square().sum() + kl).backward()
+        return [x.grad for x in xs]
+
+    compiled_step()
+    assert asked and all(asked), asked  # unmarked: the forward is asked for it
+    asked.clear()
+    monkeypatch.setattr(reference, "FUSED_PROXY_GRAD", True, raising=False)
+    grads = compiled_step()
+    assert asked and not any(asked), asked
+    ref = [x.detach().clone().requires_grad_() for x in leaves]
+    out_e, kl_e = f(*ref)
+    (out_e.square().sum() + kl_e).backward()
+    for g, x in zip(grads, ref):
+        torch.testing.assert_close(g, x.grad)

@@ -88,6 +88,18 @@ def _call(
     return cfg, problem
 
 
+def bwd_fuses_proxy_grad(problem: Problem, backend: str) -> bool:
+    """Whether the backend that runs ``problem``'s ``bwd`` makes the proxy gradient itself (its
+    module says ``FUSED_PROXY_GRAD = True``, as CuTe's does): the ``fwd`` op then does not make
+    the unit one, whatever ``proxy_grad`` asks (real and fake implementation alike). A ``bwd``
+    the backend cannot run (a BackendError) leaves the forward's choice as asked."""
+    try:
+        name = resolve(backend, "bwd", problem)
+    except backends.BackendError:
+        return False
+    return bool(getattr(_module(name), "FUSED_PROXY_GRAD", False))
+
+
 def makes_unit_proxy_grad(
     name: str, sparse: bool, proxy: bool, compute_kl: bool, proxy_grad: bool
 ) -> bool:
@@ -214,6 +226,8 @@ def fwd(
         dims,
     )
     name = resolve(backend, "fwd", problem)
+    # a backward that fuses the proxy gradient (CuTe) makes it itself: not the forward
+    proxy_grad = proxy_grad and not bwd_fuses_proxy_grad(problem, backend)
     f = _module(name).fwd(
         q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad=proxy_grad
     )
@@ -233,7 +247,9 @@ def fwd(
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, indices, cu_seqlens, q_proxy, k_proxy, proxy_grad, *call):
-    name = resolve(call[-1], "fwd", _call(q, cu_seqlens, *call[:-1])[1])
+    problem = _call(q, cu_seqlens, *call[:-1])[1]
+    name = resolve(call[-1], "fwd", problem)
+    proxy_grad = proxy_grad and not bwd_fuses_proxy_grad(problem, call[-1])
     compute_kl = call[6]
     T, H = q.shape[:2]
     sdt = _stat_dtype(q.dtype)
