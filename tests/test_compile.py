@@ -118,6 +118,11 @@ def test_cute_backward_limits_and_shared_memory_arithmetic():
     assert "gather_stages" in BwdSm90.can_implement(
         BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 3
     )
+    # dQ staging for the bulk reduce-adds (+32 KB): alone it fits, with two gather buffers not
+    assert BwdSm90.shared_bytes(2, 128, 128, 128, True, 1, 0, True)["total"] == 215040
+    assert BwdSm90.can_implement(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 1, 0, True) is None
+    too_big = BwdSm90.can_implement(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 2, 0, True)
+    assert "shared memory" in too_big
     ok = BwdSm90.can_implement
     assert ok(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128) is None  # anchor
     assert ok(BFloat16, 64, 4, 4, 1, 128, 128, 16, 128) is None  # paper
@@ -133,7 +138,7 @@ def test_cute_backward_limits_and_shared_memory_arithmetic():
         BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, main=False, proxy=False)
     base = BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
     changes = dict(main=False, proxy=False, top_k=8, proxy_k_heads=2, gather_stages=2, vec_red=True)
-    for name, value in dict(changes, slab_pad=4).items():
+    for name, value in dict(changes, slab_pad=4, dq_bulk=True).items():
         other = dataclasses.replace(base, **{name: value})
         assert other != base and hash(other) != hash(base), name
 

@@ -98,6 +98,8 @@ VARIANTS = {  # the kernel's A/B switches (BwdSm90 fields), each checked before 
     "vecred": dict(vec_red=True),
     "pad4": dict(slab_pad=4),
     "v2": dict(gather_stages=2, vec_red=True, slab_pad=4),
+    "dqbulk": dict(dq_bulk=True),
+    "dqbulk-vecred-pad4": dict(dq_bulk=True, vec_red=True, slab_pad=4),
 }
 
 
@@ -176,7 +178,9 @@ print("sanitized run done")
 
 
 @pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
-@pytest.mark.parametrize("variant", [{}, VARIANTS["v2"]], ids=["default", "v2"])
+@pytest.mark.parametrize(
+    "variant", [{}, VARIANTS["v2"], VARIANTS["dqbulk"]], ids=["default", "v2", "dqbulk"]
+)
 def test_cute_bwd_under_compute_sanitizer(tool, variant):
     """compute-sanitizer's racecheck (shared-memory hazards) and synccheck (barrier misuse) on
     one small backward (two sequences, both phases, padded chunks): no error reported. Skips,

@@ -41,7 +41,9 @@ per-element fp32 reductions. Deterministic mode is not here yet. Constructor swi
 next A/B (compiled without spills, not yet run on a GPU; defaults = v1): ``gather_stages=2``
 (the next chunk's q/dO rows are gathered into a second buffer while this chunk computes),
 ``vec_red`` (``red.global.add.v2.f32`` on the column pairs a thread holds), ``slab_pad=4``
-(teacher-slab rows padded against bank conflicts).
+(teacher-slab rows padded against bank conflicts), ``dq_bulk`` (dQ and dQ_proxy staged in
+shared memory and added by one ``cp.reduce.async.bulk .add.f32`` per token instead of a
+``red`` per element; not with ``gather_stages=2``: shared memory).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.experimental import primitives as prims
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
@@ -103,6 +106,10 @@ class BwdSm90:
     gather_stages: int = 1
     vec_red: bool = False  # red.global.add.v2.f32 for the fp32 gradients (column pairs)
     slab_pad: int = 0  # floats of padding per teacher-slab row (4: phase B reads conflict-free)
+    # dQ / dQ_proxy staged in shared memory (fp32) and added by one bulk reduce-add per token
+    # (cp.reduce.async.bulk .add.f32: a token's heads are contiguous rows) instead of a
+    # red.global per element; +32 KB of shared memory at D = 128
+    dq_bulk: bool = False
 
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
     THREADS: ClassVar[int] = 128  # threads per warpgroup
@@ -114,8 +121,9 @@ class BwdSm90:
     # -----------------------------------------------------------------------------------------
     @staticmethod
     def shared_bytes(
-        elem_bytes, head_dim, proxy_head_dim, block_size, proxy, gather_stages=1, slab_pad=0
-    ) -> dict:
+        elem_bytes, head_dim, proxy_head_dim, block_size, proxy, gather_stages=1, slab_pad=0,
+        dq_bulk=False,
+    ) -> dict:  # fmt: skip
         """Bytes of each shared-memory buffer, in the order of the ``Storage`` struct (operand
         tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum."""
         rows, D, Dmax = BwdSm90.ROWS, head_dim, max(head_dim, proxy_head_dim)
@@ -129,6 +137,7 @@ class BwdSm90:
             "sV": block_size * Dmax * elem_bytes,  # V, then K_proxy
             "sdS": rows * block_size * elem_bytes,
             "slab": BwdSm90.ITEM_TOKENS * (block_size + slab_pad) * 4 if proxy else 4,  # (stub)
+            "sdQ": rows * Dmax * 4 if dq_bulk else 0,  # dQ staging (dq_bulk)
         }
         end = 0
         for name, size in sizes.items():
@@ -140,7 +149,7 @@ class BwdSm90:
     @classmethod
     def can_implement(
         cls, dtype, heads, kv_heads, sel_heads, proxy_k_heads, head_dim, proxy_head_dim, top_k,
-        block_size, proxy=True, gather_stages=1, slab_pad=0,
+        block_size, proxy=True, gather_stages=1, slab_pad=0, dq_bulk=False,
     ) -> str | None:  # fmt: skip
         """Why this configuration cannot be compiled or run (``None``: it can).
 
@@ -175,8 +184,9 @@ class BwdSm90:
                 f"multiple of 4 ({slab_pad})"
             )
         smem = cls.shared_bytes(
-            dtype.width // 8, head_dim, proxy_head_dim, block_size, proxy, gather_stages, slab_pad
-        )
+            dtype.width // 8, head_dim, proxy_head_dim, block_size, proxy, gather_stages, slab_pad,
+            dq_bulk,
+        )  # fmt: skip
         if smem["total"] > SHARED_LIMIT:
             return f"{smem['total']} bytes of shared memory exceed the sm_90 capacity"
         return None
@@ -185,7 +195,7 @@ class BwdSm90:
         why = self.can_implement(
             self.dtype, self.heads, self.kv_heads, self.sel_heads, self.proxy_k_heads,
             self.head_dim, self.proxy_head_dim, self.top_k, self.block_size, self.proxy,
-            self.gather_stages, self.slab_pad,
+            self.gather_stages, self.slab_pad, self.dq_bulk,
         )  # fmt: skip
         if why is not None:
             raise ValueError(f"CuTe backward: {why}")
@@ -305,6 +315,7 @@ class BwdSm90:
         smem_q = max(cute.cosize(sQ_layout), cute.cosize(sQp_layout))
         smem_v = max(cute.cosize(sK_layout), cute.cosize(sKp_layout))
         SLAB = self.ITEM_TOKENS * (BLOCK + self.slab_pad) if self.proxy else 1
+        DQ_BULK = self.dq_bulk
 
         @cute.struct
         class Storage:  # sizes: shared_bytes
@@ -317,9 +328,11 @@ class BwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[dtype, smem_v], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdS_layout)], 1024]
             slab: cute.struct.Align[cute.struct.MemRange[Float32, SLAB], 1024]
+            if cutlass.const_expr(DQ_BULK):  # (last: without it the layout is v1's, byte for byte)
+                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, ROWS * max(D, DP)], 1024]
 
         smem = self.shared_bytes(
-            dtype.width // 8, D, DP, BLOCK, self.proxy, STAGES, self.slab_pad
+            dtype.width // 8, D, DP, BLOCK, self.proxy, STAGES, self.slab_pad, self.dq_bulk
         )["total"]  # fmt: skip
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
         self.kernel(
@@ -383,6 +396,10 @@ class BwdSm90:
         )  # (row, field, buffer)
         sRowF = st.sRowF.get_tensor(row_layout)
         sRowI = st.sRowI.get_tensor(row_layout)
+        # dQ staging (dq_bulk): (ROWS, dim) fp32 row-major, a token's rows contiguous
+        sdQ = sRowF  # (unused without dq_bulk)
+        if cutlass.const_expr(self.dq_bulk):
+            sdQ = st.sdQ.get_tensor(cute.make_layout(ROWS * max(D, self.proxy_head_dim)))
         bars = st.mbar.data_ptr()
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -412,7 +429,7 @@ class BwdSm90:
                 )
             cute.arch.mbarrier_wait(bars, 0)
             self.phase_a(
-                mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, work.perm,
+                mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, (sdS, sdQ), sRowF, sRowI, slab, work.perm,
                 mDQ, mDK, mDV, mmas, gathers[0], scales, e0, e1, p, ks, ke, kvh, t_all,
             )  # fmt: skip
             if cutlass.const_expr(self.proxy):
@@ -424,9 +441,11 @@ class BwdSm90:
                 self.load_tile(tma_kp, mKp, sKp, self.proxy_head_dim, ks, pk, bars + 1, warp_idx, 1)
                 cute.arch.mbarrier_wait(bars + 1, 0)
                 self.phase_b(
-                    mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, work.perm, mDQp, mDKp,
+                    mQp, mPLSE, sQp, sKp, (sdS, sdQ), sRowF, sRowI, slab, work.perm, mDQp, mDKp,
                     mmas_p, gathers[1], scales, e0, e1, p, ks, ke, pk, t_all,
                 )  # fmt: skip
+            if cutlass.const_expr(self.dq_bulk) and t_all < ROWS:
+                cute.arch.cp_async_bulk_wait_group(0)  # the bulk reduce-adds, before the exit
 
     # -----------------------------------------------------------------------------------------
     # device roles (traced inline into the kernel)
@@ -490,10 +509,11 @@ class BwdSm90:
 
     @cute.jit
     def phase_a(
-        self, mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, mPerm, mDQ,
+        self, mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdSQ, sRowF, sRowI, slab, mPerm, mDQ,
         mDK, mDV, mmas, gather, scales, e0, e1, p, ks, ke, kvh, t_all,
     ):  # fmt: skip
         """Main gradients (and the teacher slab) over the item's rows (module docstring)."""
+        sdS = sdSQ[0]  # (dS tile, dQ staging)
         ROWS, D, BLOCK = self.ROWS, self.head_dim, self.block_size
         G, G2, R = self.geometry
         BT = ROWS // G2
@@ -623,7 +643,7 @@ class BwdSm90:
                     warpgroup.wait_group(0)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.sync_threads()
-                    self.dq_product(mma_dq, sdS, sKt, sRowI, b, mDQ, D, scale, t_all, wg)
+                    self.dq_product(mma_dq, sdSQ, sKt, sRowI, b, mDQ, D, G2, scale, t_all, wg)
                 cute.arch.sync_threads()  # sQ, sdO, sdS and the row data are rewritten next
         if cutlass.const_expr(self.main):
             self.store_dkv(thr_dkv, acc_dK, mDK, ks, ke, kvh, self.kv_heads, D, scale)
@@ -660,20 +680,45 @@ class BwdSm90:
                         slab[idx] = (slab[idx] if r > 0 else Float32(0.0)) + s
 
     @cute.jit
-    def dq_product(self, mma_dq, sdS, sXt, sRowI, buf, mOut, dim: Constexpr, coef, t_all, wg):
-        """``out[row, :] += coef * (dS X)[r, :]`` for the chunk's real rows r (``sRowI[r, 0] >=
-        0``), ``row = sRowI[r, 1]``, a flat fp32 ``(rows * dim,)`` output. The warpgroups split
-        the columns (:meth:`dq_split`), or warpgroup 0 does it all."""
+    def dq_product(
+        self, mma_dq, sdSQ, sXt, sRowI, buf, mOut, dim: Constexpr, per_tok: Constexpr, coef,
+        t_all, wg,
+    ):  # fmt: skip
+        """``out[row, :] += coef * (dS X)[r, :]`` for the chunk's real rows r (``sRowI[r, 0,
+        buf] >= 0``), ``row = sRowI[r, 1, buf]`` of a ``(rows, dim)`` fp32 output; ``per_tok``
+        consecutive chunk rows are one token's consecutive output rows. The warpgroups split the
+        columns (:meth:`dq_split`), or warpgroup 0 does it all. Reductions: per element
+        (``red``), or with ``dq_bulk`` through the staging tile and one bulk reduce-add per
+        token (issued by thread ``token``; waited for before the tile is written again)."""
+        sdS, sdQ = sdSQ
+        n_tok = self.ROWS // per_tok
+        if cutlass.const_expr(self.dq_bulk):  # the last chunk's bulk reads of sdQ are done
+            if t_all < n_tok:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_threads()
         if cutlass.const_expr(self.dq_split(dim) > 1):
-            self.dq_part(mma_dq, sdS, sXt, sRowI, buf, mOut, dim, coef, t_all)
+            self.dq_part(mma_dq, sdS, sdQ, sXt, sRowI, buf, mOut, dim, coef, t_all)
         else:
             if wg == 0:
-                self.dq_part(mma_dq, sdS, sXt, sRowI, buf, mOut, dim, coef, t_all % self.THREADS)
+                tq = t_all % self.THREADS
+                self.dq_part(mma_dq, sdS, sdQ, sXt, sRowI, buf, mOut, dim, coef, tq)
+        if cutlass.const_expr(self.dq_bulk):
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+            cute.arch.sync_threads()
+            if t_all < n_tok:
+                r0 = t_all * per_tok
+                if sRowI[r0, 0, buf] >= 0:
+                    dst = mOut.iterator + Int64(sRowI[r0, 1, buf]) * dim
+                    prims.cp_reduce_async_bulk_global_shared_cta(
+                        dst, sdQ.iterator + r0 * dim, per_tok * dim * 4,
+                        op=prims.CpReduceOp.ADD, type=prims.CpReduceType.F32,
+                    )  # fmt: skip
+                cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
-    def dq_part(self, mma_dq, sdS, sXt, sRowI, buf, mOut, dim: Constexpr, coef, tq):
+    def dq_part(self, mma_dq, sdS, sdQ, sXt, sRowI, buf, mOut, dim: Constexpr, coef, tq):
         """Thread ``tq`` of :meth:`dq_product`'s MMA: its part of the product, reduced into
-        ``out``."""
+        ``out`` (or written, times ``coef``, to the staging tile ``sdQ`` with ``dq_bulk``)."""
         ROWS = self.ROWS
         thr = mma_dq.get_slice(tq)
         tArdS = mma_dq.make_fragment_A(thr.partition_A(sdS))
@@ -690,8 +735,12 @@ class BwdSm90:
         c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((ROWS, dim))))
         for i in cutlass.range_constexpr(cute.size(a_rc, mode=[0])):
             row = c_rc[i, 0][0]
-            if sRowI[row, 0, buf] >= 0:
-                self.red_row(mOut, Int64(sRowI[row, 1, buf]) * dim, a_rc, c_rc, i, coef)
+            if cutlass.const_expr(self.dq_bulk):
+                for j in cutlass.range_constexpr(cute.size(a_rc, mode=[1])):
+                    sdQ[row * dim + c_rc[i, j][1]] = a_rc[i, j] * coef
+            else:
+                if sRowI[row, 0, buf] >= 0:
+                    self.red_row(mOut, Int64(sRowI[row, 1, buf]) * dim, a_rc, c_rc, i, coef)
 
     @cute.jit
     def store_dkv(self, thr, acc, mOut, ks, ke, head, heads: Constexpr, dim: Constexpr, coef):
@@ -725,10 +774,11 @@ class BwdSm90:
 
     @cute.jit
     def phase_b(
-        self, mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, mPerm, mDQp, mDKp, mmas, gather,
+        self, mQp, mPLSE, sQp, sKp, sdSQ, sRowF, sRowI, slab, mPerm, mDQp, mDKp, mmas, gather,
         scales, e0, e1, p, ks, ke, pk, t_all,
     ):  # fmt: skip
         """The unit proxy gradient over the item's tokens, against the slab's teacher."""
+        sdS = sdSQ[0]  # (d tile, dQ_proxy staging)
         ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.block_size
         HS, K = self.sel_heads, self.top_k
         G = self.geometry[0]
@@ -802,7 +852,7 @@ class BwdSm90:
             warpgroup.wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            self.dq_product(mma_dq, sdS, sKpt, sRowI, 0, mDQp, DP, pcoef, t_all, wg)
+            self.dq_product(mma_dq, sdSQ, sKpt, sRowI, 0, mDQp, DP, 1, pcoef, t_all, wg)
             cute.arch.sync_threads()
         self.store_dkv(thr_dkv, acc_dKp, mDKp, ks, ke, pk, self.proxy_k_heads, DP, pcoef)
 

@@ -85,12 +85,29 @@ def bwd_configurations():
     v2 = dict(gather_stages=2, vec_red=True, slab_pad=4)
     for name, variant in (
         ("stages2", dict(gather_stages=2)), ("vecred", dict(vec_red=True)),
-        ("pad4", dict(slab_pad=4)), ("v2", v2),
+        ("pad4", dict(slab_pad=4)), ("v2", v2), ("dqbulk", dict(dq_bulk=True)),
+        ("dqbulk vecred pad4", dict(dq_bulk=True, vec_red=True, slab_pad=4)),
     ):  # fmt: skip
         yield f"bwd bf16 anchor {name}", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, variant
     yield "bwd bf16 paper v2", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1, v2
     yield "bwd bf16 anchor D=64 b=64 v2", "bf16", 16, 2, 4, 1, 64, 64, 16, 64, 1, 1, v2
     yield "bwd bf16 anchor main-only v2", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0, v2
+    yield "bwd bf16 paper dqbulk", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1, dict(dq_bulk=True)
+    yield (
+        "bwd bf16 D=64 Dp=128 dqbulk",
+        "bf16",
+        8,
+        1,
+        4,
+        1,
+        64,
+        128,
+        3,
+        128,
+        1,
+        1,
+        dict(dq_bulk=True),
+    )
 
 
 def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=None, **dump) -> dict:
