@@ -38,6 +38,7 @@ VARIANTS = {  # CuTe providers: the kernel's A/B switches (BwdSm90 fields)
     "cute v2": dict(gather_stages=2, vec_red=True, slab_pad=4),
     "cute dqbulk": dict(dq_bulk=True),
     "cute dqbulk vecred pad4": dict(dq_bulk=True, vec_red=True, slab_pad=4),
+    "cute pad8": dict(slab_pad=8),
 }
 MAX_REL_DIFF = 1e-2  # a variant further than this from Triton's gradients is reported, not timed
 

@@ -43,7 +43,7 @@ next A/B (compiled without spills, not yet run on a GPU; defaults = v1): ``gathe
 ``vec_red`` (``red.global.add.v2.f32`` on the column pairs a thread holds), ``slab_pad=4``
 (teacher-slab rows padded against bank conflicts), ``dq_bulk`` (dQ and dQ_proxy staged in
 shared memory and added by one ``cp.reduce.async.bulk .add.f32`` per token instead of a
-``red`` per element; not with ``gather_stages=2``: shared memory).
+``red`` per element; with ``gather_stages=2`` only where shared memory allows, e.g. D = 64).
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ class BwdSm90:
             "mbar": 16,  # K/V and Kp mbarriers
             "sRowF": 2 * rows * 4 * gather_stages,  # per row: LSE (log2 units), Delta / proxy LSE
             "sRowI": 2 * rows * 4 * gather_stages,  # per row: token (-1: pad), gradient row
-            "sQ": rows * Dmax * elem_bytes * gather_stages,  # q rows, then q_proxy rows
+            # q rows (gather_stages buffers), then one buffer of q_proxy rows
+            "sQ": rows * max(D * gather_stages, proxy_head_dim) * elem_bytes,
             "sdO": rows * D * elem_bytes * gather_stages,
             "sK": block_size * D * elem_bytes,
             "sV": block_size * Dmax * elem_bytes,  # V, then K_proxy
@@ -865,7 +866,8 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
     gradients when ``dout`` is given, the proxy gradients (``dkl`` times the unit gradient made
     here; the forward's ``Saved.proxy_grad`` is not used) when ``dkl`` is given, in one launch
     of :class:`BwdSm90`. ``variant``: the kernel's A/B switches (``gather_stages``, ``vec_red``,
-    ``slab_pad``; tests and ``benchmarks/bwd_ab.py``; the defaults are the measured choice).
+    ``slab_pad``, ``dq_bulk``; tests and ``benchmarks/bwd_ab.py``; the defaults are the
+    measured choice).
     Limits: ``flash_msa.cute.unsupported_reason("bwd", ...)``."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
     main, proxy = dout is not None, dkl is not None

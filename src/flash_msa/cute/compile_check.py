@@ -93,21 +93,12 @@ def bwd_configurations():
     yield "bwd bf16 anchor D=64 b=64 v2", "bf16", 16, 2, 4, 1, 64, 64, 16, 64, 1, 1, v2
     yield "bwd bf16 anchor main-only v2", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0, v2
     yield "bwd bf16 paper dqbulk", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1, dict(dq_bulk=True)
-    yield (
-        "bwd bf16 D=64 Dp=128 dqbulk",
-        "bf16",
-        8,
-        1,
-        4,
-        1,
-        64,
-        128,
-        3,
-        128,
-        1,
-        1,
-        dict(dq_bulk=True),
-    )
+    for name, H, Hkv, D, Dp, K, block, variant in (
+        ("D=64 Dp=128 dqbulk", 8, 1, 64, 128, 3, 128, dict(dq_bulk=True)),
+        ("D=64 Dp=128 stages2", 8, 1, 64, 128, 3, 128, dict(gather_stages=2)),
+        ("D=64 stages2 dqbulk", 16, 2, 64, 64, 16, 64, dict(gather_stages=2, dq_bulk=True)),
+    ):  # fmt: skip
+        yield f"bwd bf16 {name}", "bf16", H, Hkv, 4, 1, D, Dp, K, block, 1, 1, variant
 
 
 def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=None, **dump) -> dict:
