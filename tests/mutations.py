@@ -53,8 +53,8 @@ MUTANTS = (
         (
             (
                 PKG + "reference.py",
-                "idx = None if indices is None else indices[s0 + c0 : s0 + c1]",
-                "idx = None if indices is None else indices[s0 : s0 + c1 - c0]",
+                "idx = None if indices is None else indices[sl]",
+                "idx = None if indices is None else indices[_take(qrows, 0, c1 - c0)]",
             ),
         ),
         ("tests/test_reference.py",),

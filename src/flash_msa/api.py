@@ -312,11 +312,45 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[-2:]).contiguous()
 
 
-def _problem(ref, H, Hkv, D, Hsel, Hpk, Dp, cu, varlen, cfg) -> Problem:
+def _problem(ref, H, Hkv, D, Hsel, Hpk, Dp, cu, varlen, cfg, q_map=False) -> Problem:
     """The call as backends see it (0 for the heads/dims a call does not have)."""
     return problem_of(
-        ref.device, ref.dtype, (H, Hkv, D, Hsel, Hpk, Dp), cu.numel() - 1, varlen, cfg
+        ref.device, ref.dtype, (H, Hkv, D, Hsel, Hpk, Dp), cu.numel() - 1, varlen, cfg, q_map=q_map
     )
+
+
+def _check_q_map(q_map, q_proxy, k_proxy, q, k, v, varlen):
+    """A query map: queries (``q``, ``q_proxy``: ``Tq`` rows) that are not the keys' tokens
+    (``k``, ``v``, ``k_proxy``: ``T`` rows), as context parallelism passes them."""
+    if not varlen:
+        raise ValueError(
+            "q_map needs the varlen form: cu_seqlens (of the keys' sequences) and packed "
+            "(tokens, heads, head_dim) tensors"
+        )
+    _check_tensors({"q_proxy": q_proxy, "q": q}, varlen)
+    _check_tensors({"k_proxy": k_proxy, "k": k, "v": v}, varlen)
+    if k.dtype != q.dtype:
+        raise TypeError(f"k has dtype {k.dtype} but q has {q.dtype}; all inputs must share one")
+    if k.device != q.device:
+        raise ValueError(f"k is on {k.device} but q is on {q.device}")
+    if not isinstance(q_map, torch.Tensor):
+        raise TypeError(f"q_map must be a torch.Tensor, got {type(q_map).__name__}")
+    if q_map.dtype != torch.int32:
+        raise TypeError(f"q_map must be int32, got {q_map.dtype}")
+    if q_map.shape != q.shape[:1]:
+        raise ValueError(
+            f"q_map must be 1-D with one entry per query row ({q.shape[0]}); got shape "
+            f"{tuple(q_map.shape)}"
+        )
+    if q_map.device != q.device:
+        raise ValueError(f"q_map is on {q_map.device} but q is on {q.device}")
+    if _value_checks(q_map.device) and q_map.numel():
+        low, high = int(q_map.min()), int(q_map.max())
+        if low < -1 or high >= k.shape[0]:
+            raise ValueError(
+                f"q_map must hold -1 (a padding row) or key token indices in [0, {k.shape[0]}); "
+                f"got values in [{low}, {high}]"
+            )
 
 
 def _wants_grad(*tensors) -> bool:
@@ -330,10 +364,12 @@ class _MSAFunction(torch.autograd.Function):
     """select -> fwd (-> bwd): the fused MSA op on the packed layout."""
 
     @staticmethod
-    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, cfg: Config, ops):
+    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, cfg: Config, ops, q_map):
         ctx.set_materialize_grads(False)
         select_be, fwd_be, bwd_be = ops
-        indices = None if cfg.warmup else select_be.select(q_proxy, k_proxy, cu_seqlens, cfg)
+        # the query map reaches only backends that declare it (limits.Limits.q_map)
+        qm = {} if q_map is None else {"q_map": q_map}
+        indices = None if cfg.warmup else select_be.select(q_proxy, k_proxy, cu_seqlens, cfg, **qm)
         # bwd_be is None under torch.no_grad(), where needs_input_grad still says True
         proxy_grad = bwd_be is not None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         use_proxy = cfg.compute_kl or proxy_grad
@@ -348,6 +384,7 @@ class _MSAFunction(torch.autograd.Function):
             k_proxy if use_proxy else None,
             # a backward that fuses the proxy gradient (CuTe) makes it itself: not the forward
             proxy_grad=proxy_grad and not getattr(bwd_be, "FUSED_PROXY_GRAD", False),
+            **qm,
         )
         if kl is None:  # compute_kl=False: the value is 0, the gradient stays exact
             kl = torch.zeros((), dtype=lse.dtype, device=q.device)
@@ -362,6 +399,7 @@ class _MSAFunction(torch.autograd.Function):
             k_proxy if proxy_grad else None,
             proxy_lse if proxy_grad else None,
             cu_seqlens,
+            q_map,
             *(unit or (None, None)),  # Forward.proxy_grad: made only when asked
         )
         ctx.cfg, ctx.bwd_be = cfg, bwd_be
@@ -369,18 +407,22 @@ class _MSAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dkl):
-        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu, *unit = ctx.saved_tensors
+        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu, q_map, *unit = (
+            ctx.saved_tensors
+        )
         need = ctx.needs_input_grad
         if not any(need[2:5]):
             dout = None
         if not any(need[0:2]):
             dkl = None  # the proxy backward is skipped, not multiplied by zero
         if dout is None and dkl is None:
-            return (None,) * 8
+            return (None,) * 9
         unit = None if unit[0] is None else tuple(unit)
         saved = Saved(q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit)
-        g = ctx.bwd_be.bwd(None if dout is None else dout.contiguous(), dkl, saved, cu, ctx.cfg)
-        return g.dq_proxy, g.dk_proxy, g.dq, g.dk, g.dv, None, None, None
+        qm = {} if q_map is None else {"q_map": q_map}
+        dout = None if dout is None else dout.contiguous()
+        g = ctx.bwd_be.bwd(dout, dkl, saved, cu, ctx.cfg, **qm)
+        return g.dq_proxy, g.dk_proxy, g.dq, g.dk, g.dv, None, None, None, None
 
 
 class _SparseFunction(torch.autograd.Function):
@@ -553,6 +595,7 @@ def msa_attention(
     max_seqlen=None,
     warmup=False,
     compute_kl=True,
+    q_map=None,
 ):
     """MiniMax Sparse Attention: proxy top-k block selection, sparse GQA attention, proxy KL.
 
@@ -580,6 +623,14 @@ def msa_attention(
         max_seqlen: longest sequence; required when ``cu_seqlens`` is on a GPU.
         warmup: dense causal main attention, KL over all visible keys (``top_k`` ignored).
         compute_kl: compute the KL value (``False`` returns 0 but keeps its exact gradient).
+        q_map: queries that are not the keys' own tokens (context parallelism: local queries,
+            gathered keys; docs/distributed.md). int32 ``(Tq,)``: the packed index into
+            ``k``/``v``/``k_proxy`` of each query row's token, ``-1`` for a padding row (no
+            keys: ``out = 0``, KL term 0). Varlen form only; ``q``/``q_proxy`` then have ``Tq``
+            rows, ``cu_seqlens``/``max_seqlen`` describe the keys' sequences, positions (the
+            blocks, the own block, causality) are those of each query's token in its
+            sequence, and ``kl`` is a mean over ``Hp * Tq`` rows. Only the ``torch`` backend
+            runs it for now; not under ``torch.compile``.
 
     Returns:
         ``(out, kl)``: ``out`` like ``q``; ``kl`` a 0-dim fp32 tensor (fp64 for fp64 inputs),
@@ -588,7 +639,10 @@ def msa_attention(
     """
     varlen = cu_seqlens is not None
     tensors = {"q_proxy": q_proxy, "k_proxy": k_proxy, "q": q, "k": k, "v": v}
-    _check_tensors(tensors, varlen)
+    if q_map is None:
+        _check_tensors(tensors, varlen)
+    else:
+        _check_q_map(q_map, q_proxy, k_proxy, q, k, v, varlen)
     _check_main(q, k, v)
     _check_proxy(q_proxy, k_proxy)
     _check_heads(q.shape[-2], k.shape[-2], q_proxy.shape[-2], "q_proxy")
@@ -598,7 +652,7 @@ def msa_attention(
     proxy_scale = _scale_arg("proxy_scale", proxy_scale, q_proxy.shape[-1] ** -0.5)
     warmup = _bool_arg("warmup", warmup)
     compute_kl = _bool_arg("compute_kl", compute_kl)
-    cu, max_seqlen = _sequences(q, cu_seqlens, max_seqlen)
+    cu, max_seqlen = _sequences(q if q_map is None else k, cu_seqlens, max_seqlen)
     _check_finite(tensors)
     cfg = Config(
         block_size=block_size,
@@ -613,14 +667,17 @@ def msa_attention(
     Hp, Dp = q_proxy.shape[-2:]
     dims = (q.shape[-2], k.shape[-2], q.shape[-1], Hp, k_proxy.shape[-2], Dp)
     if torch.compiler.is_compiling():  # custom ops (ops.py), each resolving its backend
+        if q_map is not None:
+            raise ValueError("q_map is not supported under torch.compile yet (eager only)")
         args = _op_args(cfg, varlen, dims)
         out, kl = _MSAOpFunction.apply(*packed, cu, args, _wants_grad(*tensors.values()))
         return out.view(q.shape), kl
-    problem = _problem(q, *dims, cu, varlen, cfg)
+    problem = _problem(q, *dims, cu, varlen, cfg, q_map=q_map is not None)
     select_be = None if warmup else backends.resolve("select", problem)[1]
     fwd_be = backends.resolve("fwd", problem)[1]
     bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(*tensors.values()) else None
-    out, kl = _MSAFunction.apply(*packed, cu, cfg, (select_be, fwd_be, bwd_be))
+    q_map = None if q_map is None else q_map.contiguous()
+    out, kl = _MSAFunction.apply(*packed, cu, cfg, (select_be, fwd_be, bwd_be), q_map)
     return out.view(q.shape), kl
 
 

@@ -35,6 +35,9 @@ class Limits:
     proxy_head_dims: tuple[int, ...] | None = None  # Dp
     block_sizes: tuple[int, ...] | None = (64, 128)
     max_top_k: int | None = None
+    # runs calls with a query map (``Problem.q_map``: queries other than the keys' own tokens,
+    # as context parallelism passes them; docs/distributed.md)
+    q_map: bool = False
     note: str = ""  # what the table should also say (e.g. stages run by another backend)
 
 
@@ -86,6 +89,11 @@ def reason(limits: dict, op: str, problem: Problem) -> str | None:
         return f"head_dim {D} is not one of {lim.head_dims}"
     if Dp and lim.proxy_head_dims is not None and Dp not in lim.proxy_head_dims:
         return f"proxy head_dim {Dp} is not one of {lim.proxy_head_dims}"
+    if problem.q_map and not lim.q_map:
+        return (
+            "q_map (queries that are not the keys' own tokens: context parallelism) "
+            "is not implemented"
+        )
     return None
 
 

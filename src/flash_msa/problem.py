@@ -58,12 +58,18 @@ class Problem:
     varlen: bool
     cfg: Config
     num_seqs: int = 1  # sequences in the call (batch size, or len(cu_seqlens) - 1)
+    # the call passes a query map (``q_map``: queries that are not the keys' own tokens, as in
+    # context parallelism; docs/distributed.md); only backends that declare it run such calls
+    q_map: bool = False
 
 
-def problem_of(device, dtype, dims, num_seqs: int, varlen: bool, cfg: Config) -> Problem:
+def problem_of(
+    device, dtype, dims, num_seqs: int, varlen: bool, cfg: Config, *, q_map: bool = False
+) -> Problem:
     """The :class:`Problem` of a call on ``device`` in ``dtype``, with
-    ``dims = (H, Hkv, D, Hsel, Hpk, Dp)`` (0 for the heads/dims a call does not have); the
-    capability is read from the device (the one place a Problem is built)."""
+    ``dims = (H, Hkv, D, Hsel, Hpk, Dp)`` (0 for the heads/dims a call does not have) and
+    ``q_map`` whether the call maps its queries onto the keys' tokens; the capability is read
+    from the device (the one place a Problem is built)."""
     H, Hkv, D, Hsel, Hpk, Dp = dims
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -80,6 +86,7 @@ def problem_of(device, dtype, dims, num_seqs: int, varlen: bool, cfg: Config) ->
         varlen=varlen,
         cfg=cfg,
         num_seqs=num_seqs,
+        q_map=q_map,
     )
 
 

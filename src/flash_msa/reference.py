@@ -3,7 +3,8 @@
 This module is three things at once:
 
 1. the ``torch`` backend (CPU fallback; it implements the op contract of docs/design.md:
-   :func:`select`, :func:`fwd`, :func:`bwd` on the packed varlen layout);
+   :func:`select`, :func:`fwd`, :func:`bwd` on the packed varlen layout, and the contract's
+   optional query map ``q_map`` that context parallelism uses, docs/distributed.md);
 2. the oracle the Triton backend is tested against;
 3. a readable statement of the math (see docs/algorithm.md for the derivation).
 
@@ -38,12 +39,14 @@ def unavailable_reason() -> str | None:
     return None
 
 
-# every op, on any device, in every float dtype (fp64 included), any head dim and block size
+# every op, on any device, in every float dtype (fp64 included), any head dim and block size,
+# with or without a query map
 LIMITS = {
     op: Limits(
         devices=None,
         dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
         block_sizes=None,
+        q_map=True,
     )
     for op in OPS
 }
@@ -69,11 +72,45 @@ def _sequences(cu_seqlens: torch.Tensor):
             yield s0, s1 - s0
 
 
-def _row_chunks(length: int, heads: int):
-    """Split ``range(length)`` query rows so that a ``(heads, rows, length)`` tile stays small."""
+def _row_chunks(length: int, heads: int, rows: int | None = None):
+    """Split ``range(rows)`` query rows (default ``length``) so that a ``(heads, rows, length)``
+    tile stays small."""
+    rows = length if rows is None else rows
     step = max(1, _TILE_BYTES // (4 * max(1, heads) * max(1, length)))
-    for c0 in range(0, length, step):
-        yield c0, min(length, c0 + step)
+    for c0 in range(0, rows, step):
+        yield c0, min(rows, c0 + step)
+
+
+def _queries(cu_seqlens: torch.Tensor, q_map: torch.Tensor | None):
+    """Yield ``(start, length, rows, pos)`` of each non-empty sequence.
+
+    The sequence's keys are packed tokens ``[start, start + length)``; its queries are the rows
+    ``rows`` of ``q`` (a ``slice`` without a query map: the same tokens; else an int64 index
+    tensor) at positions ``pos`` (int64, ``len(rows)``) within the sequence. With ``q_map``
+    (``(Tq,)`` int32, the packed key index of each query row's token, -1 for a padding row),
+    the rows of a sequence are those whose token lies in it; padding rows belong to none.
+    """
+    if q_map is None:
+        for s0, L in _sequences(cu_seqlens):
+            yield s0, L, slice(s0, s0 + L), torch.arange(L, device=cu_seqlens.device)
+        return
+    cu = cu_seqlens.long()
+    m = q_map.long()
+    seq = torch.searchsorted(cu[1:], m, right=True)  # cu[n] <= m < cu[n + 1]
+    seq = torch.where(m >= 0, seq, cu.numel())  # padding rows sort after every sequence
+    order = torch.sort(seq, stable=True).indices
+    counts = torch.bincount(seq, minlength=cu.numel() + 1).tolist()
+    first = 0
+    for n, (s0, L) in enumerate(zip(cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist())):
+        rows = order[first : first + counts[n]]
+        first += counts[n]
+        if L > 0 and rows.numel():
+            yield s0, L, rows, m[rows] - s0
+
+
+def _take(rows, c0: int, c1: int):
+    """Rows ``[c0, c1)`` of a sequence's query rows (a slice or an index tensor)."""
+    return slice(rows.start + c0, rows.start + c1) if isinstance(rows, slice) else rows[c0:c1]
 
 
 def _heads_first(x: torch.Tensor, dtype: torch.dtype, repeat: int = 1) -> torch.Tensor:
@@ -110,26 +147,31 @@ def _probs(s: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor) -> torch.Tens
 # ---------------------------------------------------------------------------------------------
 # select
 # ---------------------------------------------------------------------------------------------
-def select(q_proxy, k_proxy, cu_seqlens, cfg: Config) -> torch.Tensor:
+def select(q_proxy, k_proxy, cu_seqlens, cfg: Config, *, q_map=None) -> torch.Tensor:
     """Top-k block selection (semantics.md, "Selection").
 
     Args:
         q_proxy: ``(T, Hp, Dp)``; k_proxy: ``(T, Hpk, Dp)``; cu_seqlens: ``(N+1,)`` int32.
         cfg: uses ``top_k``, ``block_size``, ``proxy_scale``.
+        q_map: ``None`` (the queries are the keys' tokens) or ``(Tq,)`` int32: the packed key
+            index of each query row's token, ``-1`` for a padding row (docs/distributed.md,
+            "Scheme"); ``q_proxy`` then has ``Tq`` rows and ``k_proxy`` the keys' ``T``.
     Returns:
-        ``(T, Hp, top_k)`` int32: sequence-local block numbers, ascending, -1 padded.
+        ``(Tq, Hp, top_k)`` int32: sequence-local block numbers, ascending, -1 padded (a
+        padding row: all -1).
     """
     T, Hp, _ = q_proxy.shape
     Hpk = k_proxy.shape[1]
     b, top_k = cfg.block_size, cfg.top_k
     sdt = _stat_dtype(q_proxy.dtype)
     out = torch.full((T, Hp, top_k), -1, dtype=torch.int32, device=q_proxy.device)
-    for s0, L in _sequences(cu_seqlens):
+    for s0, L, qrows, pos in _queries(cu_seqlens, q_map):
         nb = -(-L // b)
         kp = _heads_first(k_proxy[s0 : s0 + L], sdt, Hp // Hpk)  # [Hp, L, Dp]
-        for c0, c1 in _row_chunks(L, Hp):
-            rows = torch.arange(c0, c1, device=q_proxy.device)
-            qp = _heads_first(q_proxy[s0 + c0 : s0 + c1], sdt)  # [Hp, C, Dp]
+        for c0, c1 in _row_chunks(L, Hp, len(pos)):
+            rows = pos[c0:c1]  # positions i within the sequence
+            sl = _take(qrows, c0, c1)
+            qp = _heads_first(q_proxy[sl], sdt)  # [Hp, C, Dp]
             z = cfg.proxy_scale * (qp @ kp.transpose(1, 2))  # [Hp, C, L]
             z = z.masked_fill(~_kept_mask(None, rows, L, b), -math.inf)  # causal: j <= i
             z = torch.nn.functional.pad(z, (0, nb * b - L), value=-math.inf)  # partial last block
@@ -142,7 +184,7 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg: Config) -> torch.Tensor:
             order = torch.where(score.gather(-1, order) == -math.inf, nb, order)  # never selected
             order = torch.sort(order, dim=-1).values  # ascending, dropped ones (= nb) last
             order = torch.where(order == nb, -1, order)
-            out[s0 + c0 : s0 + c1, :, :kk] = order.permute(1, 0, 2).to(torch.int32)
+            out[sl, :, :kk] = order.permute(1, 0, 2).to(torch.int32)
     return out
 
 
@@ -161,6 +203,7 @@ def fwd(
     *,
     upcast=True,
     proxy_grad=False,
+    q_map=None,
 ):
     """Main attention over the kept keys, plus the proxy LSE and the KL when a proxy is given.
 
@@ -174,6 +217,9 @@ def fwd(
         upcast: ``False`` computes the matmuls in the input dtype (for the bf16 tolerance rule).
         proxy_grad: accepted for the op contract; this backend computes the proxy gradient in
             ``bwd`` (``Forward.proxy_grad`` is ``None``).
+        q_map: as in :func:`select`: ``q``, ``q_proxy`` and ``indices`` then have ``Tq`` rows,
+            ``k``, ``v``, ``k_proxy`` the keys' ``T``; the KL is a mean over ``Hp * Tq`` rows
+            (a padding row adds 0 to it, and gets ``out = 0``, ``lse = -inf``).
     Returns:
         :class:`~flash_msa.problem.Forward` ``(out, lse, proxy_lse, kl, None)``: out
         ``(T, H, D)`` input dtype; lse ``(T, H)`` fp32 natural log (``-inf`` for a row with no
@@ -191,31 +237,32 @@ def fwd(
     lse = torch.full((T, H), -math.inf, dtype=sdt, device=q.device)
     proxy_lse = torch.full((T, Hp), -math.inf, dtype=sdt, device=q.device) if proxy else None
     kl_sum = torch.zeros((), dtype=sdt, device=q.device)
-    for s0, L in _sequences(cu_seqlens):
+    for s0, L, qrows, pos in _queries(cu_seqlens, q_map):
         kh = _heads_first(k[s0 : s0 + L], cdt, H // Hkv)  # [H, L, D]
         vh = _heads_first(v[s0 : s0 + L], cdt, H // Hkv)
         if proxy:
             kp = _heads_first(k_proxy[s0 : s0 + L], sdt, Hp // k_proxy.shape[1])  # [Hp, L, Dp]
-        for c0, c1 in _row_chunks(L, H):
-            rows = torch.arange(c0, c1, device=q.device)
-            idx = None if indices is None else indices[s0 + c0 : s0 + c1]
+        for c0, c1 in _row_chunks(L, H, len(pos)):
+            rows = pos[c0:c1]  # positions i within the sequence
+            sl = _take(qrows, c0, c1)
+            idx = None if indices is None else indices[sl]
             mask = _kept_mask(idx, rows, L, b)  # [Hsel or 1, C, L]
             mask_h = mask.repeat_interleave(H // mask.shape[0], dim=0)  # [H, C, L]
-            qh = _heads_first(q[s0 + c0 : s0 + c1], cdt)  # [H, C, D]
+            qh = _heads_first(q[sl], cdt)  # [H, C, D]
             s = (qh @ kh.transpose(1, 2)).to(sdt) * cfg.softmax_scale
             s = s.masked_fill(~mask_h, -math.inf)
             row_lse = torch.logsumexp(s, dim=-1)  # [H, C]
             p = _probs(s, mask_h, row_lse)
             o = p.to(cdt) @ vh  # [H, C, D]
-            out[s0 + c0 : s0 + c1] = o.transpose(0, 1).to(q.dtype)
-            lse[s0 + c0 : s0 + c1] = row_lse.transpose(0, 1)
+            out[sl] = o.transpose(0, 1).to(q.dtype)
+            lse[sl] = row_lse.transpose(0, 1)
             if not proxy:
                 continue
             pmask = mask.repeat_interleave(Hp // mask.shape[0], dim=0)  # [Hp, C, L]
-            qp = _heads_first(q_proxy[s0 + c0 : s0 + c1], sdt)
+            qp = _heads_first(q_proxy[sl], sdt)
             z = (cfg.proxy_scale * (qp @ kp.transpose(1, 2))).masked_fill(~pmask, -math.inf)
             row_plse = torch.logsumexp(z, dim=-1)  # [Hp, C]
-            proxy_lse[s0 + c0 : s0 + c1] = row_plse.transpose(0, 1)
+            proxy_lse[sl] = row_plse.transpose(0, 1)
             if cfg.compute_kl:
                 target = p.to(sdt).view(Hp, H // Hp, c1 - c0, L).mean(1)  # detached teacher
                 kl_sum += _kl_terms(target, z - row_plse[..., None], pmask).sum()
@@ -238,7 +285,7 @@ def _kl_terms(target, log_q, mask):
 # ---------------------------------------------------------------------------------------------
 # backward
 # ---------------------------------------------------------------------------------------------
-def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, upcast=True) -> Grads:
+def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, upcast=True, *, q_map=None) -> Grads:
     """Main gradients (when ``dout`` is given) and closed-form proxy gradients (when ``dkl`` is).
 
     Recomputes the probabilities from the saved ``lse`` / ``proxy_lse`` (no reselection). The
@@ -251,12 +298,14 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, upcast=True) -> Grads:
             MMAs do (``P`` and ``dS`` rounded to it; the proxy's ``Q - target`` too, its
             ``dkl / R`` factor applied to the fp32 product): the same-dtype reference of the
             tolerance rule. Statistics and accumulation stay fp32.
+        q_map: as in :func:`fwd` (the forward's); ``dq``/``dq_proxy`` then have ``Tq`` rows,
+            ``dk``/``dv``/``dk_proxy`` the keys' ``T`` (every query's share summed).
     Returns:
         :class:`~flash_msa.problem.Grads` in the input dtypes, ``None`` where not computed.
     """
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse = saved[:9]
     T, H, D = q.shape
-    Hkv = k.shape[1]
+    Tk, Hkv = k.shape[:2]  # the keys' tokens: T unless a query map is given
     b = cfg.block_size
     sdt = _stat_dtype(q.dtype)
     cdt = sdt if upcast else q.dtype
@@ -269,18 +318,18 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, upcast=True) -> Grads:
     if proxy and (q_proxy is None or proxy_lse is None):
         raise RuntimeError("bwd: the forward did not save the proxy tensors needed for dkl")
     dq = torch.zeros((T, H, D), dtype=sdt, device=q.device) if main else None
-    dk = torch.zeros((T, Hkv, D), dtype=sdt, device=q.device) if main else None
-    dv = torch.zeros((T, Hkv, D), dtype=sdt, device=q.device) if main else None
+    dk = torch.zeros((Tk, Hkv, D), dtype=sdt, device=q.device) if main else None
+    dv = torch.zeros((Tk, Hkv, D), dtype=sdt, device=q.device) if main else None
     if proxy:
         Hp, Dp = q_proxy.shape[1:]
         Hpk = k_proxy.shape[1]
         R = Hp * T
         dqp = torch.zeros((T, Hp, Dp), dtype=sdt, device=q.device)
-        dkp = torch.zeros((T, Hpk, Dp), dtype=sdt, device=q.device)
+        dkp = torch.zeros((Tk, Hpk, Dp), dtype=sdt, device=q.device)
         scale_kl = dkl.to(sdt) / R
     if not (main or proxy):
         return Grads(None, None, None, None, None)
-    for s0, L in _sequences(cu_seqlens):
+    for s0, L, qrows, pos in _queries(cu_seqlens, q_map):
         kh = _heads_first(k[s0 : s0 + L], sdt, H // Hkv)  # [H, L, D]
         vh = _heads_first(v[s0 : s0 + L], sdt, H // Hkv)
         dkh = torch.zeros_like(kh) if main else None
@@ -288,9 +337,9 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, upcast=True) -> Grads:
         if proxy:
             kp = _heads_first(k_proxy[s0 : s0 + L], sdt, Hp // Hpk)  # [Hp, L, Dp]
             dkph = torch.zeros_like(kp)
-        for c0, c1 in _row_chunks(L, H):
-            rows = torch.arange(c0, c1, device=q.device)
-            sl = slice(s0 + c0, s0 + c1)
+        for c0, c1 in _row_chunks(L, H, len(pos)):
+            rows = pos[c0:c1]  # positions i within the sequence
+            sl = _take(qrows, c0, c1)
             mask = _kept_mask(None if indices is None else indices[sl], rows, L, b)
             mask_h = mask.repeat_interleave(H // mask.shape[0], dim=0)
             qh = _heads_first(q[sl], sdt)  # [H, C, D]
