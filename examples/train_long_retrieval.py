@@ -29,12 +29,13 @@ followed it in the context, instead of a two-layer induction circuit. Attention:
 has the MSA paper's shape: one proxy head per KV group (``Hp = num_kv_heads``), one proxy key
 head, ``proxy_head_dim``, q/k RMSNorm and RoPE, detached input.
 
-Why these choices (measured on CPU, 128-token sequences of 8 pairs, batch 32, fp32, dense
-model): with an untied head the model sat at the "some value of the context" plateau (about
-1/8 accuracy) for 600 steps at d=64 and for 1500 at d=256 (1024 keys, 256 values, lr 1e-3);
-tied, it reached 100% in about 300 steps (d=64, lr 3e-3) and 400 steps (d=256, 1024 keys, 64
-values, lr 1e-3; lr 3e-3 stayed on the plateau). Without the convolution (two-layer
-induction) d=64 was still at 15% after 600 steps.
+Why these choices (measured on CPU with the dense model: 128-token sequences of 8 pairs, batch
+32, fp32; accuracy over the last steps): at d=64 (64 keys, 32 values, lr 3e-3) the model sat at
+the "some value of the context" plateau (1/8 to 1/5) after 600 steps with an untied head (15%)
+and with a tied head but no convolution (20%, the two-layer induction circuit not found), and
+reached 100% in about 300 steps with both; at d=256, lr 1e-3 (the GPU default), untied with
+2048 keys and 256 values it was at 18% after 1500 steps, tied with 1024 keys and 64 values at
+100% after about 400 (lr 3e-3 stayed at 14%).
 
 Task (one sequence of ``S`` tokens; vocabulary = filler, key and value tokens, disjoint
 ranges):
@@ -60,10 +61,13 @@ Length curriculum (``--curriculum-steps``, ``--min-seqlen``): the first steps us
 sequences, ``min_seqlen * 2**k`` tokens with the same tokens per step (see
 :func:`curriculum_seqlen`). At initialization the attention a query puts on its answer, and so
 the gradient that builds the lookup, falls as 1/length: the lookup is found at 128 tokens in a
-few hundred steps and then carries over to each doubling in tens of steps (CPU, d=64: 300 steps
-at 128 tokens, 150 at 256 and at 512, then 92% accuracy after 40 steps at 1024 tokens, 98% after
-200). These steps are part of the MSA model's dense warmup, which must end at full length (the
-proxy then learns the full-length selection before it is used).
+few hundred steps and then carries over to each doubling in tens of steps (CPU, dense model,
+d=64, 512 keys, 64 values: 300 steps at 128 tokens, 150 at 256, 150 at 512, then 1024 tokens:
+88% accuracy over its first 40 steps, 98% over steps 160-200, 95% held out). These steps are
+part of the MSA model's dense warmup, which must end at full length and last until the proxy
+finds the answers: in a CPU run at 512 tokens (d=64, 100 dense steps at full length) the MSA
+model turned sparse while its first layer's proxy recall was 0.66 and then fell behind the
+dense model (held out: 73% against 79%; 76% with its own layers run dense).
 
 Schedule: AdamW (betas 0.9/0.95, no weight decay), linear LR warmup for ``--lr-warmup`` steps,
 then cosine decay to 10%; gradient-norm clipping at 1.0 over the backbone (the parameters both
@@ -87,23 +91,36 @@ Metrics, one JSON object per step and model in ``OUT/msa.jsonl`` and ``OUT/dense
   :func:`flash_msa.select_blocks` returns for the layer's proxy queries and keys (the layer's
   indexer applied to the layer's input of that step, before the optimizer update; in sparse
   steps this is exactly the selection the layer attended to, in warmup steps the one it would
-  have used), and ``a[b, i]`` the block holding the queried context pair. Then
-  ``recall_layers[l] = mean over b, i, p of [a[b, i] in I_l[b, i, p]]`` and ``recall = mean over
-  l of recall_layers[l]`` (queries, proxy heads and layers weigh equally). ``null`` for dense.
-  Chance level is about ``(top_k - 1) / (number of blocks before the query)``; during the
-  curriculum the short sequences have few blocks, so recall is near 1 there whatever the proxy
-  does. A layer whose attention does not look up the answer gets no KL signal towards the
-  answer's block, so read ``recall_layers`` next to the mean;
+  have used), ``a[b, i]`` the block holding the queried context pair and
+  ``hit_l[b, i, p] = [a[b, i] in I_l[b, i, p]]``. Then ``recall_layers[l]`` = the mean of
+  ``hit_l`` over ``b, i, p``, and ``recall`` = the mean of ``recall_layers`` over layers
+  (queries, proxy heads and layers weigh equally). ``null`` for dense. Chance level is about
+  ``(top_k - 1) / (number of blocks before the query)``, and 1 where a sequence has at most
+  ``top_k`` blocks (every block is kept: with the GPU defaults, the curriculum's sequences up
+  to 2048 tokens);
+- ``answer_mass_layers``: per layer, the dense causal attention's probability mass on the
+  answer's block at the query tokens (softmax of the layer's own q/k over all visible keys,
+  averaged over queries and main heads; for MSA in sparse steps, what dense attention would
+  put there). It says which layers look the answer up: a layer that does not (measured on CPU,
+  2 layers at 1024 tokens: the second layer's proxy recall stayed at chance, 0.21 for
+  ``top_k`` 4 of 16 blocks, while the first layer's was 0.94) gets no KL signal towards the
+  answer's block, and drags the plain mean ``recall`` down although its attention loses
+  nothing;
+- ``recall_weighted``: recall weighted by that need: ``sum m * hit / sum m`` over layers,
+  ``b``, ``i``, ``p``, where ``m_l[b, i, p]`` is the answer mass averaged over the main heads
+  of proxy head ``p``'s group: the fraction of the attention's demand for the answer's block
+  that the selection serves. ``null`` for dense;
 - ``step_ms``: wall time of forward, backward, clipping and optimizer step (device
   synchronized; the recall measurement and data generation are outside it);
 - also ``step``, ``phase`` (``warmup``/``sparse``/``dense``), ``seqlen``, ``batch_size``,
   ``lr``.
 
 ``OUT/summary.json`` holds the configuration, the environment, each model's final evaluation
-(loss, accuracy, recall; the MSA model both sparse and with dense attention) and median step
-times over the sparse phase (steps ``warmup_steps + 5`` on, the same window for both models;
-the first sparse steps compile kernels). ``--plot FILE`` draws loss, accuracy, KL and recall
-against the step for both runs (needs matplotlib); ``--plot-only`` redraws it from ``OUT``
+(the same metrics over ``--eval-batches`` held-out full-length batches; the MSA model both
+sparse and with dense attention) and the median step times over the sparse phase (steps
+``warmup_steps + 5`` on, the same window for both models; the first sparse steps compile
+kernels). ``--plot FILE`` draws loss, accuracy, KL, recall, answer mass and step time against
+the step for both runs (needs matplotlib); ``--plot-only`` redraws it from ``OUT``
 without training (e.g. on another machine than the one that trained). ``--no-msa`` /
 ``--no-dense-baseline`` train one model only (two commands can fill one ``OUT``; the summary
 keeps the other model's entries).
@@ -337,29 +354,31 @@ class RetrievalTask:
         self.vocab_size = self.value0 + cfg.num_values
 
     def batch(self, stream: int, index: int, device, length: int | None = None) -> Batch:
-        """Batch ``index`` of ``stream`` at ``length`` tokens (default the full length)."""
+        """Batch ``index`` of ``stream`` at ``length`` tokens (default the full length), drawn
+        on ``device`` (the same on every run on that kind of device; CPU and CUDA draw
+        different batches)."""
         length = self.cfg.seqlen if length is None else length
         c = stage_config(self.cfg, length)
+        device = torch.device(device)
         # tuples of ints hash the same in every process (PYTHONHASHSEED only salts str/bytes)
-        g = torch.Generator().manual_seed(hash((self.cfg.seed, stream, length, index)) % 2**63)
+        seed = hash((self.cfg.seed, stream, length, index)) % 2**63
+        g = torch.Generator(device).manual_seed(seed)
+        kw = dict(generator=g, device=device)
         B, P, Q = c.batch_size, c.pairs, c.queries
         context = _context_tokens(c, length == self.cfg.seqlen)
-        query_start = length - 2 * Q
-        tokens = torch.randint(0, c.num_filler, (B, length), generator=g)
-        # P distinct 2-token slots of the context, P distinct keys, random values
-        slots = torch.rand(B, context // 2, generator=g).argsort(1)[:, :P]
-        keys = torch.rand(B, c.num_keys, generator=g).argsort(1)[:, :P] + self.key0
-        values = torch.randint(self.value0, self.vocab_size, (B, P), generator=g)
+        tokens = torch.randint(0, c.num_filler, (B, length), **kw)
+        # P distinct 2-token slots of the context, P distinct keys (random order), random values
+        slots = torch.rand(B, context // 2, **kw).topk(P).indices
+        keys = torch.rand(B, c.num_keys, **kw).topk(P).indices + self.key0
+        values = torch.randint(self.value0, self.vocab_size, (B, P), **kw)
         tokens.scatter_(1, 2 * slots, keys)
         tokens.scatter_(1, 2 * slots + 1, values)
-        asked = torch.rand(B, P, generator=g).argsort(1)[:, :Q]  # Q distinct pairs, in order
-        query_pos = (query_start + 2 * torch.arange(Q)).expand(B, Q)
+        asked = torch.rand(B, P, **kw).topk(Q).indices  # Q distinct pairs
+        query_pos = (length - 2 * Q + 2 * torch.arange(Q, device=device)).expand(B, Q)
         answers = values.gather(1, asked)
         tokens.scatter_(1, query_pos, keys.gather(1, asked))
         tokens.scatter_(1, query_pos + 1, answers)
-        answer_pos = 2 * slots.gather(1, asked) + 1
-        batch = Batch(tokens, query_pos.contiguous(), answers, answer_pos)
-        return Batch(*(t.to(device) for t in dataclasses.astuple(batch)))
+        return Batch(tokens, query_pos.contiguous(), answers, 2 * slots.gather(1, asked) + 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,13 +420,14 @@ class DenseAttention(nn.Module):
 
     def __init__(self, hidden_size, num_heads, num_kv_heads, rope_theta, impl="sdpa"):
         super().__init__()
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.num_heads, self.num_key_value_heads = num_heads, num_kv_heads
         self.head_dim = hidden_size // num_heads
         C, H, Hkv, D = hidden_size, num_heads, num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(C, H * D, bias=False)
         self.k_proj = nn.Linear(C, Hkv * D, bias=False)
         self.v_proj = nn.Linear(C, Hkv * D, bias=False)
         self.o_proj = nn.Linear(H * D, C, bias=False)
+        self.q_norm = self.k_norm = None
         self.rotary = RotaryEmbedding(D, rope_theta)
         self.impl = impl
         self.fa4 = _fa4() if impl == "fa4" else None
@@ -416,10 +436,8 @@ class DenseAttention(nn.Module):
 
     def forward(self, x):
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, torch.arange(S, device=x.device).expand(B, S))
+        q, k = main_qk(self, x)
+        v = self.v_proj(x).view(B, S, self.num_key_value_heads, self.head_dim)
         if self.fa4 is not None:
             out = self.fa4(q, k, v, causal=True)
             out = out[0] if isinstance(out, tuple) else out
@@ -430,9 +448,24 @@ class DenseAttention(nn.Module):
                     k.transpose(1, 2),
                     v.transpose(1, 2),
                     is_causal=True,
-                    enable_gqa=self.num_heads != self.num_kv_heads,
+                    enable_gqa=self.num_heads != self.num_key_value_heads,
                 ).transpose(1, 2)
         return self.o_proj(out.reshape(B, S, -1))
+
+
+def main_qk(attn, x):
+    """The main ``q (B, S, H, D)`` and ``k (B, S, Hkv, D)`` of an :class:`MSAttention` or a
+    :class:`DenseAttention` as its forward computes them from ``x (B, S, hidden_size)``:
+    projections, the optional q/k RMSNorm, RoPE at positions ``0..S-1`` (the layers' default).
+    tests/test_examples.py holds it to ``MSAttention``'s output."""
+    B, S, _ = x.shape
+    q = attn.q_proj(x).view(B, S, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(x).view(B, S, attn.num_key_value_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if attn.rotary is not None:
+        q, k = attn.rotary(q, k, torch.arange(S, device=x.device).expand(B, S))
+    return q, k
 
 
 def _sdpa_backends(device):
@@ -546,26 +579,69 @@ def build_models(cfg: Config, vocab_size: int, dense: bool, dense_impl: str):
 # metrics
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
-def proxy_recall(model: RetrievalLM, batch: Batch, autocast) -> list[float]:
-    """Per layer: the fraction of (sequence, query token, proxy head) whose ``top_k`` selection
-    holds the block of the queried pair (the module docstring's ``recall_layers``).
+def answer_mass(attn, x: torch.Tensor, batch: Batch, block_size: int) -> torch.Tensor:
+    """The dense causal attention's probability mass on the answer's block at the query tokens.
+
+    Args:
+        attn: an :class:`MSAttention` or :class:`DenseAttention`; x: its input ``(B, S, C)``.
+        batch: the batch ``x`` comes from; block_size: tokens per block.
+
+    Returns:
+        fp32 ``(B, Q, H)``: per query token and main head, the softmax over all visible keys
+        (scale ``head_dim ** -0.5``, the layers' default) summed over the answer's block. For
+        an MSA layer in a sparse step this is the mass dense attention would put there.
+    """
+    q, k = main_qk(attn, x)
+    B, S, H, D = q.shape
+    rows = torch.arange(B, device=x.device)[:, None]
+    q = q[rows, batch.query_pos].float()  # (B, Q, H, D)
+    k = k.float().repeat_interleave(H // k.shape[2], dim=2)  # (B, S, H, D)
+    scores = torch.einsum("bqhd,bshd->bqhs", q, k) * D**-0.5
+    pos = torch.arange(S, device=x.device)
+    visible = pos <= batch.query_pos[..., None]  # (B, Q, S)
+    probs = scores.masked_fill(~visible[:, :, None], float("-inf")).softmax(-1)
+    in_answer = pos // block_size == (batch.answer_pos // block_size)[..., None]  # (B, Q, S)
+    return (probs * in_answer[:, :, None]).sum(-1)
+
+
+@torch.no_grad()
+def retrieval_metrics(model: RetrievalLM, batch: Batch, autocast, block_size: int) -> dict:
+    """Per layer: ``recall_layers`` (MSA only: the fraction of (sequence, query token, proxy
+    head) whose ``top_k`` selection holds the answer's block) and ``answer_mass_layers`` (the
+    mean of :func:`answer_mass`); for MSA also ``recall_weighted`` over all layers (the module
+    docstring defines all three).
 
     Reads each block's kept attention input of the latest forward; call it before the
-    optimizer step, so that the indexer is the one that forward used.
+    optimizer step, so that the weights are the ones that forward used.
     """
     rows = torch.arange(batch.query_pos.shape[0], device=batch.query_pos.device)[:, None]
-    recalls = []
+    recalls, masses, hit_mass, total_mass = [], [], 0.0, 0.0
     for block in model.blocks:
-        attn = block.attn
+        attn, x = block.attn, block.attn_input
         with autocast:
-            q_proxy, k_proxy = attn.indexer(block.attn_input)
+            mass = answer_mass(attn, x, batch, block_size)  # (B, Q, H)
+        masses.append(mass.mean().item())
+        if not isinstance(attn, MSAttention):
+            continue
+        with autocast:
+            q_proxy, k_proxy = attn.indexer(x)
         indices = flash_msa.select_blocks(
             q_proxy, k_proxy, attn.top_k, block_size=attn.block_size
         )  # (B, S, Hp, top_k)
         kept = indices[rows, batch.query_pos]  # (B, Q, Hp, top_k)
         target = (batch.answer_pos // attn.block_size)[..., None, None]
-        recalls.append((kept == target).any(-1).float().mean().item())
-    return recalls
+        hit = (kept == target).any(-1).float()  # (B, Q, Hp)
+        recalls.append(hit.mean().item())
+        group_mass = mass.unflatten(-1, (hit.shape[-1], -1)).mean(-1)  # (B, Q, Hp)
+        hit_mass += (group_mass * hit).sum().item()
+        total_mass += group_mass.sum().item()
+    result = dict(answer_mass_layers=masses)
+    if recalls:
+        result.update(
+            recall_layers=recalls,
+            recall_weighted=hit_mass / total_mass if total_mass > 0 else None,
+        )
+    return result
 
 
 def _mean(xs):
@@ -638,7 +714,7 @@ def train(name, model, cfg, task, device, log_path, progress=True):
     model.to(device).train()
     msa_layers = model.msa_layers()
     for block in model.blocks:
-        block.keep_attn_input = bool(msa_layers)
+        block.keep_attn_input = True
     backbone = [p for n, p in model.named_parameters() if ".indexer." not in n]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(cfg, s))
@@ -665,7 +741,7 @@ def train(name, model, cfg, task, device, log_path, progress=True):
             _sync(device)
             elapsed = time.perf_counter() - t0
 
-            recall_layers = proxy_recall(model, batch, autocast) if msa_layers else None
+            metrics = retrieval_metrics(model, batch, autocast, cfg.block_size)
 
             _sync(device)
             t0 = time.perf_counter()
@@ -682,8 +758,10 @@ def train(name, model, cfg, task, device, log_path, progress=True):
                 loss=loss.item(),
                 acc=(logits.argmax(-1) == batch.answers).float().mean().item(),
                 kl=_mean([m.last_kl.item() for m in msa_layers]) if msa_layers else None,
-                recall=_mean(recall_layers) if msa_layers else None,
-                recall_layers=recall_layers,
+                recall=_mean(metrics["recall_layers"]) if msa_layers else None,
+                recall_weighted=metrics.get("recall_weighted"),
+                recall_layers=metrics.get("recall_layers"),
+                answer_mass_layers=metrics["answer_mass_layers"],
                 step_ms=elapsed * 1e3,
                 lr=lr,
                 seqlen=length,
@@ -708,32 +786,35 @@ def train(name, model, cfg, task, device, log_path, progress=True):
 
 @torch.no_grad()
 def evaluate(model, cfg, task, device, dense_attention=False):
-    """Loss, accuracy (and recall, for MSA) over ``cfg.eval_batches`` held-out batches.
+    """Loss, accuracy and the retrieval metrics over ``cfg.eval_batches`` held-out batches at
+    the full length (each metric the mean of the batches' values).
 
     ``dense_attention`` runs the MSA model's layers with ``warmup=True`` (dense attention)."""
     model.eval()
-    msa_layers = model.msa_layers()
-    for layer in msa_layers:
+    for layer in model.msa_layers():
         layer.warmup = dense_attention
     for block in model.blocks:
-        block.keep_attn_input = bool(msa_layers)
+        block.keep_attn_input = True
     autocast = _autocast(cfg, device)
-    losses, accs, recalls = [], [], []
+    losses, accs, metrics = [], [], []
     for i in range(cfg.eval_batches):
         batch = task.batch(RetrievalTask.EVAL, i, device)
         with autocast:
             logits = model(batch.tokens, batch.query_pos)
         losses.append(F.cross_entropy(logits.float().flatten(0, 1), batch.answers.flatten()))
         accs.append((logits.argmax(-1) == batch.answers).float().mean())
-        if msa_layers:
-            recalls.append(proxy_recall(model, batch, autocast))
+        metrics.append(retrieval_metrics(model, batch, autocast, cfg.block_size))
     for block in model.blocks:
         block.keep_attn_input, block.attn_input = False, None
     model.train()
     result = dict(loss=torch.stack(losses).mean().item(), acc=torch.stack(accs).mean().item())
-    if msa_layers:
-        per_layer = [_mean(r) for r in zip(*recalls)]
-        result.update(recall=_mean(per_layer), recall_layers=per_layer)
+    for key in metrics[0]:
+        if key.endswith("_layers"):
+            result[key] = [_mean(layer) for layer in zip(*(m[key] for m in metrics))]
+        elif all(m[key] is not None for m in metrics):
+            result[key] = _mean([m[key] for m in metrics])
+    if "recall_layers" in result:
+        result["recall"] = _mean(result["recall_layers"])
     return result
 
 
@@ -763,7 +844,8 @@ def _read_jsonl(path):
 
 
 def plot(out_dir: pathlib.Path, path: pathlib.Path) -> bool:
-    """Loss, accuracy, KL and recall against the step, from ``out_dir``'s JSON lines."""
+    """Loss, accuracy, KL, recall, answer mass and step time against the step, both models,
+    from ``out_dir``'s JSON lines; ``False`` (and a message) without matplotlib."""
     try:
         import matplotlib
 
@@ -774,55 +856,71 @@ def plot(out_dir: pathlib.Path, path: pathlib.Path) -> bool:
         return False
     runs = {n: _read_jsonl(out_dir / f"{n}.jsonl") for n in ("msa", "dense")}
     runs = {n: r for n, r in runs.items() if r}
+    if not runs:
+        print(f"no msa.jsonl or dense.jsonl in {out_dir}: no plot", file=sys.stderr)
+        return False
     summary_path = out_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    panels = [
-        ("loss", "task loss"),
-        ("acc", "task accuracy"),
-        ("kl", "proxy KL (mean over layers)"),
-        ("recall", "recall of the answer's block (dotted: per layer)"),
-    ]
     colors = {"msa": "tab:blue", "dense": "tab:orange"}
+    # (title, key, series): a series is (label suffix, line style, value of one record)
+    mean = [("", "-", None)]
+    panels = [
+        ("task loss", "loss", mean),
+        ("task accuracy", "acc", mean),
+        ("proxy KL (mean over layers)", "kl", mean),
+        ("recall of the answer's block", "recall", [("", "-", None), (" weighted", "--", "w")]),
+        ("dense attention mass on the answer's block", "answer_mass_layers", []),
+        ("step time (ms)", "step_ms", mean),
+    ]
     any_run = next(iter(runs.values()))
     full = max(r["seqlen"] for r in any_run)
     marks = [(min(r["step"] for r in any_run if r["seqlen"] == full) - 0.5, ":")]
     warmup = [r["step"] for r in runs.get("msa", []) if r["phase"] == "warmup"]
     if warmup:
         marks.append((max(warmup) + 0.5, "--"))
-    for ax, (key, title) in zip(axes.flat, panels):
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), sharex=True)
+    for ax, (title, key, series) in zip(axes.flat, panels):
         for name, records in runs.items():
-            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            if points:
-                steps, values = zip(*points)
-                ax.plot(steps, values, color=colors[name], lw=1, label=name)
-            if key == "recall" and name == "msa":
-                per_layer = [r["recall_layers"] for r in records if r.get("recall_layers")]
-                for layer, values in enumerate(zip(*per_layer)):
+            steps = [r["step"] for r in records]
+            for suffix, style, which in series:
+                field = "recall_weighted" if which == "w" else key
+                values = [r.get(field) for r in records]
+                if any(v is not None for v in values):
+                    ax.plot(steps, values, color=colors[name], ls=style, lw=1, label=name + suffix)
+            per_layer = key in ("recall", "answer_mass_layers")
+            layers_key = "recall_layers" if key == "recall" else key
+            if per_layer and records[0].get(layers_key) is not None:
+                for layer, values in enumerate(zip(*(r[layers_key] for r in records))):
                     ax.plot(
                         steps,
                         values,
                         color=colors[name],
-                        lw=0.6,
-                        ls=":",
-                        alpha=0.8,
-                        label=f"layer {layer}",
+                        ls=((0, (1, 1)), "-.", (0, (3, 1, 1, 1)), ":")[layer % 4]
+                        if key == "recall"
+                        else ("-", "--", "-.", ":")[layer % 4],
+                        lw=0.7,
+                        label=f"{name} layer {layer}",
                     )
         for x, style in marks:
             ax.axvline(x, color="gray", ls=style, lw=0.8)
         ax.set_title(title, fontsize=10)
-        if key == "loss":
+        if key in ("loss", "step_ms"):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     for ax in axes[1]:
-        ax.set_xlabel("step (dotted: full length from here; dashed: MSA turns sparse)")
+        ax.set_xlabel("step (dotted: full length from here; dashed: MSA sparse from here)")
     cfg = summary.get("config", {})
     times = summary.get("step_ms_sparse_phase", {})
-    title = f"long-range retrieval, S={cfg.get('seqlen', '?')}, top_k={cfg.get('top_k', '?')}"
-    title += f" x {cfg.get('block_size', '?')}"
+    title = (
+        f"long-range retrieval: S={cfg.get('seqlen', full)}, top_k={cfg.get('top_k', '?')} "
+        f"blocks of {cfg.get('block_size', '?')}"
+    )
     if times.get("msa") and times.get("dense"):
-        title += f"; step {times['msa']:.1f} ms (MSA) vs {times['dense']:.1f} ms (dense)"
+        title += f"; median step {times['msa']:.1f} ms (MSA) vs {times['dense']:.1f} ms (dense)"
+    final = summary.get("final_eval", {})
+    if "acc" in final.get("msa", {}) and "acc" in final.get("dense", {}):
+        title += f"; held-out accuracy {final['msa']['acc']:.3f} vs {final['dense']['acc']:.3f}"
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -905,7 +1003,10 @@ def main(argv=None):
         return 0 if plot(out, pathlib.Path(args.plot)) else 1
     if not (args.msa or args.dense_baseline):
         raise SystemExit("--no-msa and --no-dense-baseline: nothing to train")
-    cfg = make_config(args)
+    try:
+        cfg = make_config(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     backend = args.backend or ("torch" if device.type == "cpu" else backends.requested())
     out.mkdir(parents=True, exist_ok=True)
