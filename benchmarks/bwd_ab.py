@@ -30,16 +30,13 @@ SHAPES = {  # H, Hkv, Hp, Hpk, D, Dp
 }
 
 
-VARIANTS = {  # CuTe providers: the kernel's A/B switches (BwdSm90 fields)
-    "cute": {},
-    "cute stages2": dict(gather_stages=2),
-    "cute vecred": dict(vec_red=True),
-    "cute pad4": dict(slab_pad=4),
-    "cute v2": dict(gather_stages=2, vec_red=True, slab_pad=4),
-    "cute dqbulk": dict(dq_bulk=True),
-    "cute dqbulk vecred pad4": dict(dq_bulk=True, vec_red=True, slab_pad=4),
-    "cute pad8": dict(slab_pad=8),
-}
+def _variants() -> dict:
+    from flash_msa.cute.bwd_sm90 import BwdSm90
+
+    return {("cute" if n == "default" else f"cute {n}"): v for n, v in BwdSm90.VARIANTS.items()}
+
+
+VARIANTS = _variants()  # CuTe providers: the kernel's A/B switches (BwdSm90.VARIANTS)
 MAX_REL_DIFF = 1e-2  # a variant further than this from Triton's gradients is reported, not timed
 
 

@@ -112,17 +112,14 @@ def test_cute_backward_limits_and_shared_memory_arithmetic():
 
     assert BwdSm90.shared_bytes(2, 128, 128, 128, True)["total"] == 182272
     assert BwdSm90.shared_bytes(2, 128, 128, 128, False)["total"] == 117760
-    # the A/B switches: two gather buffers (+33 KB), padded slab rows (+2 KB): still fits
-    assert BwdSm90.shared_bytes(2, 128, 128, 128, True, 2, 4)["total"] == 218112
-    assert BwdSm90.can_implement(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 2, 4) is None
+    # the A/B switches: two gather buffers (+33 KB): still fits
+    assert BwdSm90.shared_bytes(2, 128, 128, 128, True, 2)["total"] == 216064
+    assert BwdSm90.can_implement(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 2) is None
     assert "gather_stages" in BwdSm90.can_implement(
         BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 3
     )
-    # dQ staging for the bulk reduce-adds (+32 KB): alone it fits, with two gather buffers not
-    assert BwdSm90.shared_bytes(2, 128, 128, 128, True, 1, 0, True)["total"] == 215040
-    assert BwdSm90.can_implement(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 1, 0, True) is None
-    too_big = BwdSm90.can_implement(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 2, 0, True)
-    assert "shared memory" in too_big
+    # 64 keys per CTA: two CTAs (2 x (106 + 1 reserved) KB) share an SM's 228 KB
+    assert BwdSm90.shared_bytes(2, 128, 128, 128, True, 1, True)["total"] == 108544
     ok = BwdSm90.can_implement
     assert ok(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128) is None  # anchor
     assert ok(BFloat16, 64, 4, 4, 1, 128, 128, 16, 128) is None  # paper
@@ -137,8 +134,8 @@ def test_cute_backward_limits_and_shared_memory_arithmetic():
     with pytest.raises(ValueError, match="nothing to make"):
         BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, main=False, proxy=False)
     base = BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
-    changes = dict(main=False, proxy=False, top_k=8, proxy_k_heads=2, gather_stages=2, vec_red=True)
-    for name, value in dict(changes, slab_pad=4, dq_bulk=True).items():
+    changes = dict(main=False, proxy=False, top_k=8, proxy_k_heads=2, gather_stages=2, red_v4=True)
+    for name, value in dict(changes, key_split=True).items():
         other = dataclasses.replace(base, **{name: value})
         assert other != base and hash(other) != hash(base), name
 

@@ -36,14 +36,11 @@ Limits (:meth:`BwdSm90.can_implement`): bf16 / fp16, D and Dp in {64, 128}, bloc
 or 128, and every main head of a selection head sharing one KV head (``(H / Hkv) % (H / Hs) ==
 0``: the chunk's KV sub-groups then reuse one K/V tile and one dK/dV accumulator).
 
-Version 1 (docs/perf-notes.md "CuTe backward v1"): no warp specialization, one gather buffer,
-per-element fp32 reductions. Deterministic mode is not here yet. Constructor switches for the
-next A/B (compiled without spills, not yet run on a GPU; defaults = v1): ``gather_stages=2``
-(the next chunk's q/dO rows are gathered into a second buffer while this chunk computes),
-``vec_red`` (``red.global.add.v2.f32`` on the column pairs a thread holds), ``slab_pad=4``
-(teacher-slab rows padded against bank conflicts), ``dq_bulk`` (dQ and dQ_proxy staged in
-shared memory and added by one ``cp.reduce.async.bulk .add.f32`` per token instead of a
-``red`` per element; with ``gather_stages=2`` only where shared memory allows, e.g. D = 64).
+Version 2 (docs/perf-notes.md "CuTe backward v2"): no warp specialization; fp32 reductions
+by ``red.global.add.v2.f32`` (or ``.v4`` with ``red_v4``). Deterministic mode is not here yet.
+Constructor switches still under A/B (defaults: the measured choice so far):
+``gather_stages=2`` (the next chunk's q/dO rows are gathered into a second buffer while this
+chunk computes), ``red_v4``, ``key_split`` (one warpgroup and 64 keys per CTA, two CTAs per SM).
 """
 
 from __future__ import annotations
@@ -59,7 +56,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.experimental import primitives as prims
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
@@ -100,16 +96,33 @@ class BwdSm90:
     block_size: int  # keys per block (one block per work item)
     main: bool = True  # make dq, dk, dv
     proxy: bool = True  # make the unit proxy gradient dq_proxy, dk_proxy
-    # A/B switches of v2 (docs/perf-notes.md, "CuTe backward v1", levers 1-3), not measured yet:
+    # A/B switches (docs/perf-notes.md, "CuTe backward v2"); decided ones are not switches:
+    # red.global.add.v2.f32 on a thread's column pairs (+25% at anchor 32K over scalar red), no
+    # slab padding (+-0.5%), no dQ bulk reduce-add through shared memory (-2 to -11% next to
+    # v2 reds). Open:
     # q/dO (and row data) buffers of phase A: 2 = the next (chunk, sub-group)'s gather is issued
-    # before this one's MMAs, so its rows land while they run
+    # before this one's MMAs, so its rows land while they run (+5%/+7%/+17% at anchor
+    # 16K/32K / paper 32K with v2 reds)
     gather_stages: int = 1
-    vec_red: bool = False  # red.global.add.v2.f32 for the fp32 gradients (column pairs)
-    slab_pad: int = 0  # floats of padding per teacher-slab row (4: phase B reads conflict-free)
-    # dQ / dQ_proxy staged in shared memory (fp32) and added by one bulk reduce-add per token
-    # (cp.reduce.async.bulk .add.f32: a token's heads are contiguous rows) instead of a
-    # red.global per element; +32 KB of shared memory at D = 128
-    dq_bulk: bool = False
+    # red.global.add.v4.f32: neighbouring lanes swap a row's column pair (one shuffle each way)
+    # so that each lane adds 4 consecutive floats of one row: half the reductions of v2
+    red_v4: bool = False
+    # one warpgroup and 64 of the block's keys per CTA (a block 128 item is two CTAs): half the
+    # registers and ~110 KB of shared memory, so two CTAs share an SM and hide each other's
+    # gather, barrier and reduction stalls (the v2 profile: 2 warps per scheduler, 0.2
+    # eligible); q/dO are gathered and dQ reduced once per half
+    key_split: bool = False
+
+    # the switches' combinations under A/B (tests/test_gpu_cute_bwd.py checks each by the rule,
+    # benchmarks/bwd_ab.py times them as "cute <name>")
+    VARIANTS: ClassVar[dict] = {
+        "default": {},
+        "stages2": dict(gather_stages=2),
+        "v4": dict(red_v4=True),
+        "stages2 v4": dict(gather_stages=2, red_v4=True),
+        "split": dict(key_split=True),
+        "split v4": dict(key_split=True, red_v4=True),
+    }
 
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
     THREADS: ClassVar[int] = 128  # threads per warpgroup
@@ -121,12 +134,14 @@ class BwdSm90:
     # -----------------------------------------------------------------------------------------
     @staticmethod
     def shared_bytes(
-        elem_bytes, head_dim, proxy_head_dim, block_size, proxy, gather_stages=1, slab_pad=0,
-        dq_bulk=False,
+        elem_bytes, head_dim, proxy_head_dim, block_size, proxy, gather_stages=1, key_split=False
     ) -> dict:  # fmt: skip
         """Bytes of each shared-memory buffer, in the order of the ``Storage`` struct (operand
-        tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum."""
+        tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum; ``block_size``
+        here is the CTA's keys (:attr:`cta_keys`)."""
         rows, D, Dmax = BwdSm90.ROWS, head_dim, max(head_dim, proxy_head_dim)
+        if key_split:
+            block_size = min(block_size, BwdSm90.KEYS)
         sizes = {
             "mbar": 16,  # K/V and Kp mbarriers
             "sRowF": 2 * rows * 4 * gather_stages,  # per row: LSE (log2 units), Delta / proxy LSE
@@ -137,8 +152,7 @@ class BwdSm90:
             "sK": block_size * D * elem_bytes,
             "sV": block_size * Dmax * elem_bytes,  # V, then K_proxy
             "sdS": rows * block_size * elem_bytes,
-            "slab": BwdSm90.ITEM_TOKENS * (block_size + slab_pad) * 4 if proxy else 4,  # (stub)
-            "sdQ": rows * Dmax * 4 if dq_bulk else 0,  # dQ staging (dq_bulk)
+            "slab": BwdSm90.ITEM_TOKENS * block_size * 4 if proxy else 4,  # (stub)
         }
         end = 0
         for name, size in sizes.items():
@@ -150,7 +164,7 @@ class BwdSm90:
     @classmethod
     def can_implement(
         cls, dtype, heads, kv_heads, sel_heads, proxy_k_heads, head_dim, proxy_head_dim, top_k,
-        block_size, proxy=True, gather_stages=1, slab_pad=0, dq_bulk=False,
+        block_size, proxy=True, gather_stages=1, key_split=False,
     ) -> str | None:  # fmt: skip
         """Why this configuration cannot be compiled or run (``None``: it can).
 
@@ -179,14 +193,10 @@ class BwdSm90:
         G, G2, R, _ = geometry(H, Hkv, Hs, cls.ROWS)
         if G2 * R != G or G2 not in (1, 2, 4):
             return f"H={H}, Hkv={Hkv}, Hs={Hs}: sub-groups of {G2} heads do not tile {G}"
-        if gather_stages not in (1, 2) or slab_pad % 4 or slab_pad < 0:
-            return (
-                f"gather_stages must be 1 or 2 ({gather_stages}) and slab_pad a non-negative "
-                f"multiple of 4 ({slab_pad})"
-            )
+        if gather_stages not in (1, 2):
+            return f"gather_stages must be 1 or 2, not {gather_stages}"
         smem = cls.shared_bytes(
-            dtype.width // 8, head_dim, proxy_head_dim, block_size, proxy, gather_stages, slab_pad,
-            dq_bulk,
+            dtype.width // 8, head_dim, proxy_head_dim, block_size, proxy, gather_stages, key_split
         )  # fmt: skip
         if smem["total"] > SHARED_LIMIT:
             return f"{smem['total']} bytes of shared memory exceed the sm_90 capacity"
@@ -196,7 +206,7 @@ class BwdSm90:
         why = self.can_implement(
             self.dtype, self.heads, self.kv_heads, self.sel_heads, self.proxy_k_heads,
             self.head_dim, self.proxy_head_dim, self.top_k, self.block_size, self.proxy,
-            self.gather_stages, self.slab_pad, self.dq_bulk,
+            self.gather_stages, self.key_split,
         )  # fmt: skip
         if why is not None:
             raise ValueError(f"CuTe backward: {why}")
@@ -209,8 +219,13 @@ class BwdSm90:
         return geometry(self.heads, self.kv_heads, self.sel_heads, self.ROWS)[:3]
 
     @property
+    def cta_keys(self) -> int:
+        """Keys per CTA: the block, or 64 of it with ``key_split``."""
+        return min(self.block_size, self.KEYS) if self.key_split else self.block_size
+
+    @property
     def warpgroups(self) -> int:
-        return self.block_size // self.KEYS
+        return self.cta_keys // self.KEYS
 
     # -----------------------------------------------------------------------------------------
     # host: MMAs, layouts, TMA atoms, shared storage, launch
@@ -272,7 +287,8 @@ class BwdSm90:
         ``mDK``, ``mDV (T*Hkv, D)``, ``mDQp (T*Hs, Dp)``, ``mDKp (T*Hpk, Dp)``; the scales: softmax
         scale, its * log2 e, proxy scale * log2 e, coef * proxy scale (coef = 1 / (Hs T)); ``NB``
         the block count."""
-        ROWS, D, DP, BLOCK = self.ROWS, self.head_dim, self.proxy_head_dim, self.block_size
+        # BLOCK: the CTA's keys (the tiles of K, V, K_proxy, dS and the slab)
+        ROWS, D, DP, BLOCK = self.ROWS, self.head_dim, self.proxy_head_dim, self.cta_keys
         dtype = self.dtype
         mmas = self._mmas(D)
         mmas_p = self._mmas(DP)
@@ -315,8 +331,7 @@ class BwdSm90:
 
         smem_q = max(cute.cosize(sQ_layout), cute.cosize(sQp_layout))
         smem_v = max(cute.cosize(sK_layout), cute.cosize(sKp_layout))
-        SLAB = self.ITEM_TOKENS * (BLOCK + self.slab_pad) if self.proxy else 1
-        DQ_BULK = self.dq_bulk
+        SLAB = self.ITEM_TOKENS * BLOCK if self.proxy else 1
 
         @cute.struct
         class Storage:  # sizes: shared_bytes
@@ -329,11 +344,9 @@ class BwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[dtype, smem_v], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdS_layout)], 1024]
             slab: cute.struct.Align[cute.struct.MemRange[Float32, SLAB], 1024]
-            if cutlass.const_expr(DQ_BULK):  # (last: without it the layout is v1's, byte for byte)
-                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, ROWS * max(D, DP)], 1024]
 
         smem = self.shared_bytes(
-            dtype.width // 8, D, DP, BLOCK, self.proxy, STAGES, self.slab_pad, self.dq_bulk
+            dtype.width // 8, D, DP, self.block_size, self.proxy, STAGES, self.key_split
         )["total"]  # fmt: skip
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
         self.kernel(
@@ -343,7 +356,9 @@ class BwdSm90:
             (sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout),
             (gather_copy(D), gather_copy(DP)), Storage,
         ).launch(
-            grid=(work.item_list.shape[0], 1, 1), block=(nthreads, 1, 1), stream=stream
+            grid=(work.item_list.shape[0], self.block_size // BLOCK, 1),
+            block=(nthreads, 1, 1),
+            stream=stream,
         )  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
@@ -378,12 +393,12 @@ class BwdSm90:
         gathers: tuple,
         Storage: Constexpr,
     ):
-        ROWS, BLOCK, D = self.ROWS, self.block_size, self.head_dim
+        ROWS, BLOCK, D = self.ROWS, self.cta_keys, self.head_dim
         H, HKV, HS = self.heads, self.kv_heads, self.sel_heads
         G, G2, R = self.geometry
         sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout = layouts
         t_all, _, _ = cute.arch.thread_idx()
-        w, _, _ = cute.arch.block_idx()
+        w, half, _ = cute.arch.block_idx()  # work item, which BLOCK keys of its block
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
 
         st = SmemAllocator().allocate(Storage)
@@ -397,10 +412,6 @@ class BwdSm90:
         )  # (row, field, buffer)
         sRowF = st.sRowF.get_tensor(row_layout)
         sRowI = st.sRowI.get_tensor(row_layout)
-        # dQ staging (dq_bulk): (ROWS, dim) fp32 row-major, a token's rows contiguous
-        sdQ = sRowF  # (unused without dq_bulk)
-        if cutlass.const_expr(self.dq_bulk):
-            sdQ = st.sdQ.get_tensor(cute.make_layout(ROWS * max(D, self.proxy_head_dim)))
         bars = st.mbar.data_ptr()
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -411,12 +422,14 @@ class BwdSm90:
 
         e0 = work.item_start[w]
         e1 = work.item_end[w]
-        if e0 < e1:  # CTA-uniform: empty work items (the grid is a worst-case bound) do nothing
-            lst = work.item_list[w]
+        lst = work.item_list[w]
+        gb = lst % NB
+        ks = work.block_start[gb] + half * BLOCK  # packed position of the CTA's first key
+        ke = work.block_end[gb]
+        # CTA-uniform: empty work items (the grid is a worst-case bound) and, with key_split, a
+        # last block's half past its end do nothing
+        if e0 < e1 and ks < ke:
             p = lst // NB
-            gb = lst % NB
-            ks = work.block_start[gb]  # packed position of the block's first key
-            ke = work.block_end[gb]
             kvh = (p * G) // (H // HKV)  # every head of the group uses this KV head
             if cutlass.const_expr(self.main):
                 self.load_tile(tma_k, mK, sK, D, ks, kvh, bars, warp_idx, 2)
@@ -425,13 +438,11 @@ class BwdSm90:
                 self.load_tile(tma_k, mK, sK, D, ks, kvh, bars, warp_idx, 1)
             slab = None
             if cutlass.const_expr(self.proxy):
-                slab = st.slab.get_tensor(
-                    cute.make_layout(self.ITEM_TOKENS * (BLOCK + self.slab_pad))
-                )
+                slab = st.slab.get_tensor(cute.make_layout(self.ITEM_TOKENS * BLOCK))
             cute.arch.mbarrier_wait(bars, 0)
             self.phase_a(
-                mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, (sdS, sdQ), sRowF, sRowI, slab, work.perm,
-                mDQ, mDK, mDV, mmas, gathers[0], scales, e0, e1, p, ks, ke, kvh, t_all,
+                mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, work.perm, mDQ,
+                mDK, mDV, mmas, gathers[0], scales, e0, e1, p, ks, ke, kvh, t_all,
             )  # fmt: skip
             if cutlass.const_expr(self.proxy):
                 # phase A's MMAs are done (waited, then the CTA barrier closing its last chunk):
@@ -442,11 +453,9 @@ class BwdSm90:
                 self.load_tile(tma_kp, mKp, sKp, self.proxy_head_dim, ks, pk, bars + 1, warp_idx, 1)
                 cute.arch.mbarrier_wait(bars + 1, 0)
                 self.phase_b(
-                    mQp, mPLSE, sQp, sKp, (sdS, sdQ), sRowF, sRowI, slab, work.perm, mDQp, mDKp,
+                    mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, work.perm, mDQp, mDKp,
                     mmas_p, gathers[1], scales, e0, e1, p, ks, ke, pk, t_all,
                 )  # fmt: skip
-            if cutlass.const_expr(self.dq_bulk) and t_all < ROWS:
-                cute.arch.cp_async_bulk_wait_group(0)  # the bulk reduce-adds, before the exit
 
     # -----------------------------------------------------------------------------------------
     # device roles (traced inline into the kernel)
@@ -456,7 +465,7 @@ class BwdSm90:
         """TMA the ``(BLOCK, dim)`` tile of head ``head`` of the block starting at packed
         position ``ks`` into ``sX`` (warp 0), completing on ``bar``. ``tiles`` > 0: arm the
         barrier for that many tiles of this size first; -1: the barrier is already armed."""
-        BLOCK = self.block_size
+        BLOCK = self.cta_keys
         gX = cute.local_tile(
             cute.domain_offset((ks, 0, 0), mX)[None, None, head], (BLOCK, dim), (0, 0)
         )
@@ -510,12 +519,11 @@ class BwdSm90:
 
     @cute.jit
     def phase_a(
-        self, mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdSQ, sRowF, sRowI, slab, mPerm, mDQ,
+        self, mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, mPerm, mDQ,
         mDK, mDV, mmas, gather, scales, e0, e1, p, ks, ke, kvh, t_all,
     ):  # fmt: skip
         """Main gradients (and the teacher slab) over the item's rows (module docstring)."""
-        sdS = sdSQ[0]  # (dS tile, dQ staging)
-        ROWS, D, BLOCK = self.ROWS, self.head_dim, self.block_size
+        ROWS, D, BLOCK = self.ROWS, self.head_dim, self.cta_keys
         G, G2, R = self.geometry
         BT = ROWS // G2
         scale, scale_log2 = scales[0], scales[1]
@@ -644,7 +652,7 @@ class BwdSm90:
                     warpgroup.wait_group(0)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.sync_threads()
-                    self.dq_product(mma_dq, sdSQ, sKt, sRowI, b, mDQ, D, G2, scale, t_all, wg)
+                    self.dq_product(mma_dq, sdS, sKt, sRowI, b, mDQ, D, scale, t_all, wg)
                 cute.arch.sync_threads()  # sQ, sdO, sdS and the row data are rewritten next
         if cutlass.const_expr(self.main):
             self.store_dkv(thr_dkv, acc_dK, mDK, ks, ke, kvh, self.kv_heads, D, scale)
@@ -657,7 +665,7 @@ class BwdSm90:
         fastest; a thread holds column pairs, so G2 <= 2 sums in-thread and G2 = 4 adds the
         neighbouring lane's pair."""
         G2 = self.geometry[1]
-        SLAB_W = self.block_size + self.slab_pad  # floats per slab row
+        SLAB_W = self.cta_keys  # floats per slab row
         lane = cute.arch.lane_idx()
         npairs = cute.size(S_rc, mode=[1]) // 2
         for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
@@ -682,44 +690,23 @@ class BwdSm90:
 
     @cute.jit
     def dq_product(
-        self, mma_dq, sdSQ, sXt, sRowI, buf, mOut, dim: Constexpr, per_tok: Constexpr, coef,
-        t_all, wg,
+        self, mma_dq, sdS, sXt, sRowI, buf, mOut, dim: Constexpr, coef, t_all, wg
     ):  # fmt: skip
         """``out[row, :] += coef * (dS X)[r, :]`` for the chunk's real rows r (``sRowI[r, 0,
-        buf] >= 0``), ``row = sRowI[r, 1, buf]`` of a ``(rows, dim)`` fp32 output; ``per_tok``
-        consecutive chunk rows are one token's consecutive output rows. The warpgroups split the
-        columns (:meth:`dq_split`), or warpgroup 0 does it all. Reductions: per element
-        (``red``), or with ``dq_bulk`` through the staging tile and one bulk reduce-add per
-        token (issued by thread ``token``; waited for before the tile is written again)."""
-        sdS, sdQ = sdSQ
-        n_tok = self.ROWS // per_tok
-        if cutlass.const_expr(self.dq_bulk):  # the last chunk's bulk reads of sdQ are done
-            if t_all < n_tok:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.sync_threads()
+        buf] >= 0``), ``row = sRowI[r, 1, buf]`` of a ``(rows, dim)`` fp32 output, by fp32
+        reductions. The warpgroups split the columns (:meth:`dq_split`), or warpgroup 0 does it
+        all."""
         if cutlass.const_expr(self.dq_split(dim) > 1):
-            self.dq_part(mma_dq, sdS, sdQ, sXt, sRowI, buf, mOut, dim, coef, t_all)
+            self.dq_part(mma_dq, sdS, sXt, sRowI, buf, mOut, dim, coef, t_all)
         else:
             if wg == 0:
                 tq = t_all % self.THREADS
-                self.dq_part(mma_dq, sdS, sdQ, sXt, sRowI, buf, mOut, dim, coef, tq)
-        if cutlass.const_expr(self.dq_bulk):
-            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
-            cute.arch.sync_threads()
-            if t_all < n_tok:
-                r0 = t_all * per_tok
-                if sRowI[r0, 0, buf] >= 0:
-                    dst = mOut.iterator + Int64(sRowI[r0, 1, buf]) * dim
-                    prims.cp_reduce_async_bulk_global_shared_cta(
-                        dst, sdQ.iterator + r0 * dim, per_tok * dim * 4,
-                        op=prims.CpReduceOp.ADD, type=prims.CpReduceType.F32,
-                    )  # fmt: skip
-                cute.arch.cp_async_bulk_commit_group()
+                self.dq_part(mma_dq, sdS, sXt, sRowI, buf, mOut, dim, coef, tq)
 
     @cute.jit
-    def dq_part(self, mma_dq, sdS, sdQ, sXt, sRowI, buf, mOut, dim: Constexpr, coef, tq):
+    def dq_part(self, mma_dq, sdS, sXt, sRowI, buf, mOut, dim: Constexpr, coef, tq):
         """Thread ``tq`` of :meth:`dq_product`'s MMA: its part of the product, reduced into
-        ``out`` (or written, times ``coef``, to the staging tile ``sdQ`` with ``dq_bulk``)."""
+        ``out``."""
         ROWS = self.ROWS
         thr = mma_dq.get_slice(tq)
         tArdS = mma_dq.make_fragment_A(thr.partition_A(sdS))
@@ -734,53 +721,81 @@ class BwdSm90:
         warpgroup.wait_group(0)
         a_rc = acc_rows_cols(acc)
         c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((ROWS, dim))))
-        for i in cutlass.range_constexpr(cute.size(a_rc, mode=[0])):
-            row = c_rc[i, 0][0]
-            if cutlass.const_expr(self.dq_bulk):
-                for j in cutlass.range_constexpr(cute.size(a_rc, mode=[1])):
-                    sdQ[row * dim + c_rc[i, j][1]] = a_rc[i, j] * coef
-            else:
-                if sRowI[row, 0, buf] >= 0:
-                    self.red_row(mOut, Int64(sRowI[row, 1, buf]) * dim, a_rc, c_rc, i, coef)
+        r0, r1 = c_rc[0, 0][0], c_rc[1, 0][0]
+        self.red_rows(
+            mOut, Int64(sRowI[r0, 1, buf]) * dim, sRowI[r0, 0, buf] >= 0,
+            Int64(sRowI[r1, 1, buf]) * dim, sRowI[r1, 0, buf] >= 0, a_rc, c_rc, coef,
+        )  # fmt: skip
 
     @cute.jit
     def store_dkv(self, thr, acc, mOut, ks, ke, head, heads: Constexpr, dim: Constexpr, coef):
         """``out[(ks + key) * heads + head, :] += coef * acc[key, :]`` (a flat fp32 ``(T *
-        heads * dim,)`` output) for the block's keys before ``ke``: fp32 reductions, other
+        heads * dim,)`` output) for the CTA's keys before ``ke``: fp32 reductions, other
         items add to the same block."""
         a_rc = acc_rows_cols(acc)
-        c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((self.block_size, dim))))
-        for i in cutlass.range_constexpr(cute.size(a_rc, mode=[0])):
-            kpos = ks + c_rc[i, 0][0]
-            if kpos < ke:
-                self.red_row(mOut, (Int64(kpos) * heads + head) * dim, a_rc, c_rc, i, coef)
+        c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((self.cta_keys, dim))))
+        k0, k1 = ks + c_rc[0, 0][0], ks + c_rc[1, 0][0]
+        self.red_rows(
+            mOut, (Int64(k0) * heads + head) * dim, k0 < ke, (Int64(k1) * heads + head) * dim,
+            k1 < ke, a_rc, c_rc, coef,
+        )  # fmt: skip
 
     @cute.jit
-    def red_row(self, mOut, base, a_rc, c_rc, i, coef):
-        """``out[base + col] += coef * acc[i, col]`` for this thread's columns of accumulator row
-        ``i`` (fp32 reductions: ``red.global.add.f32``, or ``.v2.f32`` on the column pairs a
-        thread holds with ``vec_red``)."""
+    def red_rows(self, mOut, base0, ok0, base1, ok1, a_rc, c_rc, coef):
+        """``out[base_i + col] += coef * acc[i, col]`` for this thread's columns of its two
+        accumulator rows ``i`` (a warpgroup MMA's thread holds rows r and r + 8, column pairs
+        ``8 j + 2 (lane % 4)``), where ``ok_i``: ``red.global.add.v2.f32`` per pair, or with
+        ``red_v4`` lanes 2m and 2m + 1 swap a pair (lane 2m then holds 4 consecutive columns of
+        row r, lane 2m + 1 of row r + 8) and add them by ``red.global.add.v4.f32``."""
         red = dict(op="add", dtype="f32", sem="relaxed", scope="gpu")
-        if cutlass.const_expr(self.vec_red):
-            pair = cute.make_rmem_tensor(2, Float32)
-            for jj in cutlass.range_constexpr(cute.size(a_rc, mode=[1]) // 2):
-                pair[0] = a_rc[i, 2 * jj] * coef
-                pair[1] = a_rc[i, 2 * jj + 1] * coef
-                ptr = mOut.iterator + (base + c_rc[i, 2 * jj][1])
-                cute.arch.red(ptr, pair.load(), **red)
+        assert cute.size(a_rc, mode=[0]) == 2
+        npairs = cute.size(a_rc, mode=[1]) // 2
+        if cutlass.const_expr(self.red_v4):
+            odd = cute.arch.lane_idx() % 2
+            base = base0
+            ok = ok0
+            if odd == 1:
+                base = base1
+                ok = ok1
+            quad = cute.make_rmem_tensor(4, Float32)
+            for jj in cutlass.range_constexpr(npairs):
+                # send the pair the partner keeps: lane 2m its row r + 8, lane 2m + 1 its row r
+                s0 = a_rc[1, 2 * jj]
+                s1 = a_rc[1, 2 * jj + 1]
+                if odd == 1:
+                    s0 = a_rc[0, 2 * jj]
+                    s1 = a_rc[0, 2 * jj + 1]
+                g0 = cute.arch.shuffle_sync_bfly(s0, offset=1)
+                g1 = cute.arch.shuffle_sync_bfly(s1, offset=1)
+                quad[0] = a_rc[0, 2 * jj] * coef
+                quad[1] = a_rc[0, 2 * jj + 1] * coef
+                quad[2] = g0 * coef
+                quad[3] = g1 * coef
+                if odd == 1:
+                    quad[0] = g0 * coef
+                    quad[1] = g1 * coef
+                    quad[2] = a_rc[1, 2 * jj] * coef
+                    quad[3] = a_rc[1, 2 * jj + 1] * coef
+                col = c_rc[0, 2 * jj][1] - 2 * odd  # the quad's first column (lane 2m's pair)
+                if ok:
+                    cute.arch.red(mOut.iterator + (base + col), quad.load(), **red)
         else:
-            for j in cutlass.range_constexpr(cute.size(a_rc, mode=[1])):
-                ptr = mOut.iterator + (base + c_rc[i, j][1])
-                cute.arch.red(ptr, a_rc[i, j] * coef, **red)
+            pair = cute.make_rmem_tensor(2, Float32)
+            for i, base, ok in ((0, base0, ok0), (1, base1, ok1)):
+                if ok:
+                    for jj in cutlass.range_constexpr(npairs):
+                        pair[0] = a_rc[i, 2 * jj] * coef
+                        pair[1] = a_rc[i, 2 * jj + 1] * coef
+                        ptr = mOut.iterator + (base + c_rc[i, 2 * jj][1])
+                        cute.arch.red(ptr, pair.load(), **red)
 
     @cute.jit
     def phase_b(
-        self, mQp, mPLSE, sQp, sKp, sdSQ, sRowF, sRowI, slab, mPerm, mDQp, mDKp, mmas, gather,
+        self, mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, mPerm, mDQp, mDKp, mmas, gather,
         scales, e0, e1, p, ks, ke, pk, t_all,
     ):  # fmt: skip
         """The unit proxy gradient over the item's tokens, against the slab's teacher."""
-        sdS = sdSQ[0]  # (d tile, dQ_proxy staging)
-        ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.block_size
+        ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.cta_keys
         HS, K = self.sel_heads, self.top_k
         G = self.geometry[0]
         pscale_log2, pcoef = scales[2], scales[3]
@@ -838,7 +853,7 @@ class BwdSm90:
                     d = Float32(0.0)
                     if kpos < ke and kpos <= tok:
                         pr = cute.math.exp2(S_rc[i, j] * pscale_log2 - plse2, fastmath=True)
-                        d = pr - slab[(ch * ROWS + tl) * (BLOCK + self.slab_pad) + key] * inv_g
+                        d = pr - slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
                     S_rc[i, j] = d
             rD.store(acc_S.load().to(self.dtype))
             tKrD = acc_as_a(rD)
@@ -853,7 +868,7 @@ class BwdSm90:
             warpgroup.wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            self.dq_product(mma_dq, sdSQ, sKpt, sRowI, 0, mDQp, DP, 1, pcoef, t_all, wg)
+            self.dq_product(mma_dq, sdS, sKpt, sRowI, 0, mDQp, DP, pcoef, t_all, wg)
             cute.arch.sync_threads()
         self.store_dkv(thr_dkv, acc_dKp, mDKp, ks, ke, pk, self.proxy_k_heads, DP, pcoef)
 
@@ -865,8 +880,8 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
     """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup): the main
     gradients when ``dout`` is given, the proxy gradients (``dkl`` times the unit gradient made
     here; the forward's ``Saved.proxy_grad`` is not used) when ``dkl`` is given, in one launch
-    of :class:`BwdSm90`. ``variant``: the kernel's A/B switches (``gather_stages``, ``vec_red``,
-    ``slab_pad``, ``dq_bulk``; tests and ``benchmarks/bwd_ab.py``; the defaults are the
+    of :class:`BwdSm90`. ``variant``: the kernel's A/B switches (``gather_stages``,
+    ``red_v4``, ``key_split``; tests and ``benchmarks/bwd_ab.py``; the defaults are the
     measured choice).
     Limits: ``flash_msa.cute.unsupported_reason("bwd", ...)``."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
