@@ -37,14 +37,16 @@ def _variants() -> dict:
 
 
 VARIANTS = _variants()  # CuTe providers: the kernel's A/B switches (BwdSm90.VARIANTS)
+# measurement only: what the dQ / dQ_proxy reductions cost (wrong gradients: timed unverified)
+PROBES = {"cute no_dq_red": dict(probe="no_dq_red"), "cute dq_store": dict(probe="dq_store")}
 MAX_REL_DIFF = 1e-2  # a variant further than this from Triton's gradients is reported, not timed
 
 
-def case(shape: str, S: int, iters: int, variants: list[str]) -> dict:
-    from flash_msa.cute import bwd_sm90
-
+def setup(shape: str, S: int):
+    """Random inputs of one case (top_k 16, block 128), selection and forward on CuTe:
+    ``(saved, cu_seqlens, cfg, dout, dkl)``, the arguments of a ``bwd`` op after ``dout, dkl``."""
     H, Hkv, Hp, Hpk, D, Dp = SHAPES[shape]
-    cute_be, triton_be = backends.load("cute")[0], backends.load("triton")[0]
+    cute_be = backends.load("cute")[0]
     qp, kp, q, k, v = (
         x[0].contiguous()
         for x in testing.make_inputs(1, S, H, Hkv, Hp, Hpk, D, Dp, device="cuda", seed=0)
@@ -56,13 +58,23 @@ def case(shape: str, S: int, iters: int, variants: list[str]) -> dict:
     saved = Saved(q, k, v, f.out, f.lse, idx, qp, kp, f.proxy_lse, None)
     dout, dkl = testing.loss_weights(q.shape, Hp * S, 0, q.device)
     dout, dkl = dout.to(q.dtype), torch.tensor(dkl, dtype=torch.float32, device="cuda")
+    return saved, cu, cfg, dout, dkl
+
+
+def case(shape: str, S: int, iters: int, variants: list[str]) -> dict:
+    from flash_msa.cute import bwd_sm90
+
+    H, D = SHAPES[shape][0], SHAPES[shape][4]
+    triton_be = backends.load("triton")[0]
+    saved, cu, cfg, dout, dkl = setup(shape, S)
+    idx = saved.indices
     fns = {"triton": triton_be.bwd}
     for name in variants:
-        fns[name] = lambda *a, _v=VARIANTS[name]: bwd_sm90.bwd(*a, **_v)
+        fns[name] = lambda *a, _v={**VARIANTS, **PROBES}[name]: bwd_sm90.bwd(*a, **_v)
     names = ("dq", "dk", "dv", "dq_proxy", "dk_proxy")
     ref = fns["triton"](dout, dkl, saved, cu, cfg)
     res = dict(shape=shape, S=S, rel_diff_vs_triton={})
-    for name in variants:
+    for name in (n for n in variants if n not in PROBES):
         grads = fns[name](dout, dkl, saved, cu, cfg)
         rel = {
             n: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
@@ -93,7 +105,11 @@ def main(argv):
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--cases", nargs="+", default=["anchor:16384", "anchor:32768", "paper:32768"])
     ap.add_argument(
-        "--variants", nargs="+", default=["cute"], choices=list(VARIANTS), help="CuTe providers"
+        "--variants",
+        nargs="+",
+        default=["cute"],
+        choices=[*VARIANTS, *PROBES],
+        help="CuTe providers",
     )
     args = ap.parse_args(argv)
     rows = []

@@ -36,11 +36,9 @@ Limits (:meth:`BwdSm90.can_implement`): bf16 / fp16, D and Dp in {64, 128}, bloc
 or 128, and every main head of a selection head sharing one KV head (``(H / Hkv) % (H / Hs) ==
 0``: the chunk's KV sub-groups then reuse one K/V tile and one dK/dV accumulator).
 
-Version 2 (docs/perf-notes.md "CuTe backward v2"): no warp specialization; fp32 reductions
-by ``red.global.add.v2.f32`` (or ``.v4`` with ``red_v4``). Deterministic mode is not here yet.
-Constructor switches still under A/B (defaults: the measured choice so far):
-``gather_stages=2`` (the next chunk's q/dO rows are gathered into a second buffer while this
-chunk computes), ``red_v4``, ``key_split`` (one warpgroup and 64 keys per CTA, two CTAs per SM).
+Version 2 (docs/perf-notes.md "CuTe backward v2"): no warp specialization; two gather buffers
+(``gather_stages``) where shared memory allows; fp32 reductions by ``red.global.add.v2.f32``.
+Deterministic mode is not here yet.
 """
 
 from __future__ import annotations
@@ -96,32 +94,21 @@ class BwdSm90:
     block_size: int  # keys per block (one block per work item)
     main: bool = True  # make dq, dk, dv
     proxy: bool = True  # make the unit proxy gradient dq_proxy, dk_proxy
-    # A/B switches (docs/perf-notes.md, "CuTe backward v2"); decided ones are not switches:
-    # red.global.add.v2.f32 on a thread's column pairs (+25% at anchor 32K over scalar red), no
-    # slab padding (+-0.5%), no dQ bulk reduce-add through shared memory (-2 to -11% next to
-    # v2 reds). Open:
-    # q/dO (and row data) buffers of phase A: 2 = the next (chunk, sub-group)'s gather is issued
-    # before this one's MMAs, so its rows land while they run (+5%/+7%/+17% at anchor
-    # 16K/32K / paper 32K with v2 reds)
-    gather_stages: int = 1
-    # red.global.add.v4.f32: neighbouring lanes swap a row's column pair (one shuffle each way)
-    # so that each lane adds 4 consecutive floats of one row: half the reductions of v2
-    red_v4: bool = False
-    # one warpgroup and 64 of the block's keys per CTA (a block 128 item is two CTAs): half the
-    # registers and ~110 KB of shared memory, so two CTAs share an SM and hide each other's
-    # gather, barrier and reduction stalls (the v2 profile: 2 warps per scheduler, 0.2
-    # eligible); q/dO are gathered and dQ reduced once per half
-    key_split: bool = False
+    # q/dO (and row data) buffers of phase A: 2 = the next (chunk, sub-group)'s gather is
+    # issued before this one's MMAs, so its rows land while they run (+5% / +7% / +17% at
+    # anchor 16K / anchor 32K / paper 32K, +18% at paper 128K: docs/perf-notes.md "CuTe
+    # backward v2"); :func:`bwd` uses 1 where two do not fit the shared memory
+    gather_stages: int = 2
+    # measurement only ("" in production): "no_dq_red" leaves out the dQ / dQ_proxy
+    # reductions, "dq_store" writes them by plain stores (wrong sums): how much of the time the
+    # fp32 reductions into L2 take (docs/perf-notes.md "CuTe backward v2")
+    probe: str = ""
 
-    # the switches' combinations under A/B (tests/test_gpu_cute_bwd.py checks each by the rule,
+    # the A/B switches' combinations (tests/test_gpu_cute_bwd.py checks each by the rule,
     # benchmarks/bwd_ab.py times them as "cute <name>")
     VARIANTS: ClassVar[dict] = {
         "default": {},
-        "stages2": dict(gather_stages=2),
-        "v4": dict(red_v4=True),
-        "stages2 v4": dict(gather_stages=2, red_v4=True),
-        "split": dict(key_split=True),
-        "split v4": dict(key_split=True, red_v4=True),
+        "stages1": dict(gather_stages=1),
     }
 
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
@@ -134,14 +121,11 @@ class BwdSm90:
     # -----------------------------------------------------------------------------------------
     @staticmethod
     def shared_bytes(
-        elem_bytes, head_dim, proxy_head_dim, block_size, proxy, gather_stages=1, key_split=False
+        elem_bytes, head_dim, proxy_head_dim, block_size, proxy, gather_stages=1
     ) -> dict:  # fmt: skip
         """Bytes of each shared-memory buffer, in the order of the ``Storage`` struct (operand
-        tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum; ``block_size``
-        here is the CTA's keys (:attr:`cta_keys`)."""
+        tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum."""
         rows, D, Dmax = BwdSm90.ROWS, head_dim, max(head_dim, proxy_head_dim)
-        if key_split:
-            block_size = min(block_size, BwdSm90.KEYS)
         sizes = {
             "mbar": 16,  # K/V and Kp mbarriers
             "sRowF": 2 * rows * 4 * gather_stages,  # per row: LSE (log2 units), Delta / proxy LSE
@@ -164,7 +148,7 @@ class BwdSm90:
     @classmethod
     def can_implement(
         cls, dtype, heads, kv_heads, sel_heads, proxy_k_heads, head_dim, proxy_head_dim, top_k,
-        block_size, proxy=True, gather_stages=1, key_split=False,
+        block_size, proxy=True, gather_stages=1,
     ) -> str | None:  # fmt: skip
         """Why this configuration cannot be compiled or run (``None``: it can).
 
@@ -196,7 +180,7 @@ class BwdSm90:
         if gather_stages not in (1, 2):
             return f"gather_stages must be 1 or 2, not {gather_stages}"
         smem = cls.shared_bytes(
-            dtype.width // 8, head_dim, proxy_head_dim, block_size, proxy, gather_stages, key_split
+            dtype.width // 8, head_dim, proxy_head_dim, block_size, proxy, gather_stages
         )  # fmt: skip
         if smem["total"] > SHARED_LIMIT:
             return f"{smem['total']} bytes of shared memory exceed the sm_90 capacity"
@@ -206,12 +190,23 @@ class BwdSm90:
         why = self.can_implement(
             self.dtype, self.heads, self.kv_heads, self.sel_heads, self.proxy_k_heads,
             self.head_dim, self.proxy_head_dim, self.top_k, self.block_size, self.proxy,
-            self.gather_stages, self.key_split,
+            self.gather_stages,
         )  # fmt: skip
+        if self.probe not in ("", "no_dq_red", "dq_store"):
+            raise ValueError(f"CuTe backward: unknown probe {self.probe!r}")
         if why is not None:
             raise ValueError(f"CuTe backward: {why}")
         if not (self.main or self.proxy):
             raise ValueError("CuTe backward: nothing to make (main and proxy both False)")
+
+    @classmethod
+    def make(cls, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main=True, proxy=True, **variant):
+        """The kernel for a configuration with ``variant``'s switches, and two gather buffers
+        where they fit the shared memory unless ``variant`` says otherwise (measured faster)."""
+        if "gather_stages" not in variant:
+            two = cls.can_implement(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, proxy, 2) is None
+            variant = dict(variant, gather_stages=2 if two else 1)
+        return cls(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
 
     @property
     def geometry(self) -> tuple[int, int, int]:
@@ -219,13 +214,8 @@ class BwdSm90:
         return geometry(self.heads, self.kv_heads, self.sel_heads, self.ROWS)[:3]
 
     @property
-    def cta_keys(self) -> int:
-        """Keys per CTA: the block, or 64 of it with ``key_split``."""
-        return min(self.block_size, self.KEYS) if self.key_split else self.block_size
-
-    @property
     def warpgroups(self) -> int:
-        return self.cta_keys // self.KEYS
+        return self.block_size // self.KEYS
 
     # -----------------------------------------------------------------------------------------
     # host: MMAs, layouts, TMA atoms, shared storage, launch
@@ -287,8 +277,7 @@ class BwdSm90:
         ``mDK``, ``mDV (T*Hkv, D)``, ``mDQp (T*Hs, Dp)``, ``mDKp (T*Hpk, Dp)``; the scales: softmax
         scale, its * log2 e, proxy scale * log2 e, coef * proxy scale (coef = 1 / (Hs T)); ``NB``
         the block count."""
-        # BLOCK: the CTA's keys (the tiles of K, V, K_proxy, dS and the slab)
-        ROWS, D, DP, BLOCK = self.ROWS, self.head_dim, self.proxy_head_dim, self.cta_keys
+        ROWS, D, DP, BLOCK = self.ROWS, self.head_dim, self.proxy_head_dim, self.block_size
         dtype = self.dtype
         mmas = self._mmas(D)
         mmas_p = self._mmas(DP)
@@ -346,7 +335,7 @@ class BwdSm90:
             slab: cute.struct.Align[cute.struct.MemRange[Float32, SLAB], 1024]
 
         smem = self.shared_bytes(
-            dtype.width // 8, D, DP, self.block_size, self.proxy, STAGES, self.key_split
+            dtype.width // 8, D, DP, BLOCK, self.proxy, STAGES
         )["total"]  # fmt: skip
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
         self.kernel(
@@ -356,9 +345,7 @@ class BwdSm90:
             (sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout),
             (gather_copy(D), gather_copy(DP)), Storage,
         ).launch(
-            grid=(work.item_list.shape[0], self.block_size // BLOCK, 1),
-            block=(nthreads, 1, 1),
-            stream=stream,
+            grid=(work.item_list.shape[0], 1, 1), block=(nthreads, 1, 1), stream=stream
         )  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
@@ -393,12 +380,12 @@ class BwdSm90:
         gathers: tuple,
         Storage: Constexpr,
     ):
-        ROWS, BLOCK, D = self.ROWS, self.cta_keys, self.head_dim
+        ROWS, BLOCK, D = self.ROWS, self.block_size, self.head_dim
         H, HKV, HS = self.heads, self.kv_heads, self.sel_heads
         G, G2, R = self.geometry
         sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout = layouts
         t_all, _, _ = cute.arch.thread_idx()
-        w, half, _ = cute.arch.block_idx()  # work item, which BLOCK keys of its block
+        w, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
 
         st = SmemAllocator().allocate(Storage)
@@ -422,14 +409,12 @@ class BwdSm90:
 
         e0 = work.item_start[w]
         e1 = work.item_end[w]
-        lst = work.item_list[w]
-        gb = lst % NB
-        ks = work.block_start[gb] + half * BLOCK  # packed position of the CTA's first key
-        ke = work.block_end[gb]
-        # CTA-uniform: empty work items (the grid is a worst-case bound) and, with key_split, a
-        # last block's half past its end do nothing
-        if e0 < e1 and ks < ke:
+        if e0 < e1:  # CTA-uniform: empty work items (the grid is a worst-case bound) do nothing
+            lst = work.item_list[w]
             p = lst // NB
+            gb = lst % NB
+            ks = work.block_start[gb]  # packed position of the block's first key
+            ke = work.block_end[gb]
             kvh = (p * G) // (H // HKV)  # every head of the group uses this KV head
             if cutlass.const_expr(self.main):
                 self.load_tile(tma_k, mK, sK, D, ks, kvh, bars, warp_idx, 2)
@@ -465,7 +450,7 @@ class BwdSm90:
         """TMA the ``(BLOCK, dim)`` tile of head ``head`` of the block starting at packed
         position ``ks`` into ``sX`` (warp 0), completing on ``bar``. ``tiles`` > 0: arm the
         barrier for that many tiles of this size first; -1: the barrier is already armed."""
-        BLOCK = self.cta_keys
+        BLOCK = self.block_size
         gX = cute.local_tile(
             cute.domain_offset((ks, 0, 0), mX)[None, None, head], (BLOCK, dim), (0, 0)
         )
@@ -523,7 +508,7 @@ class BwdSm90:
         mDK, mDV, mmas, gather, scales, e0, e1, p, ks, ke, kvh, t_all,
     ):  # fmt: skip
         """Main gradients (and the teacher slab) over the item's rows (module docstring)."""
-        ROWS, D, BLOCK = self.ROWS, self.head_dim, self.cta_keys
+        ROWS, D, BLOCK = self.ROWS, self.head_dim, self.block_size
         G, G2, R = self.geometry
         BT = ROWS // G2
         scale, scale_log2 = scales[0], scales[1]
@@ -665,7 +650,7 @@ class BwdSm90:
         fastest; a thread holds column pairs, so G2 <= 2 sums in-thread and G2 = 4 adds the
         neighbouring lane's pair."""
         G2 = self.geometry[1]
-        SLAB_W = self.cta_keys  # floats per slab row
+        SLAB_W = self.block_size  # floats per slab row
         lane = cute.arch.lane_idx()
         npairs = cute.size(S_rc, mode=[1]) // 2
         for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
@@ -724,7 +709,7 @@ class BwdSm90:
         r0, r1 = c_rc[0, 0][0], c_rc[1, 0][0]
         self.red_rows(
             mOut, Int64(sRowI[r0, 1, buf]) * dim, sRowI[r0, 0, buf] >= 0,
-            Int64(sRowI[r1, 1, buf]) * dim, sRowI[r1, 0, buf] >= 0, a_rc, c_rc, coef,
+            Int64(sRowI[r1, 1, buf]) * dim, sRowI[r1, 0, buf] >= 0, a_rc, c_rc, coef, self.probe,
         )  # fmt: skip
 
     @cute.jit
@@ -733,7 +718,7 @@ class BwdSm90:
         heads * dim,)`` output) for the CTA's keys before ``ke``: fp32 reductions, other
         items add to the same block."""
         a_rc = acc_rows_cols(acc)
-        c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((self.cta_keys, dim))))
+        c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((self.block_size, dim))))
         k0, k1 = ks + c_rc[0, 0][0], ks + c_rc[1, 0][0]
         self.red_rows(
             mOut, (Int64(k0) * heads + head) * dim, k0 < ke, (Int64(k1) * heads + head) * dim,
@@ -741,53 +726,26 @@ class BwdSm90:
         )  # fmt: skip
 
     @cute.jit
-    def red_rows(self, mOut, base0, ok0, base1, ok1, a_rc, c_rc, coef):
+    def red_rows(self, mOut, base0, ok0, base1, ok1, a_rc, c_rc, coef, probe: Constexpr = ""):
         """``out[base_i + col] += coef * acc[i, col]`` for this thread's columns of its two
         accumulator rows ``i`` (a warpgroup MMA's thread holds rows r and r + 8, column pairs
-        ``8 j + 2 (lane % 4)``), where ``ok_i``: ``red.global.add.v2.f32`` per pair, or with
-        ``red_v4`` lanes 2m and 2m + 1 swap a pair (lane 2m then holds 4 consecutive columns of
-        row r, lane 2m + 1 of row r + 8) and add them by ``red.global.add.v4.f32``."""
+        ``8 j + 2 (lane % 4)``) where ``ok_i``, by ``red.global.add.v2.f32`` per pair (``probe``:
+        :attr:`probe`)."""
         red = dict(op="add", dtype="f32", sem="relaxed", scope="gpu")
         assert cute.size(a_rc, mode=[0]) == 2
-        npairs = cute.size(a_rc, mode=[1]) // 2
-        if cutlass.const_expr(self.red_v4):
-            odd = cute.arch.lane_idx() % 2
-            base = base0
-            ok = ok0
-            if odd == 1:
-                base = base1
-                ok = ok1
-            quad = cute.make_rmem_tensor(4, Float32)
-            for jj in cutlass.range_constexpr(npairs):
-                # send the pair the partner keeps: lane 2m its row r + 8, lane 2m + 1 its row r
-                s0 = a_rc[1, 2 * jj]
-                s1 = a_rc[1, 2 * jj + 1]
-                if odd == 1:
-                    s0 = a_rc[0, 2 * jj]
-                    s1 = a_rc[0, 2 * jj + 1]
-                g0 = cute.arch.shuffle_sync_bfly(s0, offset=1)
-                g1 = cute.arch.shuffle_sync_bfly(s1, offset=1)
-                quad[0] = a_rc[0, 2 * jj] * coef
-                quad[1] = a_rc[0, 2 * jj + 1] * coef
-                quad[2] = g0 * coef
-                quad[3] = g1 * coef
-                if odd == 1:
-                    quad[0] = g0 * coef
-                    quad[1] = g1 * coef
-                    quad[2] = a_rc[1, 2 * jj] * coef
-                    quad[3] = a_rc[1, 2 * jj + 1] * coef
-                col = c_rc[0, 2 * jj][1] - 2 * odd  # the quad's first column (lane 2m's pair)
-                if ok:
-                    cute.arch.red(mOut.iterator + (base + col), quad.load(), **red)
-        else:
-            pair = cute.make_rmem_tensor(2, Float32)
+        pair = cute.make_rmem_tensor(2, Float32)
+        if cutlass.const_expr(probe != "no_dq_red"):
             for i, base, ok in ((0, base0, ok0), (1, base1, ok1)):
                 if ok:
-                    for jj in cutlass.range_constexpr(npairs):
+                    for jj in cutlass.range_constexpr(cute.size(a_rc, mode=[1]) // 2):
                         pair[0] = a_rc[i, 2 * jj] * coef
                         pair[1] = a_rc[i, 2 * jj + 1] * coef
                         ptr = mOut.iterator + (base + c_rc[i, 2 * jj][1])
-                        cute.arch.red(ptr, pair.load(), **red)
+                        if cutlass.const_expr(probe == "dq_store"):
+                            dst = cute.make_tensor(ptr, cute.make_layout(2))
+                            dst.store(pair.load())
+                        else:
+                            cute.arch.red(ptr, pair.load(), **red)
 
     @cute.jit
     def phase_b(
@@ -795,7 +753,7 @@ class BwdSm90:
         scales, e0, e1, p, ks, ke, pk, t_all,
     ):  # fmt: skip
         """The unit proxy gradient over the item's tokens, against the slab's teacher."""
-        ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.cta_keys
+        ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.block_size
         HS, K = self.sel_heads, self.top_k
         G = self.geometry[0]
         pscale_log2, pcoef = scales[2], scales[3]
@@ -880,9 +838,8 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
     """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup): the main
     gradients when ``dout`` is given, the proxy gradients (``dkl`` times the unit gradient made
     here; the forward's ``Saved.proxy_grad`` is not used) when ``dkl`` is given, in one launch
-    of :class:`BwdSm90`. ``variant``: the kernel's A/B switches (``gather_stages``,
-    ``red_v4``, ``key_split``; tests and ``benchmarks/bwd_ab.py``; the defaults are the
-    measured choice).
+    of :class:`BwdSm90`. ``variant``: the kernel's A/B switches (``BwdSm90.VARIANTS``: tests and
+    ``benchmarks/bwd_ab.py``; the defaults are the measured choice).
     Limits: ``flash_msa.cute.unsupported_reason("bwd", ...)``."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
     main, proxy = dout is not None, dkl is not None
@@ -892,7 +849,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
     Hkv = k.shape[1]
     Hs, K = indices.shape[1:]
     Hpk, Dp = (k_proxy.shape[1], k_proxy.shape[2]) if proxy else (Hs, D)
-    kernel = BwdSm90(
+    kernel = BwdSm90.make(
         cutlass_dtype(q.dtype), H, Hkv, Hs, Hpk, D, Dp, K, cfg.block_size, main, proxy, **variant
     )  # raises ValueError with the reason if the kernel cannot run this configuration
     wl = worklist.build(indices, cu_seqlens, cfg.block_size, BwdSm90.ITEM_TOKENS)

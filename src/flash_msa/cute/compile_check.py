@@ -82,24 +82,10 @@ def bwd_configurations():
     yield "bwd bf16 Hp>Hpk>1 G2=2 D=64 b=64", "bf16", 8, 2, 4, 2, 64, 64, 8, 64, 1, 1
     yield "bwd bf16 anchor main-only", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0
     yield "bwd bf16 anchor proxy-only", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 0, 1
-    from .bwd_sm90 import BwdSm90
-
-    for name, variant in BwdSm90.VARIANTS.items():
-        if variant:
-            yield f"bwd bf16 anchor {name}", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, variant
-    both = dict(gather_stages=2, red_v4=True)
-    split = dict(key_split=True, red_v4=True)
-    yield "bwd bf16 paper stages2 v4", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1, both
-    yield "bwd bf16 paper split v4", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1, split
-    yield "bwd bf16 anchor D=64 b=64 stages2 v4", "bf16", 16, 2, 4, 1, 64, 64, 16, 64, 1, 1, both
-    yield "bwd bf16 anchor main-only stages2 v4", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0, both
-    yield "bwd bf16 anchor main-only split v4", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0, split
-    for name, H, Hkv, D, Dp, K, block, variant in (
-        ("D=64 Dp=128 stages2", 8, 1, 64, 128, 3, 128, dict(gather_stages=2)),
-        ("D=64 Dp=128 split v4", 8, 1, 64, 128, 3, 128, split),
-        ("fp16 Dp=64 split v4", 16, 2, 128, 64, 16, 128, split),
-    ):  # fmt: skip
-        yield f"bwd bf16 {name}", "bf16", H, Hkv, 4, 1, D, Dp, K, block, 1, 1, variant
+    one = dict(gather_stages=1)
+    yield "bwd bf16 anchor stages1", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, one
+    yield "bwd bf16 paper stages1", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1, one
+    yield "bwd bf16 anchor main-only stages1", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0, one
 
 
 def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=None, **dump) -> dict:
@@ -113,7 +99,7 @@ def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=No
     from .common import WorkItems
 
     dt = _dtype(dtype)
-    kernel = BwdSm90(
+    kernel = BwdSm90.make(
         dt, H, Hkv, Hs, Hpk, D, Dp, K, block, bool(main), bool(proxy), **(variant or {})
     )
     sym = cute.sym_int32
