@@ -109,34 +109,38 @@ class BwdSm90:
     VARIANTS: ClassVar[dict] = {
         "default": {},
         "stages1": dict(gather_stages=1),
+        "ws": dict(ws=True),
     }
 
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
     THREADS: ClassVar[int] = 128  # threads per warpgroup
     KEYS: ClassVar[int] = 64  # keys per warpgroup (its M)
     ITEM_TOKENS: ClassVar[int] = 128  # tokens per work item: the teacher slab's rows
+    MBARS: ClassVar[int] = 2  # mbarriers in shared memory: the K/V tiles', the K_proxy tile's
+    QP_STAGES: ClassVar[int] = 1  # q_proxy tiles (phase B) in the q buffer
 
     # -----------------------------------------------------------------------------------------
     # static limits
     # -----------------------------------------------------------------------------------------
-    @staticmethod
+    @classmethod
     def shared_bytes(
+        cls,
         elem_bytes, head_dim, proxy_head_dim, block_size, proxy, gather_stages=1
     ) -> dict:  # fmt: skip
         """Bytes of each shared-memory buffer, in the order of the ``Storage`` struct (operand
         tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum."""
-        rows, D, Dmax = BwdSm90.ROWS, head_dim, max(head_dim, proxy_head_dim)
+        rows, D, Dmax = cls.ROWS, head_dim, max(head_dim, proxy_head_dim)
         sizes = {
-            "mbar": 16,  # K/V and Kp mbarriers
+            "mbar": 8 * cls.MBARS,  # mbarriers: K/V and Kp tiles (+ the subclass's)
             "sRowF": 2 * rows * 4 * gather_stages,  # per row: LSE (log2 units), Delta / proxy LSE
             "sRowI": 2 * rows * 4 * gather_stages,  # per row: token (-1: pad), gradient row
             # q rows (gather_stages buffers), then one buffer of q_proxy rows
-            "sQ": rows * max(D * gather_stages, proxy_head_dim) * elem_bytes,
+            "sQ": rows * max(D * gather_stages, proxy_head_dim * cls.QP_STAGES) * elem_bytes,
             "sdO": rows * D * elem_bytes * gather_stages,
             "sK": block_size * D * elem_bytes,
             "sV": block_size * Dmax * elem_bytes,  # V, then K_proxy
             "sdS": rows * block_size * elem_bytes,
-            "slab": BwdSm90.ITEM_TOKENS * block_size * 4 if proxy else 4,  # (stub)
+            "slab": cls.ITEM_TOKENS * block_size * 4 if proxy else 4,  # (stub)
         }
         end = 0
         for name, size in sizes.items():
@@ -202,7 +206,12 @@ class BwdSm90:
     @classmethod
     def make(cls, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main=True, proxy=True, **variant):
         """The kernel for a configuration with ``variant``'s switches, and two gather buffers
-        where they fit the shared memory unless ``variant`` says otherwise (measured faster)."""
+        where they fit the shared memory unless ``variant`` says otherwise (measured faster).
+        ``ws=True``: the warp-specialized version (:mod:`.bwd_ws_sm90`, under A/B)."""
+        if variant.pop("ws", False):
+            from .bwd_ws_sm90 import BwdWsSm90
+
+            return BwdWsSm90.make(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
         if "gather_stages" not in variant:
             two = cls.can_implement(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, proxy, 2) is None
             variant = dict(variant, gather_stages=2 if two else 1)
@@ -215,7 +224,17 @@ class BwdSm90:
 
     @property
     def warpgroups(self) -> int:
+        """MMA warpgroups: one per 64 keys of the block."""
         return self.block_size // self.KEYS
+
+    @property
+    def cta_threads(self) -> int:
+        return self.THREADS * self.warpgroups
+
+    @property
+    def gather_threads(self) -> int:
+        """Threads that issue the row gathers (the tiled copy's size)."""
+        return self.THREADS * self.warpgroups
 
     # -----------------------------------------------------------------------------------------
     # host: MMAs, layouts, TMA atoms, shared storage, launch
@@ -286,7 +305,7 @@ class BwdSm90:
             LayoutEnum.ROW_MAJOR, (BLOCK, ROWS, D), dtype, STAGES
         )
         sQp_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (BLOCK, ROWS, DP), dtype, 1
+            LayoutEnum.ROW_MAJOR, (BLOCK, ROWS, DP), dtype, self.QP_STAGES
         )
         sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK, ROWS, D), dtype, 1)
         sKp_layout = sm90_utils.make_smem_layout_a(
@@ -305,7 +324,7 @@ class BwdSm90:
         tma_kp, tma_mKp = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mKp, cute.slice_(sKp_layout, one), (BLOCK, DP)
         )
-        nthreads = self.THREADS * self.warpgroups
+        nthreads = self.gather_threads
 
         def gather_copy(dim):
             tpr = dim // 8  # threads per row: 16-byte pieces
@@ -324,7 +343,7 @@ class BwdSm90:
 
         @cute.struct
         class Storage:  # sizes: shared_bytes
-            mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar: cute.struct.MemRange[cutlass.Int64, self.MBARS]
             sRowF: cute.struct.MemRange[Float32, 2 * ROWS * STAGES]
             sRowI: cute.struct.MemRange[Int32, 2 * ROWS * STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, smem_q], 1024]
@@ -345,7 +364,7 @@ class BwdSm90:
             (sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout),
             (gather_copy(D), gather_copy(DP)), Storage,
         ).launch(
-            grid=(work.item_list.shape[0], 1, 1), block=(nthreads, 1, 1), stream=stream
+            grid=(work.item_list.shape[0], 1, 1), block=(self.cta_threads, 1, 1), stream=stream
         )  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
