@@ -50,6 +50,7 @@ def test_cute_kernels_compile_for_sm90_without_spills():
     for r in rows:
         assert r["stack"] == 0 and r["local"] == 0, r  # spills show up as stack
         assert r["wgmma"] and r["tma"], r
+        assert r.get("setmaxnreg_kept", True), r  # ptxas may drop a setmaxnreg, warning only
     assert res.returncode == 0, res.stderr
 
 
@@ -133,7 +134,7 @@ def test_cute_backward_limits_and_shared_memory_arithmetic():
         BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, main=False, proxy=False)
     base = BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
     changes = dict(main=False, proxy=False, top_k=8, proxy_k_heads=2, gather_stages=1)
-    for name, value in dict(changes, probe="dq_store").items():
+    for name, value in dict(changes, probe="dq_store", deterministic=True).items():
         other = dataclasses.replace(base, **{name: value})
         assert other != base and hash(other) != hash(base), name
 
@@ -150,6 +151,32 @@ def test_cute_backward_limits_and_shared_memory_arithmetic():
     assert "share one KV head" in cute.unsupported_reason(
         "bwd", dataclasses.replace(prob, num_kv_heads=8)
     )
+
+
+def test_cute_warp_specialized_backward_limits():
+    """``BwdWsSm90`` (under A/B): BwdSm90's limits plus its own (block 128, ``Dp == D``, two
+    ring stages, no deterministic mode yet), each refused with the reason; its shared memory is
+    BwdSm90's with two gather stages and two q_proxy stages; ``make(ws=True)`` builds it."""
+    pytest.importorskip("cutlass")
+    from cutlass import BFloat16
+
+    from flash_msa.cute.bwd_sm90 import BwdSm90
+    from flash_msa.cute.bwd_ws_sm90 import BwdWsSm90
+
+    ok = BwdWsSm90.can_implement
+    assert ok(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128) is None  # anchor
+    assert ok(BFloat16, 64, 4, 4, 1, 128, 128, 16, 128) is None  # paper
+    assert "block_size 128" in ok(BFloat16, 16, 2, 4, 1, 128, 128, 16, 64)
+    assert "proxy_head_dim == head_dim" in ok(BFloat16, 8, 1, 4, 1, 64, 128, 3, 128)
+    assert ok(BFloat16, 8, 1, 4, 1, 64, 128, 3, 128, False) is None  # main-only: no q_proxy
+    assert "two gather stages" in ok(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 1)
+    assert "deterministic" in ok(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 2, True)
+    assert "share one KV head" in ok(BFloat16, 8, 4, 2, 1, 64, 64, 8, 128)
+    ws = BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, ws=True)
+    assert type(ws) is BwdWsSm90 and ws.gather_stages == 2 and ws.cta_threads == 384
+    assert BwdWsSm90.shared_bytes(2, 128, 128, 128, True, 2)["total"] == 216064
+    with pytest.raises(ValueError, match="block_size 128"):
+        BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 64, ws=True)
 
 
 def test_cute_compile_cache_key_has_the_static_argument_layout():

@@ -130,8 +130,37 @@ def test_cute_bwd_variants_match_reference(variant, case):
     if not bwd_fits(CASES[case], variant):
         pytest.skip(f"{variant} cannot run this layout (can_implement)")
     _run(*CASES[case], torch.bfloat16, seed=3, variant=variant)
-    if variant in (VARIANTS["stages1"], VARIANTS["ws"]):
+    if variant in (VARIANTS["stages1"], VARIANTS["ws"], VARIANTS["deterministic"]):
         _run(*CASES[case], torch.bfloat16, seed=3, main=False, variant=variant)
+
+
+def test_cute_bwd_deterministic_same_bits(monkeypatch):
+    """Deterministic mode: two backwards on the same inputs give bitwise equal gradients,
+    through several token chunks and work-item ranges (a 1 MiB partial budget), no atomics;
+    by the rule against the reference (the variant tests), and close to the atomic default."""
+    from flash_msa import ordered
+    from flash_msa.cute import bwd_sm90
+
+    _backends()
+    monkeypatch.setattr(ordered, "PARTIAL_BYTES", 1 << 20)
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = CASES["anchor"]
+    (qp, kp, q, k, v), cu = packed_inputs(
+        lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=torch.bfloat16, device="cuda", seed=5
+    )
+    cfg = config(max(lengths), D, Dp, b, top_k)
+    idx = reference.select(qp, kp, cu, cfg)
+    fwd = backends.load("triton")[0].fwd(q, k, v, idx, cu, cfg, qp, kp)
+    saved = Saved(q, k, v, fwd.out, fwd.lse, idx, qp, kp, fwd.proxy_lse, None)
+    dout, dkl = incoming(q, Hp, 5)
+    variant = dict(deterministic=True)
+    first = bwd_sm90.bwd(dout, dkl, saved, cu, cfg, **variant)
+    again = bwd_sm90.bwd(dout, dkl, saved, cu, cfg, **variant)
+    atomic = bwd_sm90.bwd(dout, dkl, saved, cu, cfg)
+    for n, a, b2, c in zip(GRADS, first, again, atomic):
+        assert torch.equal(a, b2), f"{n} differs between two deterministic runs"
+        scale = c.float().abs().max().item()
+        err = (a.float() - c.float()).abs().max().item()
+        assert err <= 1e-2 * max(scale, 1e-6), (n, err, scale)
 
 
 @pytest.mark.parametrize("part", ["main", "proxy"])

@@ -452,7 +452,8 @@ def _op_args(cfg: Config, varlen: bool, dims) -> tuple:
     """The trailing scalar arguments of the ``flash_msa::`` custom ops (ops.py): ``cfg``, the
     form, ``dims = (H, Hkv, D, Hsel, Hpk, Dp)`` as in :func:`_problem` and the
     ``FLASH_MSA_BACKEND`` value, read here, when the graph is traced; each op resolves its
-    backend from them per call, as the eager path does (``backends.resolve``)."""
+    backend from them per call, as the eager path does (``backends.resolve``). The ops' keyword
+    ``deterministic`` is ``cfg.deterministic`` (passed next to these)."""
     if custom_ops is None:
         raise RuntimeError(
             f"flash_msa under torch.compile needs its custom ops, which failed to register with "
@@ -475,8 +476,9 @@ def _op_args(cfg: Config, varlen: bool, dims) -> tuple:
 class _MSAOpFunction(torch.autograd.Function):
     """:class:`_MSAFunction` under ``torch.compile``: the same steps as ``flash_msa::`` custom ops.
 
-    ``args`` is :func:`_op_args`; ``wants_grad`` says whether a backward can follow. Dynamo
-    traces this Function (forward and backward) into the graph; the ops stay opaque nodes.
+    ``args`` is :func:`_op_args`; ``wants_grad`` says whether a backward can follow; ``det`` is
+    ``cfg.deterministic`` (the ops' ``deterministic`` keyword). Dynamo traces this Function
+    (forward and backward) into the graph; the ops stay opaque nodes.
 
     An unused ``kl``: the compiled backward materializes its gradient, so ``dkl`` arrives as a
     0 tensor (not ``None`` as in eager) and the proxy backward runs with ``dkl = 0``. The proxy
@@ -486,9 +488,10 @@ class _MSAOpFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, args, wants_grad):
+    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, args, wants_grad, det):
         warmup, compute_kl = args[5:7]
-        indices = None if warmup else custom_ops.select(q_proxy, k_proxy, cu_seqlens, *args)
+        kw = {"deterministic": det}
+        indices = None if warmup else custom_ops.select(q_proxy, k_proxy, cu_seqlens, *args, **kw)
         proxy_grad = wants_grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         use_proxy = compute_kl or proxy_grad
         out, lse, proxy_lse, kl, unit_dq, unit_dk = custom_ops.fwd(
@@ -501,11 +504,12 @@ class _MSAOpFunction(torch.autograd.Function):
             k_proxy if use_proxy else None,
             proxy_grad,
             *args,
+            **kw,
         )
         ctx.save_for_backward(
             q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu_seqlens, unit_dq, unit_dk
         )
-        ctx.args, ctx.proxy_grad = args, proxy_grad
+        ctx.args, ctx.proxy_grad, ctx.det = args, proxy_grad, det
         return out, kl
 
     @staticmethod
@@ -516,7 +520,7 @@ class _MSAOpFunction(torch.autograd.Function):
         main = dout is not None and any(ctx.needs_input_grad[2:5])
         proxy = dkl is not None and ctx.proxy_grad
         if not (main or proxy):
-            return (None,) * 8
+            return (None,) * 9
         dq, dk, dv, dq_proxy, dk_proxy = custom_ops.bwd(
             dout.contiguous() if main else None,
             dkl if proxy else None,
@@ -533,29 +537,31 @@ class _MSAOpFunction(torch.autograd.Function):
             unit_dk if proxy else None,
             cu,
             *ctx.args,
+            deterministic=ctx.det,
         )
         if not main:
             dq = dk = dv = None
         if not proxy:
             dq_proxy = dk_proxy = None
-        return dq_proxy, dk_proxy, dq, dk, dv, None, None, None
+        return dq_proxy, dk_proxy, dq, dk, dv, None, None, None, None
 
 
 class _SparseOpFunction(torch.autograd.Function):
     """:class:`_SparseFunction` under ``torch.compile`` (see :class:`_MSAOpFunction`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, cu_seqlens, args):
-        out, lse = custom_ops.fwd(q, k, v, indices, cu_seqlens, None, None, False, *args)[:2]
+    def forward(ctx, q, k, v, indices, cu_seqlens, args, det):
+        kw = {"deterministic": det}
+        out, lse = custom_ops.fwd(q, k, v, indices, cu_seqlens, None, None, False, *args, **kw)[:2]
         ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens)
-        ctx.args = args
+        ctx.args, ctx.det = args, det
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None or not any(ctx.needs_input_grad[:3]):
-            return (None,) * 6
+            return (None,) * 7
         q, k, v, out, lse, indices, cu = ctx.saved_tensors
         dq, dk, dv = custom_ops.bwd(
             dout.contiguous(),
@@ -573,8 +579,9 @@ class _SparseOpFunction(torch.autograd.Function):
             None,
             cu,
             *ctx.args,
+            deterministic=ctx.det,
         )[:3]
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,6 +603,7 @@ def msa_attention(
     warmup=False,
     compute_kl=True,
     q_map=None,
+    deterministic=None,
 ):
     """MiniMax Sparse Attention: proxy top-k block selection, sparse GQA attention, proxy KL.
 
@@ -631,6 +639,12 @@ def msa_attention(
             blocks, the own block, causality) are those of each query's token in its
             sequence, and ``kl`` is a mean over ``Hp * Tq`` rows. Only the ``torch`` backend
             runs it for now; not under ``torch.compile``.
+        deterministic: ``True`` makes ``out``, ``kl`` and every gradient bitwise identical
+            across runs on the same inputs (ordered reductions instead of fp32 atomics; more
+            time and memory, docs/design.md "Deterministic mode"); ``None`` (default) reads
+            ``FLASH_MSA_DETERMINISTIC`` (``1`` on, unset or ``0`` off), which the keyword
+            overrides. Backends that do not implement it are skipped by ``auto`` and raise
+            when forced.
 
     Returns:
         ``(out, kl)``: ``out`` like ``q``; ``kl`` a 0-dim fp32 tensor (fp64 for fp64 inputs),
@@ -652,6 +666,7 @@ def msa_attention(
     proxy_scale = _scale_arg("proxy_scale", proxy_scale, q_proxy.shape[-1] ** -0.5)
     warmup = _bool_arg("warmup", warmup)
     compute_kl = _bool_arg("compute_kl", compute_kl)
+    deterministic = backends.deterministic(deterministic)
     cu, max_seqlen = _sequences(q if q_map is None else k, cu_seqlens, max_seqlen)
     _check_finite(tensors)
     cfg = Config(
@@ -662,6 +677,7 @@ def msa_attention(
         top_k=None if warmup else _kernel_top_k(top_k, max_seqlen, block_size),
         warmup=warmup,
         compute_kl=compute_kl,
+        deterministic=deterministic,
     )
     packed = [_packed(x) for x in tensors.values()]
     Hp, Dp = q_proxy.shape[-2:]
@@ -670,7 +686,8 @@ def msa_attention(
         if q_map is not None:
             raise ValueError("q_map is not supported under torch.compile yet (eager only)")
         args = _op_args(cfg, varlen, dims)
-        out, kl = _MSAOpFunction.apply(*packed, cu, args, _wants_grad(*tensors.values()))
+        wants = _wants_grad(*tensors.values())
+        out, kl = _MSAOpFunction.apply(*packed, cu, args, wants, deterministic)
         return out.view(q.shape), kl
     problem = _problem(q, *dims, cu, varlen, cfg, q_map=q_map is not None)
     select_be = None if warmup else backends.resolve("select", problem)[1]
@@ -741,6 +758,7 @@ def sparse_attention(
     cu_seqlens=None,
     max_seqlen=None,
     return_lse=False,
+    deterministic=None,
 ):
     """Attention over given key blocks (differentiable in ``q``, ``k``, ``v``).
 
@@ -752,6 +770,7 @@ def sparse_attention(
             implied. Values are checked on CPU or with ``FLASH_MSA_DEBUG=1`` only.
         block_size, softmax_scale, cu_seqlens, max_seqlen: as in :func:`msa_attention`.
         return_lse: also return the fp32 natural-log LSE ``(B, S, H)`` (not differentiable).
+        deterministic: as in :func:`msa_attention` (``None``: ``FLASH_MSA_DETERMINISTIC``).
 
     Returns:
         ``out`` like ``q`` (rows with no visible key are 0), or ``(out, lse)``.
@@ -763,15 +782,21 @@ def sparse_attention(
     block_size = _block_size_arg(block_size)
     softmax_scale = _scale_arg("softmax_scale", softmax_scale, q.shape[-1] ** -0.5)
     return_lse = _bool_arg("return_lse", return_lse)
+    deterministic = backends.deterministic(deterministic)
     cu, max_seqlen = _sequences(q, cu_seqlens, max_seqlen)
     _check_indices(indices, q, cu, max_seqlen, block_size, varlen)
     _check_heads(q.shape[-2], k.shape[-2], indices.shape[-2], "indices")
     _check_finite(tensors)
-    cfg = Config(block_size=block_size, softmax_scale=softmax_scale, max_seqlen=max_seqlen)
+    cfg = Config(
+        block_size=block_size,
+        softmax_scale=softmax_scale,
+        max_seqlen=max_seqlen,
+        deterministic=deterministic,
+    )
     dims = (q.shape[-2], k.shape[-2], q.shape[-1], indices.shape[-2], 0, 0)
     packed = (_packed(q), _packed(k), _packed(v), _packed(indices), cu)
     if torch.compiler.is_compiling():  # custom ops (ops.py), as in msa_attention
-        out, lse = _SparseOpFunction.apply(*packed, _op_args(cfg, varlen, dims))
+        out, lse = _SparseOpFunction.apply(*packed, _op_args(cfg, varlen, dims), deterministic)
     else:
         problem = _problem(q, *dims, cu, varlen, cfg)
         fwd_be = backends.resolve("fwd", problem)[1]

@@ -3,6 +3,10 @@
 A backend is a module with the same small surface (see docs/design.md, "Contract"):
 ``unavailable_reason()``, ``unsupported_reason(op, problem)``, ``select``, ``fwd``, ``bwd``.
 
+``FLASH_MSA_DETERMINISTIC=1`` (or a call's ``deterministic=True``, :func:`deterministic`) asks
+for bitwise-reproducible results; a backend's ``Limits`` say whether it runs such calls, and the
+rules below apply to them unchanged (``auto`` skips the backends that do not).
+
 Rules:
 
 - forced (``cute``/``triton``/``torch``): that backend runs every op, or the call raises
@@ -45,6 +49,32 @@ def requested() -> str:
     if choice not in CHOICES:
         raise ValueError(f"FLASH_MSA_BACKEND must be one of {', '.join(CHOICES)}; got {choice!r}")
     return choice
+
+
+DETERMINISTIC_ENV = "FLASH_MSA_DETERMINISTIC"
+_ON, _OFF = ("1", "true"), ("", "0", "false")
+
+
+def deterministic(value: bool | None = None) -> bool:
+    """Whether a call runs in deterministic mode: ``value`` (a call's ``deterministic=``
+    keyword) when it is a bool, else ``FLASH_MSA_DETERMINISTIC`` (``1``/``true`` on,
+    ``0``/``false``/unset off; default off). The keyword overrides the environment.
+
+    Deterministic mode makes every output and gradient bitwise identical across runs on the
+    same inputs (ordered reductions instead of fp32 atomics, at a cost in time and memory:
+    docs/design.md, "Deterministic mode"); only backends that declare it run such calls."""
+    if value is not None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"deterministic must be a bool or None (None: {DETERMINISTIC_ENV}), got "
+                f"{type(value).__name__} {value!r}"
+            )
+        return value
+    raw = os.environ.get(DETERMINISTIC_ENV, "")
+    flag = raw.strip().lower()
+    if flag not in _ON + _OFF:
+        raise ValueError(f"{DETERMINISTIC_ENV} must be 0 or 1 (or false / true); got {raw!r}")
+    return flag in _ON
 
 
 def interpreting() -> bool:

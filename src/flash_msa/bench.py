@@ -312,10 +312,13 @@ def _measure(prov, xs, dense, iters):
         with forced(_mix(prov)), torch.no_grad():
             res["fwd_ms"] = time_ms(lambda: msa_attention(*leaves, TOP_K), iters=iters)
 
-        def step():
+        def step(compute_kl=True):
             with forced(_mix(prov)):
-                out, kl = msa_attention(*leaves, TOP_K)
+                out, kl = msa_attention(*leaves, TOP_K, compute_kl=compute_kl)
                 torch.autograd.backward([out, kl], [dout, torch.ones_like(kl)])
+
+        # the same step without the KL value (its gradient stays exact): issue 13's target
+        res["step_nokl_ms"] = time_ms(lambda: step(False), iters=iters)
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -365,6 +368,7 @@ def table(rows):
         ("bwd_ms", "{:.3f}"),
         ("step_ms", "{:.3f}"),
         ("step_tflops", "{:.0f}"),
+        ("step_nokl_ms", "{:.3f}"),
         ("peak_gib", "{:.2f}"),
         ("step_pct_peak", "{:.0f}%"),
         ("speedup_vs_sdpa", "{:.2f}x"),

@@ -38,3 +38,18 @@ def resources(cubin: bytes) -> dict:
     line = next(x for x in out.splitlines() if "REG:" in x)
     fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
     return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "LOCAL")}
+
+
+def sass_count(cubin: bytes, opcode: str) -> int:
+    """How many SASS instructions of a cubin start with ``opcode`` (``cuobjdump -sass``), e.g.
+    ``USETMAXREG``: ptxas may drop a PTX ``setmaxnreg`` it cannot honour, with only a
+    warning."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run(
+            [cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    return sum(1 for line in out.splitlines() if f" {opcode}" in line.split(";")[0])

@@ -379,6 +379,7 @@ def msa_attention(
     proxy_scale=None,
     warmup=False,
     compute_kl=True,
+    deterministic=None,
 ):
     """:func:`flash_msa.msa_attention` over a context-parallel group, on this rank's shards.
 
@@ -390,8 +391,10 @@ def msa_attention(
     ``k``, ``v`` ``(Tl, Hkv, D)``; head rules as in :func:`flash_msa.msa_attention`.
 
     Args:
-        top_k, softmax_scale, proxy_scale, warmup, compute_kl: as in
+        top_k, softmax_scale, proxy_scale, warmup, compute_kl, deterministic: as in
             :func:`flash_msa.msa_attention`; the block size is ``layout.block_size``.
+            ``deterministic`` covers this rank's op; the sums inside the collectives (the fp32
+            reduce-scatter of the key gradients) are ordered by the process group's backend.
         layout: this rank's :class:`Layout`; group: the CP process group (default: the world).
 
     Returns:
@@ -428,6 +431,7 @@ def msa_attention(
         warmup=warmup,
         compute_kl=compute_kl,
         q_map=layout.q_map,
+        deterministic=deterministic,
     )
     # the op's kl is a mean over this rank's Hp * Tl rows (padding rows add 0): rescale to the
     # share of the global Hp * T rows (a host constant: no sync)

@@ -38,6 +38,9 @@ class Limits:
     # runs calls with a query map (``Problem.q_map``: queries other than the keys' own tokens,
     # as context parallelism passes them; docs/distributed.md)
     q_map: bool = False
+    # runs deterministic calls (``Problem.deterministic``: every output and gradient bitwise
+    # reproducible, by ordered reductions instead of fp32 atomics; docs/design.md)
+    deterministic: bool = False
     note: str = ""  # what the table should also say (e.g. stages run by another backend)
 
 
@@ -93,6 +96,11 @@ def reason(limits: dict, op: str, problem: Problem) -> str | None:
         return (
             "q_map (queries that are not the keys' own tokens: context parallelism) "
             "is not implemented"
+        )
+    if problem.deterministic and not lim.deterministic:
+        return (
+            "deterministic mode (FLASH_MSA_DETERMINISTIC=1 or deterministic=True: ordered "
+            "reductions instead of fp32 atomics) is not implemented"
         )
     return None
 

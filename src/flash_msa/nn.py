@@ -357,6 +357,9 @@ class MSAttention(nn.Module):
             ``None`` attaches nothing and returns a ``kl`` that carries the gradient, for the
             trainer to add to its loss itself; ``0`` trains no proxy. Attribute, may be
             changed between steps.
+        deterministic: bitwise-reproducible outputs and gradients (the ``deterministic=``
+            keyword of :func:`flash_msa.msa_attention`); ``None`` (default) follows
+            ``FLASH_MSA_DETERMINISTIC``. Attribute, may be changed between steps.
         device, dtype: parameter factory arguments.
 
     Attributes:
@@ -380,6 +383,7 @@ class MSAttention(nn.Module):
         rope_theta: float | None = 10000.0,
         warmup: bool = False,
         kl_coeff: float | None = 1.0,
+        deterministic: bool | None = None,
         device=None,
         dtype=None,
     ):
@@ -403,6 +407,9 @@ class MSAttention(nn.Module):
         if self.block_size not in (64, 128):
             raise ValueError(f"block_size must be 64 or 128, got {block_size}")
         self.warmup = _bool("warmup", warmup)
+        if deterministic is not None:
+            _bool("deterministic", deterministic)
+        self.deterministic = deterministic
         _bool("qkv_bias", qkv_bias)
         _bool("qk_norm", qk_norm)
         self.kl_coeff = (
@@ -527,6 +534,7 @@ class MSAttention(nn.Module):
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
             warmup=self.warmup,
+            deterministic=self.deterministic,
         )
         out = self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
         if self.kl_coeff is not None:

@@ -5,11 +5,15 @@ Dynamo and AOTAutograd treat a backend call as one opaque node and never trace i
 launcher (CuTe DSL reads data pointers, which fake tensors do not have):
 
 - ``flash_msa::select(q_proxy, k_proxy, cu_seqlens, max_seqlen, block_size, proxy_scale, top_k,
-  backend) -> indices``
+  backend, *, deterministic) -> indices``
 - ``flash_msa::fwd(q, k, v, indices?, cu_seqlens, q_proxy?, k_proxy?, max_seqlen, ...,
   backend) -> (out, lse, proxy_lse, kl, unit_dq_proxy, unit_dk_proxy)``
 - ``flash_msa::bwd(dout?, dkl?, <the saved tensors>, cu_seqlens, max_seqlen, ..., backend)
   -> (dq, dk, dv, dq_proxy, dk_proxy)``
+
+Each also takes the keyword-only ``deterministic: bool = False`` (``Config.deterministic``, the
+value ``api.py`` resolved when the graph was traced): it reaches ``backends.resolve`` (a backend
+whose ``Limits`` do not declare deterministic mode is not chosen) and the backend's ``Config``.
 
 ``backend`` is the name ``backends.resolve`` chose (``"cute"``, ``"triton"``, ``"torch"``);
 the real implementation runs that module's ``select``/``fwd``/``bwd`` (docs/design.md,
@@ -72,6 +76,7 @@ def _call(
     compute_kl,
     varlen,
     dims,
+    deterministic=False,
 ):
     """``(Config, Problem)`` of one call from the ops' scalar arguments (as api.py builds them;
     ``dims`` is ``(H, Hkv, D, Hsel, Hpk, Dp)``, 0 for what the call does not have)."""
@@ -83,6 +88,7 @@ def _call(
         top_k=top_k,
         warmup=warmup,
         compute_kl=compute_kl,
+        deterministic=deterministic,
     )
     problem = problem_of(ref.device, ref.dtype, dims, cu_seqlens.numel() - 1, varlen, cfg)
     return cfg, problem
@@ -134,6 +140,8 @@ def select(
     varlen: bool,
     dims: list[int],
     backend: str,
+    *,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Backend op ``select``: int32 ``indices (T, Hp, top_k)`` (``top_k`` already clamped)."""
     cfg, problem = _call(
@@ -148,6 +156,7 @@ def select(
         compute_kl,
         varlen,
         dims,
+        deterministic,
     )
     name = resolve(backend, "select", problem)
     return _module(name).select(q_proxy, k_proxy, cu_seqlens, cfg)
@@ -168,6 +177,8 @@ def _select_fake(
     varlen,
     dims,
     backend,
+    *,
+    deterministic=False,
 ):
     problem = _call(
         q_proxy,
@@ -181,6 +192,7 @@ def _select_fake(
         compute_kl,
         varlen,
         dims,
+        deterministic,
     )[1]
     resolve(backend, "select", problem)  # a BackendError surfaces when the graph is traced
     T, Hp = q_proxy.shape[:2]
@@ -210,6 +222,8 @@ def fwd(
     varlen: bool,
     dims: list[int],
     backend: str,
+    *,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backend op ``fwd``: ``(out, lse, proxy_lse, kl, unit_dq_proxy, unit_dk_proxy)``."""
     cfg, problem = _call(
@@ -224,6 +238,7 @@ def fwd(
         compute_kl,
         varlen,
         dims,
+        deterministic,
     )
     name = resolve(backend, "fwd", problem)
     # a backward that fuses the proxy gradient (CuTe) makes it itself: not the forward
@@ -246,8 +261,10 @@ def fwd(
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, indices, cu_seqlens, q_proxy, k_proxy, proxy_grad, *call):
-    problem = _call(q, cu_seqlens, *call[:-1])[1]
+def _fwd_fake(
+    q, k, v, indices, cu_seqlens, q_proxy, k_proxy, proxy_grad, *call, deterministic=False
+):
+    problem = _call(q, cu_seqlens, *call[:-1], deterministic)[1]
     name = resolve(call[-1], "fwd", problem)
     proxy_grad = proxy_grad and not bwd_fuses_proxy_grad(problem, call[-1])
     compute_kl = call[6]
@@ -300,6 +317,8 @@ def bwd(
     varlen: bool,
     dims: list[int],
     backend: str,
+    *,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backend op ``bwd``: ``(dq, dk, dv, dq_proxy, dk_proxy)``, ``(0,)`` where not asked.
 
@@ -318,6 +337,7 @@ def bwd(
         compute_kl,
         varlen,
         dims,
+        deterministic,
     )
     name = resolve(backend, "bwd", problem)
     unit = None
@@ -332,9 +352,9 @@ def bwd(
 
 
 @bwd.register_fake
-def _bwd_fake(dout, dkl, q, k, v, out, lse, indices, q_proxy, k_proxy, *rest):
+def _bwd_fake(dout, dkl, q, k, v, out, lse, indices, q_proxy, k_proxy, *rest, deterministic=False):
     cu_seqlens, call = rest[3], rest[4:]
-    resolve(call[-1], "bwd", _call(q, cu_seqlens, *call[:-1])[1])
+    resolve(call[-1], "bwd", _call(q, cu_seqlens, *call[:-1], deterministic)[1])
 
     def like(x, wanted):
         if not wanted or x is None:

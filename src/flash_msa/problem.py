@@ -24,7 +24,10 @@ class Config:
 
     ``top_k`` is ``None`` for warmup and for ``sparse_attention`` (given indices);
     ``proxy_scale`` is ``None`` when the call has no proxy (``sparse_attention``).
-    ``max_seqlen`` is the longest sequence (batch form: ``S``).
+    ``max_seqlen`` is the longest sequence (batch form: ``S``). ``deterministic``: every output
+    and gradient bitwise reproducible across runs on the same inputs (ordered reductions
+    instead of fp32 atomics; ``FLASH_MSA_DETERMINISTIC`` / the ``deterministic=`` keyword,
+    :func:`flash_msa.backends.deterministic`); only backends whose ``Limits`` declare it run it.
     """
 
     block_size: int
@@ -34,6 +37,7 @@ class Config:
     top_k: int | None = None
     warmup: bool = False
     compute_kl: bool = False
+    deterministic: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +65,12 @@ class Problem:
     # the call passes a query map (``q_map``: queries that are not the keys' own tokens, as in
     # context parallelism; docs/distributed.md); only backends that declare it run such calls
     q_map: bool = False
+
+    @property
+    def deterministic(self) -> bool:
+        """The call asks for deterministic mode (``Config.deterministic``); only backends whose
+        ``Limits`` declare ``deterministic`` run it."""
+        return self.cfg.deterministic
 
 
 def problem_of(

@@ -47,13 +47,19 @@ BWD_LIMITS = Limits(
     note="one fused kernel for the main and proxy gradients; each selection head's main heads "
     "must share one KV head",
 )
+# Deterministic mode (Problem.deterministic): the selection and the forward's partials have no
+# atomics (every output element has one writer; the borrowed Triton stages order their sums
+# when cfg.deterministic), so they run it; the fused backward adds dQ and the key gradients
+# with fp32 atomics and does not yet (BWD_LIMITS leaves ``deterministic`` False): ``auto`` then
+# runs the backward on Triton, and a forced FLASH_MSA_BACKEND=cute raises, naming the setting.
 LIMITS = {
-    "select": Limits(**_SM90, proxy_head_dims=(64, 128), max_top_k=64),
+    "select": Limits(**_SM90, proxy_head_dims=(64, 128), max_top_k=64, deterministic=True),
     # the proxy LSE / combine / KL stages are borrowed from Triton: their limits are added
     # by flash_msa.sparse_forward.borrowed_reason
     "fwd": Limits(
         **_SM90,
         head_dims=(64, 128),
+        deterministic=True,
         note="per-block attention on CuTe; proxy LSE, combine and KL are Triton stages (with "
         "their limits) until CuTe stage 3",
     ),

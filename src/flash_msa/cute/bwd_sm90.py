@@ -57,7 +57,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from .. import worklist
+from .. import ordered, worklist
 from ..cubin import SHARED_LIMIT
 from ..problem import Grads, Saved
 from ..worklist import geometry
@@ -103,6 +103,12 @@ class BwdSm90:
     # reductions, "dq_store" writes them by plain stores (wrong sums): how much of the time the
     # fp32 reductions into L2 take (docs/perf-notes.md "CuTe backward v2")
     probe: str = ""
+    # deterministic mode (docs/algorithm.md "Deterministic mode"): no fp32 atomics; each item
+    # stores its dQ / dQ_proxy rows into per-slot partial rows (``((t - tok0) * heads + h) *
+    # K + slot``: one writer each) and its dK / dV / dK_proxy tile into a per-item tile (row
+    # ``item * block + key``), which flash_msa.ordered adds in a fixed order (bwd(): chunks of
+    # tokens, ranges of items)
+    deterministic: bool = False
 
     # the A/B switches' combinations (tests/test_gpu_cute_bwd.py checks each by the rule,
     # benchmarks/bwd_ab.py times them as "cute <name>")
@@ -110,6 +116,8 @@ class BwdSm90:
         "default": {},
         "stages1": dict(gather_stages=1),
         "ws": dict(ws=True),
+        # deterministic mode (not an A/B switch: checked and timed beside the others)
+        "deterministic": dict(deterministic=True),
     }
 
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
@@ -118,6 +126,9 @@ class BwdSm90:
     ITEM_TOKENS: ClassVar[int] = 128  # tokens per work item: the teacher slab's rows
     MBARS: ClassVar[int] = 2  # mbarriers in shared memory: the K/V tiles', the K_proxy tile's
     QP_STAGES: ClassVar[int] = 1  # q_proxy tiles (phase B) in the q buffer
+    # .minnctapersm of the launch (0: none): a subclass using setmaxnreg needs 1, or ptxas may
+    # drop it ("unable to determine register count at entry", seen at D = 64)
+    MIN_BLOCKS: ClassVar[int] = 0
 
     # -----------------------------------------------------------------------------------------
     # static limits
@@ -125,7 +136,8 @@ class BwdSm90:
     @classmethod
     def shared_bytes(
         cls,
-        elem_bytes, head_dim, proxy_head_dim, block_size, proxy, gather_stages=1
+        elem_bytes, head_dim, proxy_head_dim, block_size, proxy, gather_stages=1,
+        deterministic=False,
     ) -> dict:  # fmt: skip
         """Bytes of each shared-memory buffer, in the order of the ``Storage`` struct (operand
         tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum."""
@@ -133,7 +145,8 @@ class BwdSm90:
         sizes = {
             "mbar": 8 * cls.MBARS,  # mbarriers: K/V and Kp tiles (+ the subclass's)
             "sRowF": 2 * rows * 4 * gather_stages,  # per row: LSE (log2 units), Delta / proxy LSE
-            "sRowI": 2 * rows * 4 * gather_stages,  # per row: token (-1: pad), gradient row
+            # per row: token (-1: pad), gradient row (+ its partial row, deterministic)
+            "sRowI": (3 if deterministic else 2) * rows * 4 * gather_stages,
             # q rows (gather_stages buffers), then one buffer of q_proxy rows
             "sQ": rows * max(D * gather_stages, proxy_head_dim * cls.QP_STAGES) * elem_bytes,
             "sdO": rows * D * elem_bytes * gather_stages,
@@ -152,7 +165,7 @@ class BwdSm90:
     @classmethod
     def can_implement(
         cls, dtype, heads, kv_heads, sel_heads, proxy_k_heads, head_dim, proxy_head_dim, top_k,
-        block_size, proxy=True, gather_stages=1,
+        block_size, proxy=True, gather_stages=1, deterministic=False,
     ) -> str | None:  # fmt: skip
         """Why this configuration cannot be compiled or run (``None``: it can).
 
@@ -184,7 +197,8 @@ class BwdSm90:
         if gather_stages not in (1, 2):
             return f"gather_stages must be 1 or 2, not {gather_stages}"
         smem = cls.shared_bytes(
-            dtype.width // 8, head_dim, proxy_head_dim, block_size, proxy, gather_stages
+            dtype.width // 8, head_dim, proxy_head_dim, block_size, proxy, gather_stages,
+            deterministic,
         )  # fmt: skip
         if smem["total"] > SHARED_LIMIT:
             return f"{smem['total']} bytes of shared memory exceed the sm_90 capacity"
@@ -194,7 +208,7 @@ class BwdSm90:
         why = self.can_implement(
             self.dtype, self.heads, self.kv_heads, self.sel_heads, self.proxy_k_heads,
             self.head_dim, self.proxy_head_dim, self.top_k, self.block_size, self.proxy,
-            self.gather_stages,
+            self.gather_stages, self.deterministic,
         )  # fmt: skip
         if self.probe not in ("", "no_dq_red", "dq_store"):
             raise ValueError(f"CuTe backward: unknown probe {self.probe!r}")
@@ -226,6 +240,11 @@ class BwdSm90:
     def warpgroups(self) -> int:
         """MMA warpgroups: one per 64 keys of the block."""
         return self.block_size // self.KEYS
+
+    @property
+    def row_fields(self) -> int:
+        """Int32 fields per row in shared memory: token, gradient row (+ partial row)."""
+        return 3 if self.deterministic else 2
 
     @property
     def cta_threads(self) -> int:
@@ -286,6 +305,7 @@ class BwdSm90:
         pscale_log2: Float32,
         pcoef: Float32,
         NB: Int32,
+        tok0: Int32,
         stream: cuda.CUstream,
     ):
         """Launch one CTA per work item. ``mQ``, ``mDO (T*H, D)``; ``mK``, ``mV`` the ``(T, D,
@@ -295,7 +315,7 @@ class BwdSm90:
         at 1M tokens; the kernel adds by 64-bit offsets from the base): ``mDQ (T*H, D)``,
         ``mDK``, ``mDV (T*Hkv, D)``, ``mDQp (T*Hs, Dp)``, ``mDKp (T*Hpk, Dp)``; the scales: softmax
         scale, its * log2 e, proxy scale * log2 e, coef * proxy scale (coef = 1 / (Hs T)); ``NB``
-        the block count."""
+        the block count; ``tok0`` the first token of the work list's chunk (deterministic)."""
         ROWS, D, DP, BLOCK = self.ROWS, self.head_dim, self.proxy_head_dim, self.block_size
         dtype = self.dtype
         mmas = self._mmas(D)
@@ -345,7 +365,7 @@ class BwdSm90:
         class Storage:  # sizes: shared_bytes
             mbar: cute.struct.MemRange[cutlass.Int64, self.MBARS]
             sRowF: cute.struct.MemRange[Float32, 2 * ROWS * STAGES]
-            sRowI: cute.struct.MemRange[Int32, 2 * ROWS * STAGES]
+            sRowI: cute.struct.MemRange[Int32, self.row_fields * ROWS * STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, smem_q], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
@@ -354,17 +374,20 @@ class BwdSm90:
             slab: cute.struct.Align[cute.struct.MemRange[Float32, SLAB], 1024]
 
         smem = self.shared_bytes(
-            dtype.width // 8, D, DP, BLOCK, self.proxy, STAGES
+            dtype.width // 8, D, DP, BLOCK, self.proxy, STAGES, self.deterministic
         )["total"]  # fmt: skip
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
         self.kernel(
             mQ, mDO, tma_k, tma_mK, tma_v, tma_mV, mLSE, mDelta, mQp, tma_kp, tma_mKp, mPLSE,
-            work, mDQ, mDK, mDV, mDQp, mDKp, (scale, scale_log2, pscale_log2, pcoef), NB, mmas,
-            mmas_p,
+            work, mDQ, mDK, mDV, mDQp, mDKp, (scale, scale_log2, pscale_log2, pcoef, tok0), NB,
+            mmas, mmas_p,
             (sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout),
             (gather_copy(D), gather_copy(DP)), Storage,
         ).launch(
-            grid=(work.item_list.shape[0], 1, 1), block=(self.cta_threads, 1, 1), stream=stream
+            grid=(work.item_list.shape[0], 1, 1),
+            block=(self.cta_threads, 1, 1),
+            stream=stream,
+            min_blocks_per_mp=self.MIN_BLOCKS,
         )  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
@@ -417,7 +440,10 @@ class BwdSm90:
             (ROWS, 2, self.gather_stages), stride=(1, ROWS, 2 * ROWS)
         )  # (row, field, buffer)
         sRowF = st.sRowF.get_tensor(row_layout)
-        sRowI = st.sRowI.get_tensor(row_layout)
+        F = self.row_fields
+        sRowI = st.sRowI.get_tensor(
+            cute.make_layout((ROWS, F, self.gather_stages), stride=(1, ROWS, F * ROWS))
+        )
         bars = st.mbar.data_ptr()
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -499,10 +525,10 @@ class BwdSm90:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def row_data(self, mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, buf, t_all):
+    def row_data(self, mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, buf, t_all, tok0=0):
         """Threads 0..63 write the data of phase A's rows (entries ``c + row / G2``, heads
         ``h0 + row % G2``) into buffer ``buf``: token (-1: pad), q/dO row, LSE (log2 units,
-        +inf: pad), Delta."""
+        +inf: pad), Delta; deterministic: the row's partial row (:attr:`deterministic`)."""
         H, HS, K = self.heads, self.sel_heads, self.top_k
         G2 = self.geometry[1]
         if t_all < self.ROWS:
@@ -511,6 +537,8 @@ class BwdSm90:
             t = Int32(flat // (HS * K))
             qrow = t * H + h0 + t_all % G2
             sRowI[t_all, 1, buf] = qrow
+            if cutlass.const_expr(self.deterministic):
+                sRowI[t_all, 2, buf] = ((t - tok0) * H + h0 + t_all % G2) * K + Int32(flat % K)
             if e < e1:
                 sRowI[t_all, 0, buf] = t
                 sRowF[t_all, 0, buf] = mLSE[qrow] * LOG2E
@@ -530,7 +558,7 @@ class BwdSm90:
         ROWS, D, BLOCK = self.ROWS, self.head_dim, self.block_size
         G, G2, R = self.geometry
         BT = ROWS // G2
-        scale, scale_log2 = scales[0], scales[1]
+        scale, scale_log2, tok0 = scales[0], scales[1], scales[4]
         mma_sdp, mma_dkv, mma_dq = mmas
         thr_sdp = mma_sdp.get_slice(t_all)
         thr_dkv = mma_dkv.get_slice(t_all)
@@ -559,7 +587,7 @@ class BwdSm90:
         STAGES = self.gather_stages
         pending = 2 if self.main else 1  # commit groups of one (chunk, sub-group)'s gathers
         if cutlass.const_expr(STAGES == 2):  # prologue: the first (chunk, sub-group)'s rows
-            self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, e0, e1, p * G, 0, t_all)
+            self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, e0, e1, p * G, 0, t_all, tok0)
             cute.arch.sync_threads()
             self.gather_rows(gather, mQ, sQ, D, sRowI, 0, t_all)
             if cutlass.const_expr(self.main):
@@ -571,7 +599,7 @@ class BwdSm90:
                 b = 0  # this (chunk, sub-group)'s buffer
                 if cutlass.const_expr(STAGES == 1):
                     # rows' data: token (-1 = pad), q/dO row, LSE (log2 units), Delta
-                    self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, 0, t_all)
+                    self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, 0, t_all, tok0)
                     cute.arch.sync_threads()
                     self.gather_rows(gather, mQ, sQ, D, sRowI, 0, t_all)
                     if cutlass.const_expr(self.main):
@@ -586,7 +614,9 @@ class BwdSm90:
                         nch = (it + 1) // R
                         h1 = p * G + Int32((it + 1) - nch * R) * G2
                         c1 = e0 + nch * BT
-                        self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, c1, e1, h1, 1 - b, t_all)
+                        self.row_data(
+                            mPerm, mLSE, mDelta, sRowI, sRowF, c1, e1, h1, 1 - b, t_all, tok0
+                        )
                         cute.arch.sync_threads()
                         self.gather_rows(gather, mQ, sQ, D, sRowI, 1 - b, t_all)
                         if cutlass.const_expr(self.main):
@@ -726,42 +756,55 @@ class BwdSm90:
         a_rc = acc_rows_cols(acc)
         c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((ROWS, dim))))
         r0, r1 = c_rc[0, 0][0], c_rc[1, 0][0]
+        f = 2 if self.deterministic else 1  # the row's partial row, or its gradient row
+        mode = {"": "red", "no_dq_red": "none", "dq_store": "store"}[self.probe]
+        if cutlass.const_expr(self.deterministic):
+            mode = "store"
         self.red_rows(
-            mOut, Int64(sRowI[r0, 1, buf]) * dim, sRowI[r0, 0, buf] >= 0,
-            Int64(sRowI[r1, 1, buf]) * dim, sRowI[r1, 0, buf] >= 0, a_rc, c_rc, coef, self.probe,
+            mOut, Int64(sRowI[r0, f, buf]) * dim, sRowI[r0, 0, buf] >= 0,
+            Int64(sRowI[r1, f, buf]) * dim, sRowI[r1, 0, buf] >= 0, a_rc, c_rc, coef, mode,
         )  # fmt: skip
 
     @cute.jit
     def store_dkv(self, thr, acc, mOut, ks, ke, head, heads: Constexpr, dim: Constexpr, coef):
         """``out[(ks + key) * heads + head, :] += coef * acc[key, :]`` (a flat fp32 ``(T *
         heads * dim,)`` output) for the CTA's keys before ``ke``: fp32 reductions, other
-        items add to the same block."""
+        items add to the same block. Deterministic: ``out`` is the per-item tiles, ``out[w *
+        block + key, :] = coef * acc[key, :]`` for all the block's keys (work item ``w``)."""
         a_rc = acc_rows_cols(acc)
         c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((self.block_size, dim))))
-        k0, k1 = ks + c_rc[0, 0][0], ks + c_rc[1, 0][0]
-        self.red_rows(
-            mOut, (Int64(k0) * heads + head) * dim, k0 < ke, (Int64(k1) * heads + head) * dim,
-            k1 < ke, a_rc, c_rc, coef,
-        )  # fmt: skip
+        if cutlass.const_expr(self.deterministic):
+            w, _, _ = cute.arch.block_idx()
+            r0 = Int64(w) * self.block_size + c_rc[0, 0][0]
+            r1 = Int64(w) * self.block_size + c_rc[1, 0][0]
+            self.red_rows(mOut, r0 * dim, True, r1 * dim, True, a_rc, c_rc, coef, "store")
+        else:
+            k0, k1 = ks + c_rc[0, 0][0], ks + c_rc[1, 0][0]
+            self.red_rows(
+                mOut, (Int64(k0) * heads + head) * dim, k0 < ke,
+                (Int64(k1) * heads + head) * dim, k1 < ke, a_rc, c_rc, coef,
+            )  # fmt: skip
 
     @cute.jit
-    def red_rows(self, mOut, base0, ok0, base1, ok1, a_rc, c_rc, coef, probe: Constexpr = ""):
+    def red_rows(self, mOut, base0, ok0, base1, ok1, a_rc, c_rc, coef, mode: Constexpr = "red"):
         """``out[base_i + col] += coef * acc[i, col]`` for this thread's columns of its two
         accumulator rows ``i`` (a warpgroup MMA's thread holds rows r and r + 8, column pairs
-        ``8 j + 2 (lane % 4)``) where ``ok_i``, by ``red.global.add.v2.f32`` per pair (``probe``:
-        :attr:`probe`)."""
+        ``8 j + 2 (lane % 4)``) where ``ok_i``, by ``red.global.add.v2.f32`` per pair (``mode``
+        "red"), or ``out[...] = ...`` by 8-byte stores ("store": deterministic partials, the
+        ``dq_store`` probe), or nothing ("none": the ``no_dq_red`` probe)."""
         red = dict(op="add", dtype="f32", sem="relaxed", scope="gpu")
         assert cute.size(a_rc, mode=[0]) == 2
         pair = cute.make_rmem_tensor(2, Float32)
-        if cutlass.const_expr(probe != "no_dq_red"):
+        if cutlass.const_expr(mode != "none"):
             for i, base, ok in ((0, base0, ok0), (1, base1, ok1)):
                 if ok:
                     for jj in cutlass.range_constexpr(cute.size(a_rc, mode=[1]) // 2):
                         pair[0] = a_rc[i, 2 * jj] * coef
                         pair[1] = a_rc[i, 2 * jj + 1] * coef
                         ptr = mOut.iterator + (base + c_rc[i, 2 * jj][1])
-                        if cutlass.const_expr(probe == "dq_store"):
-                            dst = cute.make_tensor(ptr, cute.make_layout(2))
+                        if cutlass.const_expr(mode == "store"):  # (8-byte aligned: even column)
+                            off = cute.assume(base + c_rc[i, 2 * jj][1], divby=2)
+                            dst = cute.make_tensor(mOut.iterator + off, cute.make_layout(2))
                             dst.store(pair.load())
                         else:
                             cute.arch.red(ptr, pair.load(), **red)
@@ -775,7 +818,7 @@ class BwdSm90:
         ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.block_size
         HS, K = self.sel_heads, self.top_k
         G = self.geometry[0]
-        pscale_log2, pcoef = scales[2], scales[3]
+        pscale_log2, pcoef, tok0 = scales[2], scales[3], scales[4]
         mma_sdp, mma_dkv, mma_dq = mmas
         thr_sdp = mma_sdp.get_slice(t_all)
         thr_dkv = mma_dkv.get_slice(t_all)
@@ -801,6 +844,8 @@ class BwdSm90:
                 t = Int32(flat // (HS * K))
                 prow = t * HS + p
                 sRowI[t_all, 1, 0] = prow
+                if cutlass.const_expr(self.deterministic):
+                    sRowI[t_all, 2, 0] = ((t - tok0) * HS + p) * K + Int32(flat % K)
                 if e < e1:
                     sRowI[t_all, 0, 0] = t
                     sRowF[t_all, 0, 0] = mPLSE[prow] * LOG2E
@@ -858,7 +903,8 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
     gradients when ``dout`` is given, the proxy gradients (``dkl`` times the unit gradient made
     here; the forward's ``Saved.proxy_grad`` is not used) when ``dkl`` is given, in one launch
     of :class:`BwdSm90`. ``variant``: the kernel's A/B switches (``BwdSm90.VARIANTS``: tests and
-    ``benchmarks/bwd_ab.py``; the defaults are the measured choice).
+    ``benchmarks/bwd_ab.py``; the defaults are the measured choice). Deterministic mode
+    (``cfg.deterministic`` or ``variant["deterministic"]``): :func:`_ordered`.
     Limits: ``flash_msa.cute.unsupported_reason("bwd", ...)``."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
     main, proxy = dout is not None, dkl is not None
@@ -868,63 +914,80 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
     Hkv = k.shape[1]
     Hs, K = indices.shape[1:]
     Hpk, Dp = (k_proxy.shape[1], k_proxy.shape[2]) if proxy else (Hs, D)
+    det = bool(variant.pop("deterministic", False) or getattr(cfg, "deterministic", False))
     kernel = BwdSm90.make(
-        cutlass_dtype(q.dtype), H, Hkv, Hs, Hpk, D, Dp, K, cfg.block_size, main, proxy, **variant
+        cutlass_dtype(q.dtype),
+        H,
+        Hkv,
+        Hs,
+        Hpk,
+        D,
+        Dp,
+        K,
+        cfg.block_size,
+        main,
+        proxy,
+        deterministic=det,
+        **variant,
     )  # raises ValueError with the reason if the kernel cannot run this configuration
-    wl = worklist.build(indices, cu_seqlens, cfg.block_size, BwdSm90.ITEM_TOKENS)
     f32 = dict(dtype=torch.float32, device=q.device)
     dummy = torch.zeros((1, 64), **f32)  # fp32 outputs / inputs of a part not made
     qv = cute_tensor(aligned(q).view(T * H, D))
     kv = cute_tensor(aligned(k).permute(0, 2, 1))  # (T, D, Hkv): a TMA box = one head's block
+    lse_t = cute_tensor(aligned(lse.contiguous()).view(-1))
     if main:
-        dq = torch.zeros((T, H, D), **f32)
-        dk = torch.zeros((T, Hkv, D), **f32)
-        dv = torch.zeros((T, Hkv, D), **f32)
         dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)  # (T, H)
-        main_args = (
-            cute_tensor(aligned(dout).view(T * H, D)),
-            kv,
-            cute_tensor(aligned(v).permute(0, 2, 1)),
-            cute_tensor(aligned(lse.contiguous()).view(-1)),
-            cute_tensor(delta.view(-1)),
-        )
-        main_out = tuple(cute_tensor(x.view(-1, D)) for x in (dq, dk, dv))  # 2-D: > 2**31
+        dO, vt = cute_tensor(aligned(dout).view(T * H, D)), cute_tensor(aligned(v).permute(0, 2, 1))
+        main_args = (dO, kv, vt, lse_t, cute_tensor(delta.view(-1)))
     else:
-        dq = dk = dv = None
-        lse_t = cute_tensor(aligned(lse.contiguous()).view(-1))
         main_args = (qv, kv, kv, lse_t, cute_tensor(dummy.view(-1)))
-        main_out = (cute_tensor(dummy),) * 3
     if proxy:
-        dqp = torch.zeros((T, Hs, Dp), **f32)
-        dkp = torch.zeros((T, Hpk, Dp), **f32)
         proxy_args = (
             cute_tensor(aligned(q_proxy).view(T * Hs, Dp)),
             cute_tensor(aligned(k_proxy).permute(0, 2, 1)),
             cute_tensor(aligned(proxy_lse.contiguous()).view(-1)),
         )
-        proxy_out = (cute_tensor(dqp.view(-1, Dp)), cute_tensor(dkp.view(-1, Dp)))
         pscale = cfg.proxy_scale
     else:
-        dqp = dkp = None
-        proxy_args = (qv, kv, main_args[3])
-        proxy_out = (cute_tensor(dummy),) * 2
+        proxy_args = (qv, kv, lse_t)
         pscale = 1.0
-    dO, kt, vt, lse_t, delta_t = main_args
-    if T > 0:  # (no tokens: zero gradients, no launch)
+    scalars = (
+        Float32(cfg.softmax_scale),
+        Float32(cfg.softmax_scale * LOG2E),
+        Float32(pscale * LOG2E),
+        Float32(pscale / (Hs * T)),  # coef = 1 / (Hs T): the unit KL gradient, times pscale
+    )
+
+    def launch(wl, outs, tok0=0, w0=0, w1=None):
+        """One launch over items ``w0 .. w1`` of ``wl`` into ``outs`` (dq, dk, dv, dqp, dkp
+        buffers; ``None``: a part not made)."""
+        w1 = wl.num_items if w1 is None else w1
+        items = (wl.item_list[w0:w1], wl.item_start[w0:w1], wl.item_end[w0:w1])
+        items = (aligned(x) for x in items)  # (a range's slice: copied unless 16-byte aligned)
+        work = WorkItems(*(cute_tensor(x) for x in (wl.perm, *items, wl.block_start, wl.block_end)))
+        views = [cute_tensor(dummy) if x is None else cute_tensor(x) for x in outs]
         run(
-            kernel,
-            q.device,
-            qv, dO, kt, vt, lse_t, delta_t, *proxy_args,
-            WorkItems(*(cute_tensor(x) for x in wl[:6])),
-            *main_out, *proxy_out,
-            Float32(cfg.softmax_scale),
-            Float32(cfg.softmax_scale * LOG2E),
-            Float32(pscale * LOG2E),
-            Float32(pscale / (Hs * T)),  # coef = 1 / (Hs T): the unit KL gradient, times pscale
-            Int32(wl.num_blocks),
-            stream(q.device),
+            kernel, q.device, qv, *main_args, *proxy_args, work, *views, *scalars,
+            Int32(wl.num_blocks), Int32(tok0), stream(q.device),
         )  # fmt: skip
+
+    if det:
+        dq, dk, dv, dqp, dkp = _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg,
+                                        main, proxy)  # fmt: skip
+    else:
+        dq = dk = dv = dqp = dkp = None
+        if main:
+            dq = torch.zeros((T, H, D), **f32)
+            dk = torch.zeros((T, Hkv, D), **f32)
+            dv = torch.zeros((T, Hkv, D), **f32)
+        if proxy:
+            dqp = torch.zeros((T, Hs, Dp), **f32)
+            dkp = torch.zeros((T, Hpk, Dp), **f32)
+        if T > 0:  # (no tokens: zero gradients, no launch)
+            wl = worklist.build(indices, cu_seqlens, cfg.block_size, BwdSm90.ITEM_TOKENS)
+            outs = [None if x is None else x.view(-1, x.shape[-1]) for x in (dq, dk, dv, dqp, dkp)]
+            launch(wl, outs)  # 2-D fp32 views: > 2**31 elements at 1M tokens
     if proxy:
         dqp = (dqp * dkl).to(q_proxy.dtype)
         dkp = (dkp * dkl).to(k_proxy.dtype)
@@ -933,3 +996,75 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
         return None if x is None else x.to(like.dtype)
 
     return Grads(cast(dq, q), cast(dk, k), cast(dv, v), dqp, dkp)
+
+
+def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, proxy):
+    """The deterministic backward: ``(dq, dk, dv, dqp, dkp)`` (fp32 but ``dq``, ``None`` where
+    not made), by :func:`bwd`'s ``launch`` of the deterministic kernel and the fixed-order sums
+    of :mod:`flash_msa.ordered`, as the Triton backward does (triton_ref/sparse_bwd.py).
+
+    Over chunks of C query tokens (one work list each): the kernel stores dQ / dQ_proxy row
+    partials ``(C, heads, K, dim)`` (fp32: one row per (token, head, slot), an item's CTA
+    holding the whole block: one key part) and, per range of work items, dK / dV / dK_proxy
+    tiles ``(items, 1, block, dim)`` (every sub-group of an item shares its key head: one tile),
+    which ``ordered.item_sum`` adds after each range (per key head: its selection heads in
+    order, each list's items in token order); ``ordered.slot_sum`` then sums the chunk's row
+    partials over slots in order. C and the ranges keep each buffer within
+    ``ordered.PARTIAL_BYTES``."""
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    Hs, K = indices.shape[1:]
+    block = cfg.block_size
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dq = dk = dv = dqp = dkp = None
+    per_token = per_item = 0
+    if main:
+        dq = torch.empty_like(q)  # slot_sum writes every row
+        dk = torch.zeros((T, Hkv, D), **f32)
+        dv = torch.zeros((T, Hkv, D), **f32)
+        per_token += H * K * D * 4
+        per_item += 2 * block * D * 4
+    if proxy:
+        Hpk, Dp = k_proxy.shape[1:]
+        dqp = torch.empty((T, Hs, Dp), **f32)
+        dkp = torch.zeros((T, Hpk, Dp), **f32)
+        per_token += Hs * K * Dp * 4
+        per_item += block * Dp * 4
+    if T == 0:
+        return dq, dk, dv, dqp, dkp
+    C = ordered.token_chunk(T, per_token)
+    dq_part = torch.empty((C, H, K, D), **f32) if main else None
+    dqp_part = torch.empty((C, Hs, K, Dp), **f32) if proxy else None
+    tiles, cap = None, 0
+    for c0 in range(0, T, C):
+        c1 = min(T, c0 + C)
+        idx = indices[c0:c1]
+        wl = worklist.build(idx, cu_seqlens, block, BwdSm90.ITEM_TOKENS, c0, T)
+        items = ordered.list_items(wl)
+        ranges = ordered.item_ranges(wl.num_items, per_item)
+        most = max(w1 - w0 for w0, w1 in ranges)
+        if most > cap:  # dK, dV, dK_proxy tiles of one range
+            cap = most
+            tiles = [torch.empty((cap, 1, block, D), **f32) if main else None for _ in range(2)]
+            tiles.append(torch.empty((cap, 1, block, Dp), **f32) if proxy else None)
+        rows = [
+            None if x is None else x[: c1 - c0].view(-1, x.shape[-1]) for x in (dq_part, dqp_part)
+        ]
+        for w0, w1 in ranges:
+            flat = [None if x is None else x.view(-1, x.shape[-1]) for x in tiles]
+            launch(wl, (rows[0], flat[0], flat[1], rows[1], flat[2]), c0, w0, w1)
+            n = w1 - w0
+            if main:
+                parts = (tiles[0][:n], tiles[1][:n])
+                ordered.item_sum(parts, (dk, dv), items, w0, w1, wl, groups=Hs // Hkv, per_item=1)
+            if proxy:
+                ordered.item_sum(
+                    (tiles[2][:n],), (dkp,), items, w0, w1, wl, groups=Hs // Hpk, per_item=1
+                )
+        tok0 = torch.full((1,), c0, dtype=torch.int64, device=q.device)
+        if main:
+            part = dq_part[: c1 - c0]
+            ordered.slot_sum(part, dq, tok0, slots=K, parts=1, idx=idx, group=H // Hs)
+        if proxy:
+            ordered.slot_sum(dqp_part[: c1 - c0], dqp, tok0, slots=K, parts=1, idx=idx, group=1)
+    return dq, dk, dv, dqp, dkp

@@ -27,11 +27,16 @@ K_proxy replaces V in shared memory after phase A: the consumers meet at ``DS_RE
 thread issues its TMA.
 
 Shared memory: BwdSm90's with ``gather_stages=2`` plus four mbarriers (216,064 bytes at D = Dp
-= 128, block 128, bf16). Registers: 384 threads launch at 168 each; the producer drops to 40 and
-the consumers take 224 (128 * 40 + 256 * 224 = 62,464 <= 65,536). Compiled without spills at
-the anchor and paper layouts only so: 24 / 240 and 32 / 232 spilled (the paper layout) in both
-roles. The dS tile is stored by one vectorized copy of the thread's partition (per-element
-indices held 32 registers and spilled at 240).
+= 128, block 128, bf16). Registers: 384 threads launch at 168 each (``.minnctapersm 1`` pins
+it: without it ptxas dropped the setmaxnreg at D = 64); the producer drops to 32 and the
+consumers take 232 (128 * 32 + 256 * 232 = 63,488 <= 384 * 168 = 64,512). The split was chosen
+by compiling every configuration of the compile check: 24 / 240 spilled 8-32 bytes (anchor,
+paper, fp16), 40 / 224 8-56 bytes (anchor, G2 = 1, main-only, fp16); 32 / 232 none. With
+``deterministic`` it spilled 8 bytes at every split tried: refused for now (``can_implement``;
+the deterministic backward runs on BwdSm90). The dS tile is stored by one vectorized copy of the
+thread's partition (per-element indices held 32 registers and spilled at 240), before the dK
+MMA takes the same registers as its A operand (a wgmma's register operands may not be read
+until it is waited).
 """
 
 from __future__ import annotations
@@ -56,8 +61,9 @@ class BwdWsSm90(BwdSm90):
 
     MBARS: ClassVar[int] = 6  # K/V, K_proxy, full[2], empty[2]
     QP_STAGES: ClassVar[int] = 2  # phase B's q_proxy tiles ride the ring too
-    PRODUCER_REGS: ClassVar[int] = 40
-    CONSUMER_REGS: ClassVar[int] = 224
+    MIN_BLOCKS: ClassVar[int] = 1  # pins the launch register count (168) for setmaxnreg
+    PRODUCER_REGS: ClassVar[int] = 32
+    CONSUMER_REGS: ClassVar[int] = 232
     # named barriers of the consumers (0 is the CTA's __syncthreads)
     DS_READY: ClassVar[int] = 1
     DS_FREE: ClassVar[int] = 2
@@ -66,7 +72,7 @@ class BwdWsSm90(BwdSm90):
     @classmethod
     def can_implement(
         cls, dtype, heads, kv_heads, sel_heads, proxy_k_heads, head_dim, proxy_head_dim, top_k,
-        block_size, proxy=True, gather_stages=2,
+        block_size, proxy=True, gather_stages=2, deterministic=False,
     ) -> str | None:  # fmt: skip
         """:meth:`BwdSm90.can_implement`, and: two ring stages; block 128 (two consumer
         warpgroups); ``proxy_head_dim == head_dim`` (a stage's q_proxy tile then sits where
@@ -74,7 +80,7 @@ class BwdWsSm90(BwdSm90):
         phase-A stage still in use)."""
         why = super().can_implement(
             dtype, heads, kv_heads, sel_heads, proxy_k_heads, head_dim, proxy_head_dim, top_k,
-            block_size, proxy, gather_stages,
+            block_size, proxy, gather_stages, deterministic,
         )  # fmt: skip
         if why is not None:
             return why
@@ -82,6 +88,8 @@ class BwdWsSm90(BwdSm90):
             return f"the warp-specialized backward has two gather stages, not {gather_stages}"
         if block_size != 128:
             return f"the warp-specialized backward needs block_size 128, not {block_size}"
+        if deterministic:
+            return "the warp-specialized backward has no deterministic mode yet (BwdSm90 has)"
         if proxy and proxy_head_dim != head_dim:
             return (
                 f"the warp-specialized backward needs proxy_head_dim == head_dim "
@@ -150,7 +158,8 @@ class BwdWsSm90(BwdSm90):
         sdS = st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (ROWS, BLOCK, 1)
         row_layout = cute.make_layout((ROWS, 2, 2), stride=(1, ROWS, 2 * ROWS))
         sRowF = st.sRowF.get_tensor(row_layout)  # (row, field, stage)
-        sRowI = st.sRowI.get_tensor(row_layout)
+        F = self.row_fields
+        sRowI = st.sRowI.get_tensor(cute.make_layout((ROWS, F, 2), stride=(1, ROWS, F * ROWS)))
         sQp = st.sQ.get_tensor(sQp_layout.outer, swizzle=sQp_layout.inner)  # (ROWS, DP, 2)
         bars = st.mbar.data_ptr()  # K/V, K_proxy, full[0], full[1], empty[0], empty[1]
         if warp_idx == 0:
@@ -184,7 +193,7 @@ class BwdWsSm90(BwdSm90):
                     self.load_tile(tma_k, mK, sK, D, ks, kvh, bars, warp_idx, 1)
                 self.producer(
                     mQ, mDO, mLSE, mDelta, mQp, mPLSE, sQ, sdO, sQp, sRowF, sRowI, work.perm,
-                    gathers, bars, e0, e1, p, t_all,
+                    gathers, bars, e0, e1, p, scales[4], t_all,
                 )  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
@@ -219,7 +228,7 @@ class BwdWsSm90(BwdSm90):
     @cute.jit
     def producer(
         self, mQ, mDO, mLSE, mDelta, mQp, mPLSE, sQ, sdO, sQp, sRowF, sRowI, mPerm, gathers,
-        bars, e0, e1, p, tp,
+        bars, e0, e1, p, tok0, tp,
     ):  # fmt: skip
         """Fill the ring: phase A's (chunk, sub-group) iterations, then phase B's chunks."""
         ROWS, D, DP = self.ROWS, self.head_dim, self.proxy_head_dim
@@ -233,7 +242,8 @@ class BwdWsSm90(BwdSm90):
             for r in cutlass.range(R, unroll=1):
                 s = it % 2
                 cute.arch.mbarrier_wait(bars + 4 + s, (it // 2) % 2 ^ 1)
-                self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, p * G + r * G2, s, tp)
+                h0 = p * G + r * G2
+                self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, s, tp, tok0)
                 self.producer_sync()
                 self.gather_rows(gathers[0], mQ, sQ, D, sRowI, s, tp)
                 if cutlass.const_expr(self.main):
@@ -252,6 +262,8 @@ class BwdWsSm90(BwdSm90):
                     t = Int32(flat // (HS * K))
                     prow = t * HS + p
                     sRowI[tp, 1, s] = prow
+                    if cutlass.const_expr(self.deterministic):
+                        sRowI[tp, 2, s] = ((t - tok0) * HS + p) * K + Int32(flat % K)
                     if e < e1:
                         sRowI[tp, 0, s] = t
                         sRowF[tp, 0, s] = mPLSE[prow] * LOG2E
@@ -382,20 +394,24 @@ class BwdWsSm90(BwdSm90):
                         cute.gemm(
                             mma_dkv, acc_dV, tVrP[None, None, kb], tVrdO[None, None, kb, b], acc_dV
                         )
+                    warpgroup.commit_group()
+                    # 5. dS to shared memory (once both warpgroups' last dQ MMAs are done) before
+                    # the dK MMA takes rdS as its A operand (a wgmma's register operands may not
+                    # be read until it is waited); from the converted copy, one vectorized
+                    # store: the fp32 accumulators are dead by now
+                    self.consumers_sync(self.DS_FREE)
+                    cute.autovec_copy(rdS, tCsdS)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    warpgroup.fence()
                     for kb in cutlass.range_constexpr(cute.size(tKrdS, mode=[2])):
                         cute.gemm(
                             mma_dkv, acc_dK, tKrdS[None, None, kb], tKrQ[None, None, kb, b], acc_dK
                         )
                     warpgroup.commit_group()
-                    # 5. dS to shared memory (once both warpgroups' last dQ MMAs are done), dQ
-                    # (from the converted copy: the fp32 accumulators are dead by now, which is
-                    # what keeps the consumers within their 240 registers)
-                    self.consumers_sync(self.DS_FREE)
-                    cute.autovec_copy(rdS, tCsdS)
-                    warpgroup.wait_group(0)
-                    cute.arch.fence_proxy("async.shared", space="cta")
                     self.consumers_sync(self.DS_READY)
+                    # dQ = dS K (its wait also waits the dV / dK MMAs)
                     self.dq_product(mma_dq, sdS, sKt, sRowI, b, mDQ, D, scale, tc, wg)
+                warpgroup.wait_group(0)  # (waited in dq_part, but not by warpgroup 1 at D = 64)
                 self.release(bars + 4 + b)
                 it += 1
         if cutlass.const_expr(self.main):
@@ -457,17 +473,18 @@ class BwdWsSm90(BwdSm90):
                     S_rc[i, j] = d
             rD.store(acc_S.load().to(self.dtype))
             tKrD = acc_as_a(rD)
+            # d to shared memory before the dKp MMA takes rD as its A operand
+            self.consumers_sync(self.DS_FREE)
+            cute.autovec_copy(rD, tCsdS)
+            cute.arch.fence_proxy("async.shared", space="cta")
             warpgroup.fence()
             mma_dkv.set(warpgroup.Field.ACCUMULATE, True)
             for kb in cutlass.range_constexpr(cute.size(tKrD, mode=[2])):
                 cute.gemm(mma_dkv, acc_dKp, tKrD[None, None, kb], tKrQp[None, None, kb, b], acc_dKp)
             warpgroup.commit_group()
-            self.consumers_sync(self.DS_FREE)
-            cute.autovec_copy(rD, tCsdS)
-            warpgroup.wait_group(0)
-            cute.arch.fence_proxy("async.shared", space="cta")
             self.consumers_sync(self.DS_READY)
             self.dq_product(mma_dq, sdS, sKpt, sRowI, b, mDQp, DP, pcoef, tc, wg)
+            warpgroup.wait_group(0)  # (waited in dq_part, but not by warpgroup 1 at D = 64)
             self.release(bars + 4 + b)
             it += 1
         self.store_dkv(thr_dkv, acc_dKp, mDKp, ks, ke, pk, self.proxy_k_heads, DP, pcoef)

@@ -2,10 +2,11 @@
 
 Run as ``python -m flash_msa.cute.compile_check [PREFIX] [--dump DIR]``. Prints one JSON line
 per configuration whose name starts with ``PREFIX`` (``select``, ``fwd``, ...): name,
-registers (the launch count), stack and local bytes (spills appear as stack), and whether the
-PTX uses wgmma and TMA. ``--dump DIR`` also writes each configuration's PTX and cubin there
-(``<name>.ptx`` / ``.cubin``, spaces as ``_``: for comparing two versions of a kernel). Exit
-status 1 if a configuration spills.
+registers (the launch count), stack and local bytes (spills appear as stack), whether the PTX
+uses wgmma and TMA, and where it has ``setmaxnreg`` whether the SASS kept them. ``--dump DIR``
+also writes each configuration's PTX and cubin there (``<name>.ptx`` / ``.cubin``, spaces as
+``_``: for comparing two versions of a kernel). Exit status 1 if a configuration spills or
+lost a ``setmaxnreg``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def _compile(kernel, *args, dump: str | None = None, name: str = "") -> dict:
     import cutlass.cute as cute
 
     from ..cubin import resources as cubin_resources
+    from ..cubin import sass_count
 
     c = cute.compile(kernel, *args, options="--gpu-arch sm_90a --keep-cubin --keep-ptx")
     ptx = c.artifacts.PTX
@@ -31,11 +33,16 @@ def _compile(kernel, *args, dump: str | None = None, name: str = "") -> dict:
             f.write(ptx)
         with open(stem + ".cubin", "wb") as f:
             f.write(c.artifacts.CUBIN)
-    return dict(
+    res = dict(
         cubin_resources(c.artifacts.CUBIN),
         wgmma="wgmma.mma_async" in ptx,
         tma="cp.async.bulk.tensor" in ptx,
     )
+    if "setmaxnreg" in ptx:  # kept by ptxas? (it drops one it cannot honour, with a warning)
+        res["setmaxnreg_kept"] = sass_count(c.artifacts.CUBIN, "USETMAXREG") == ptx.count(
+            "setmaxnreg."
+        )
+    return res
 
 
 def configurations():
@@ -86,6 +93,10 @@ def bwd_configurations():
     yield "bwd bf16 anchor stages1", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, one
     yield "bwd bf16 paper stages1", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1, one
     yield "bwd bf16 anchor main-only stages1", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0, one
+    det = dict(deterministic=True)  # deterministic mode: stores into partials, no atomics
+    yield "bwd bf16 anchor deterministic", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, det
+    yield "bwd bf16 paper deterministic", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1, det
+    yield "bwd bf16 anchor D=64 b=64 deterministic", "bf16", 16, 2, 4, 1, 64, 64, 16, 64, 1, 1, det
     ws = dict(ws=True)  # the warp-specialized kernel (bwd_ws_sm90.py), under A/B
     for name, H, Hkv, Hs, Hpk, D, K, main, proxy in (
         ("anchor", 16, 2, 4, 1, 128, 16, 1, 1), ("paper", 64, 4, 4, 1, 128, 16, 1, 1),
@@ -136,7 +147,8 @@ def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=No
         flat(Float32, "TH"), flat(Float32, "TH"),
         rows("TS", Dp), heads(Hpk, Dp), flat(Float32, "TS"), work,
         rows32("TH", D), rows32("TK", D), rows32("TK", D), rows32("TS", Dp), rows32("TP", Dp),
-        Float32(1.0), Float32(1.0), Float32(1.0), Float32(1.0), Int32(1), make_fake_stream(),
+        Float32(1.0), Float32(1.0), Float32(1.0), Float32(1.0), Int32(1), Int32(0),
+        make_fake_stream(),
     )  # fmt: skip
     return _compile(kernel, *args, **dump)
 
@@ -219,7 +231,7 @@ def main(argv: list[str]) -> int:
         for name, compile_one, cfg in checks:
             if name.startswith(only):
                 res = compile_one(*cfg, dump=dump, name=name)
-                bad += res["stack"] > 0 or res["local"] > 0
+                bad += res["stack"] > 0 or res["local"] > 0 or not res.get("setmaxnreg_kept", True)
                 print(json.dumps(dict(kernel=name, **res)), flush=True)
     return 1 if bad else 0
 

@@ -3,7 +3,8 @@
 Ops (contract in docs/design.md): ``select`` (``selection.py``), ``fwd`` (``sparse_fwd.py``) and
 ``bwd`` (``sparse_bwd.py``) over the reverse index of ``worklist.py``, the proxy KL value and
 gradient (``proxy.py``); warmup (dense causal attention, KL over every visible key) in
-``dense.py``.
+``dense.py``; deterministic mode's ordered reductions (``Config.deterministic``) in the neutral
+``flash_msa.ordered`` (the CuTe backward uses them too).
 On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 triton is first imported).
 """
@@ -34,6 +35,9 @@ _ALL = Limits(
     proxy_head_dims=_DIMS,
     block_sizes=(64, 128),
     max_top_k=64,
+    # deterministic mode (Config.deterministic): ordered reductions instead of fp32 atomics in
+    # the sparse backward, the proxy pass and the warmup backward (ordered.py, dense.py)
+    deterministic=True,
 )
 LIMITS = {op: _ALL for op in OPS}  # every op, warmup included, within one envelope
 

@@ -54,6 +54,7 @@ def configurations():
     """(name, fn, signature, candidates) of every shipped kernel configuration; a candidate is
     ``(tile, constexprs, num_warps, num_stages)``, in the order the host code tries them
     (``tiles.pick`` runs the first that compiles without spills)."""
+    from .. import ordered
     from ..worklist import geometry
     from . import dense, proxy, selection, sparse_bwd, sparse_fwd, tiles
 
@@ -89,15 +90,24 @@ def configurations():
                         for t in sparse_fwd.fwd_tiles(has_main)
                     ]
                     yield f"{fam} {tag}", sparse_fwd._fwd_kernel, sparse_fwd.SIGNATURE["fwd"], cands
-                fixed = dict(base, PREFETCH=sparse_bwd.BWD_PREFETCH)
-                cands = [
-                    (t, dict(fixed, BN=t[1], DQ_SPLIT=t[2], **geo(t[0])), 8, sparse_bwd.BWD_STAGES)
-                    for t in tiles.fitting(sparse_bwd.BWD_TILES, block)
-                ]
-                yield f"bwd {tag}", sparse_bwd._bwd_kernel, sparse_bwd.SIGNATURE, cands
-                modes = (("kl", True, False), ("kl+grad", True, True), ("proxy-grad", False, True))
-                for mode, kl_value, grad in modes:
-                    fixed = dict(base, KL_VALUE=kl_value, GRAD=grad)
+                # deterministic mode (ordered.py): the same kernels storing partials ("-det")
+                for det, suffix in ((False, ""), (True, "-det")):
+                    fixed = dict(base, PREFETCH=sparse_bwd.BWD_PREFETCH, DETERMINISTIC=det)
+                    stages = sparse_bwd.BWD_STAGES
+                    cands = [
+                        (t, dict(fixed, BN=t[1], DQ_SPLIT=t[2], **geo(t[0])), 8, stages)
+                        for t in tiles.fitting(sparse_bwd.BWD_TILES, block)
+                    ]
+                    yield f"bwd{suffix} {tag}", sparse_bwd._bwd_kernel, sparse_bwd.SIGNATURE, cands
+                modes = (
+                    ("kl", True, False, False),
+                    ("kl+grad", True, True, False),
+                    ("proxy-grad", False, True, False),
+                    ("kl+grad-det", True, True, True),
+                    ("proxy-grad-det", False, True, True),
+                )
+                for mode, kl_value, grad, det in modes:
+                    fixed = dict(base, KL_VALUE=kl_value, GRAD=grad, DETERMINISTIC=det)
                     cands = [
                         (t, dict(fixed, BN=t[1], PREFETCH=t[2], **geo(t[0])), 8, 1)
                         for t in tiles.fitting(proxy.PROXY_TILES, block)
@@ -113,17 +123,30 @@ def configurations():
             dense.SIGNATURE["fwd"],
             [((dense.BM, dense.BN), fwd_consts, 4, 3)],
         )
+        for det, suffix in ((False, ""), (True, "-det")):
+            consts = dict(common, H=16, Hkv=2, DETERMINISTIC=det)
+            cands = [(t, dict(consts, BM=t[0], BN=t[1]), t[2], 3) for t in dense.DENSE_TILES]
+            yield f"dense-bwd{suffix} D={D}", dense._dense_bwd_kernel, dense.SIGNATURE["bwd"], cands
         cands = [
             (t, dict(common, H=16, Hkv=2, BM=t[0], BN=t[1]), t[2], 3) for t in dense.DENSE_TILES
         ]
-        yield f"dense-bwd D={D}", dense._dense_bwd_kernel, dense.SIGNATURE["bwd"], cands
-        proxy_consts = dict(common, H=16, Hkv=2, Hs=4, Hpk=1, Dp=D, KL_VALUE=True, GRAD=True)
-        cands = []
-        for t in dense.DENSE_TILES:
-            G, G2, R, BT = geometry(16, 2, 4, t[0])
-            consts = dict(proxy_consts, G=G, G2=G2, R=R, BT=BT, BN=t[1])
-            cands.append((t, consts, t[2], 3))
-        yield f"dense-proxy D={D}", dense._dense_proxy_kernel, dense.SIGNATURE["proxy"], cands
+        yield f"dense-bwd-dq D={D}", dense._dense_bwd_dq_kernel, dense.SIGNATURE["bwd-dq"], cands
+        proxy_consts = dict(common, H=16, Hkv=2, Hs=4, Hpk=1, Dp=D)
+        fams = (  # deterministic mode: dq_proxy in the usual kernel, dk_proxy key-outer
+            ("dense-proxy", dense._dense_proxy_kernel, dict(KL_VALUE=True, DK_PROXY=True)),
+            ("dense-proxy-det", dense._dense_proxy_kernel, dict(KL_VALUE=False, DK_PROXY=False)),
+            ("dense-proxy-dk", dense._dense_proxy_dk_kernel, {}),
+        )
+        for fam, fn, extra in fams:
+            extra = dict(extra, GRAD=True)
+            cands = []
+            for t in dense.DENSE_TILES:
+                G, G2, R, BT = geometry(16, 2, 4, t[0])
+                consts = dict(proxy_consts, **extra, G=G, G2=G2, R=R, BT=BT, BN=t[1])
+                stages = dense.PROXY_DK_STAGES if fam == "dense-proxy-dk" else 3  # as dense.py
+                cands.append((t, consts, t[2], stages))
+            sig = dense.SIGNATURE["proxy-dk" if fam == "dense-proxy-dk" else "proxy"]
+            yield f"{fam} D={D}", fn, sig, cands
     for K in (16, 64):
         HB = sparse_fwd.combine_heads(16, K)
         consts = dict(H=16, Hs=4, K=K, KP2=K, D=128, G=4, HB=HB, HAS_O=True)
@@ -133,6 +156,19 @@ def configurations():
             sparse_fwd.SIGNATURE["combine"],
             [(HB, consts, 4, 1)],
         )
+    # deterministic mode's ordered reductions (anchor heads; K = 16 slots, 2 key parts)
+    for D in (64, 128):
+        for out, acc in (("bf16", False), ("fp32", True)):  # dQ (written), dQ_proxy (added)
+            HB = ordered.slot_heads(16, D)
+            consts = dict(HP=16, HO=16, G=4, Hs=4, K=16, S=2, D=D, HB=HB)
+            consts.update(HAS_IDX=not acc, ACCUMULATE=acc)
+            sig = dict(ordered.SIGNATURE["slot_sum"], OUT=f"*{out}")
+            yield f"slot-sum {out} D={D}", ordered._slot_sum_kernel, sig, [(HB, consts, 4, 1)]
+        for block in (64, 128):
+            RB = ordered.item_rows(block, D)
+            consts = dict(HO=2, D=D, NG=2, RP=1, BLOCK=block, RB=RB, TWO=True)
+            sig = ordered.SIGNATURE["item_sum"]
+            yield f"item-sum D={D} b={block}", ordered._item_sum_kernel, sig, [(RB, consts, 4, 1)]
 
 
 def choose(fn, sig, cands) -> dict:

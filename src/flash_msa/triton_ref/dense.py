@@ -12,6 +12,12 @@ online softmax; nothing is split, no partials, memory linear in S.
   ``dk_proxy`` per key tile with fp32 atomics.
 - ``_dense_bwd_kernel``: per (head, key tile), dK/dV in registers over the query tiles below the
   diagonal, dQ by fp32 atomics (FlashAttention-2's key-outer backward).
+
+Deterministic mode (``cfg.deterministic``): no atomics. ``_dense_bwd_kernel`` owns a (key tile,
+KV head) and walks its group's heads in order (dK/dV stored once), ``_dense_bwd_dq_kernel``
+makes dQ query-outer (recomputing S, P, dP: 2 more MMAs per tile pair), and
+``_dense_proxy_dk_kernel`` makes dk_proxy key-outer (recomputing the teacher and the proxy
+probabilities: the proxy gradient's work twice). The default kernels are unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ BM, BN = 64, 64  # query rows and keys per tile of the forward
 # (rows, keys, warps) candidates of the backward and the proxy pass, in order (tiles.py picks
 # the first that compiles without register spills)
 DENSE_TILES = ((64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4))
+# software-pipelining stages of _dense_proxy_dk_kernel (deterministic mode; the other dense
+# kernels use 3). Its q_proxy operand's second load (see the kernel) costs registers: at 3
+# stages every D = 128 tile with BN = 64 or 32 spills (sm_90a, Triton 3.9), leaving (32, 32, 4)
+# and no wgmma; at 2 stages (64, 64, 8) fits (247 registers, no spill, 78 KB shared).
+PROXY_DK_STAGES = 2
 
 
 @triton.jit
@@ -119,6 +130,7 @@ def _dense_proxy_kernel(
     KL_VALUE: tl.constexpr,
     GRAD: tl.constexpr,
     PREC: tl.constexpr,
+    DK_PROXY: tl.constexpr = True,  # False: dk_proxy is left to _dense_proxy_dk_kernel
 ):
     pid = tl.program_id(0)
     tile = tl.num_programs(0) - 1 - pid
@@ -164,9 +176,10 @@ def _dense_proxy_kernel(
         )
         if GRAD:
             b_dqp += tl.dot(b_diff, b_kp, input_precision=PREC)
-            b_dkp = tl.dot(tl.trans(b_diff), b_qp, input_precision=PREC) * (coef * pscale)
-            p_dkp = DKP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
-            tl.atomic_add(p_dkp, b_dkp, mask=m_j[:, None], sem="relaxed")
+            if DK_PROXY:
+                b_dkp = tl.dot(tl.trans(b_diff), b_qp, input_precision=PREC) * (coef * pscale)
+                p_dkp = DKP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+                tl.atomic_add(p_dkp, b_dkp, mask=m_j[:, None], sem="relaxed")
     if KL_VALUE:
         flat = (seq * Hs + p) * tl.num_programs(0) + pid
         tl.store(KL_PART + flat, tl.sum(kl_acc, axis=0))
@@ -174,6 +187,92 @@ def _dense_proxy_kernel(
         tl.store(
             DQP + prow[:, None] * Dp + o_dp[None, :], b_dqp * (coef * pscale), mask=m_t[:, None]
         )
+
+
+@triton.jit
+def _dense_proxy_dk_kernel(
+    Q,
+    Kt,
+    QP,
+    KP,
+    CU,
+    LSE,
+    PLSE,
+    DKL,
+    DKP,  # fp32 [T, Hpk, Dp]: every row written once
+    scale,
+    pscale,
+    inv_rows,
+    H: tl.constexpr,
+    Hkv: tl.constexpr,
+    Hs: tl.constexpr,
+    Hpk: tl.constexpr,
+    D: tl.constexpr,
+    Dp: tl.constexpr,
+    G: tl.constexpr,
+    G2: tl.constexpr,
+    R: tl.constexpr,
+    BT: tl.constexpr,
+    BN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Deterministic mode's dk_proxy, key-outer: a program owns (key tile, sequence, proxy key
+    head) and sums, in order, over the Hs / Hpk proxy heads that read that key head and over
+    the query tiles at or after the keys (the teacher and the proxy probabilities recomputed as
+    in _dense_proxy_kernel), then stores its tile once: no atomics."""
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    pk = tl.program_id(2)
+    s0 = tl.load(CU + seq)
+    L = tl.load(CU + seq + 1) - s0
+    n0 = tile * BN
+    if n0 >= L:
+        return
+    o_d = tl.arange(0, D)
+    o_dp = tl.arange(0, Dp)
+    j = n0 + tl.arange(0, BN)  # [BN] sequence-local key positions
+    m_j = j < L
+    kpos = (s0 + j).to(tl.int64)
+    p_kp = KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+    b_kp = tl.load(p_kp, mask=m_j[:, None], other=0.0)  # [BN, Dp]
+    coef = tl.load(DKL).to(tl.float32) * inv_rows
+    o_r = tl.arange(0, BT * G2)  # main rows: token-major (token r // G2, head r % G2)
+    b_dkp = tl.zeros([BN, Dp], tl.float32)
+    for pp in range(Hs // Hpk):
+        p = pk * (Hs // Hpk) + pp
+        p_k0 = Kt + (kpos * Hkv + (p * G) // (H // Hkv))[:, None] * D + o_d[None, :]
+        b_k0 = tl.load(p_k0, mask=m_j[:, None], other=0.0)  # [BN, D]
+        for m0 in range((n0 // BT) * BT, L, BT):
+            i = m0 + tl.arange(0, BT)  # [BT] tokens
+            m_t = i < L
+            prow = (s0 + i).to(tl.int64) * Hs + p
+            b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
+            b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
+            ir = m0 + o_r // G2
+            m_r = ir < L
+            b_tgt = teacher(  # [BT, BN]
+                Q, LSE, Kt, b_k0, (s0 + ir).to(tl.int64), o_r % G2, m_r, ir, kpos, j, m_j, p,
+                scale, H, Hkv, D, G, G2, R, BT, BN, PREC,
+            )  # fmt: skip
+            _, b_diff = proxy_step(
+                tl.zeros([BT], tl.float32), b_tgt, b_qp, b_kp, b_plse, m_t, i, j, m_j, pscale,
+                False, True, PREC,
+            )  # fmt: skip
+            # The MMA's q_proxy operand is loaded a second time (an L2 hit; the eviction hint
+            # keeps the compiler from merging the two loads) so that it gets a pipelining ring
+            # buffer of its own, one slot more than the prefetch distance, as in any Triton
+            # matmul. Sharing b_qp's ring (which has a register use too), the sm_90a code of
+            # the BN = 64 tiles (Triton 3.9) had a ring of 2 slots, both in flight at 3 stages
+            # (1 of 1 at 2), and issued this wgmma async, waited for in the next iteration
+            # only: the cp.async of a later query tile overwrote the slot it was reading. That
+            # race is the likely cause of dk_proxy differing between two runs on the H200
+            # (Triton 3.6). tests/test_deterministic.py checks every tile's code for it
+            # (tiles.ring_hazards); tiles.pick skips a tile that has it.
+            p_qp_b = QP + prow[:, None] * Dp + o_dp[None, :]
+            b_qp_b = tl.load(p_qp_b, mask=m_t[:, None], other=0.0, eviction_policy="evict_last")
+            b_dkp += tl.dot(tl.trans(b_diff), b_qp_b, input_precision=PREC)
+    p_dkp = DKP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+    tl.store(p_dkp, b_dkp * (coef * pscale), mask=m_j[:, None])
 
 
 @triton.jit
@@ -195,16 +294,21 @@ def _dense_bwd_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     PREC: tl.constexpr,
+    # deterministic mode: a program owns (key tile, KV head) and visits the KV group's H / Hkv
+    # heads in order, storing dK/dV once; dQ is left to _dense_bwd_dq_kernel. Grid z: Hkv.
+    DETERMINISTIC: tl.constexpr = False,
 ):
     tile = tl.program_id(0)  # key tile: the first ones see the most queries
     seq = tl.program_id(1)
-    h = tl.program_id(2)
     s0 = tl.load(CU + seq)
     L = tl.load(CU + seq + 1) - s0
     n0 = tile * BN
     if n0 >= L:
         return
-    kvh = h // (H // Hkv)
+    if DETERMINISTIC:
+        kvh = tl.program_id(2)
+    else:
+        kvh = tl.program_id(2) // (H // Hkv)
     o_d = tl.arange(0, D)
     j = n0 + tl.arange(0, BN)
     m_j = j < L
@@ -213,25 +317,91 @@ def _dense_bwd_kernel(
     b_v = tl.load(V + kv, mask=m_j[:, None], other=0.0)
     b_dk = tl.zeros([BN, D], tl.float32)
     b_dv = tl.zeros([BN, D], tl.float32)
-    for m0 in range((n0 // BM) * BM, L, BM):
-        i = m0 + tl.arange(0, BM)
-        m_i = i < L
-        rows = (s0 + i).to(tl.int64) * H + h
-        b_q = tl.load(Q + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
-        b_do = tl.load(DO + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
-        b_lse = tl.load(LSE + rows, mask=m_i, other=0.0)
-        b_delta = tl.load(DELTA + rows, mask=m_i, other=0.0)
+    for hh in range(H // Hkv if DETERMINISTIC else 1):  # (one pass without DETERMINISTIC)
+        if DETERMINISTIC:
+            h = kvh * (H // Hkv) + hh
+        else:
+            h = tl.program_id(2)
+        for m0 in range((n0 // BM) * BM, L, BM):
+            i = m0 + tl.arange(0, BM)
+            m_i = i < L
+            rows = (s0 + i).to(tl.int64) * H + h
+            b_q = tl.load(Q + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
+            b_do = tl.load(DO + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
+            b_lse = tl.load(LSE + rows, mask=m_i, other=0.0)
+            b_delta = tl.load(DELTA + rows, mask=m_i, other=0.0)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
+            keep = m_i[:, None] & m_j[None, :] & (j[None, :] <= i[:, None])
+            b_p = tl.where(keep, tl.exp(b_s - b_lse[:, None]), 0.0)
+            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
+            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+            b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
+            if not DETERMINISTIC:
+                b_dq = tl.dot(b_ds, b_k, input_precision=PREC) * scale
+                p_dq = DQ + rows[:, None] * D + o_d[None, :]
+                tl.atomic_add(p_dq, b_dq, mask=m_i[:, None], sem="relaxed")
+            b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PREC)
+    if DETERMINISTIC:
+        tl.store(DK + kv, b_dk * scale, mask=m_j[:, None])
+        tl.store(DV + kv, b_dv, mask=m_j[:, None])
+    else:
+        tl.atomic_add(DK + kv, b_dk * scale, mask=m_j[:, None], sem="relaxed")
+        tl.atomic_add(DV + kv, b_dv, mask=m_j[:, None], sem="relaxed")
+
+
+@triton.jit
+def _dense_bwd_dq_kernel(
+    Q,
+    Kt,
+    V,
+    DO,
+    DELTA,
+    LSE,
+    CU,
+    DQ,  # [T, H, D] fp32 (or the input dtype): every row written once
+    scale,
+    H: tl.constexpr,
+    Hkv: tl.constexpr,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Deterministic mode's dQ, query-outer: a program owns (query tile, sequence, head) and
+    walks the key tiles up to the diagonal in order, recomputing P and dS (two more MMAs per
+    tile than the key-outer kernel shares), dQ kept in registers and stored once."""
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest tiles first
+    seq = tl.program_id(1)
+    h = tl.program_id(2)
+    s0 = tl.load(CU + seq)
+    L = tl.load(CU + seq + 1) - s0
+    m0 = tile * BM
+    if m0 >= L:
+        return
+    kvh = h // (H // Hkv)
+    o_d = tl.arange(0, D)
+    i = m0 + tl.arange(0, BM)
+    m_i = i < L
+    rows = (s0 + i).to(tl.int64) * H + h
+    b_q = tl.load(Q + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
+    b_do = tl.load(DO + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
+    b_lse = tl.load(LSE + rows, mask=m_i, other=0.0)
+    b_delta = tl.load(DELTA + rows, mask=m_i, other=0.0)
+    b_dq = tl.zeros([BM, D], tl.float32)
+    for n0 in range(0, tl.minimum(m0 + BM, L), BN):
+        j = n0 + tl.arange(0, BN)
+        m_j = j < L
+        kv = ((s0 + j).to(tl.int64) * Hkv + kvh)[:, None] * D + o_d[None, :]
+        b_k = tl.load(Kt + kv, mask=m_j[:, None], other=0.0)
+        b_v = tl.load(V + kv, mask=m_j[:, None], other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
         keep = m_i[:, None] & m_j[None, :] & (j[None, :] <= i[:, None])
         b_p = tl.where(keep, tl.exp(b_s - b_lse[:, None]), 0.0)
-        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
         b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
-        b_dq = tl.dot(b_ds, b_k, input_precision=PREC) * scale
-        tl.atomic_add(DQ + rows[:, None] * D + o_d[None, :], b_dq, mask=m_i[:, None], sem="relaxed")
-        b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PREC)
-    tl.atomic_add(DK + kv, b_dk * scale, mask=m_j[:, None], sem="relaxed")
-    tl.atomic_add(DV + kv, b_dv, mask=m_j[:, None], sem="relaxed")
+        b_dq += tl.dot(b_ds, b_k, input_precision=PREC)
+    p_dq = DQ + rows[:, None] * D + o_d[None, :]
+    tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_i[:, None])
 
 
 _B16 = "*bf16"
@@ -249,6 +419,31 @@ SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 
         DK="*fp32",
         DV="*fp32",
         scale="fp32",
+    ),
+    "bwd-dq": dict(
+        Q=_B16,
+        Kt=_B16,
+        V=_B16,
+        DO=_B16,
+        DELTA="*fp32",
+        LSE="*fp32",
+        CU="*i32",
+        DQ=_B16,
+        scale="fp32",
+    ),
+    "proxy-dk": dict(
+        Q=_B16,
+        Kt=_B16,
+        QP=_B16,
+        KP=_B16,
+        CU="*i32",
+        LSE="*fp32",
+        PLSE="*fp32",
+        DKL="*fp32",
+        DKP="*fp32",
+        scale="fp32",
+        pscale="fp32",
+        inv_rows="fp32",
     ),
     "proxy": dict(
         Q=_B16,
@@ -286,11 +481,13 @@ def _proxy_pass(
     q, k, q_proxy, k_proxy, lse, proxy_lse, cu, cfg, *, kl_value=False, dkl=None, dqp=None, dkp=None
 ):
     """The KL value (returned when ``kl_value``) and/or the proxy gradient into ``dqp``/``dkp``
-    (when ``dkl`` is given), over every visible key."""
+    (when ``dkl`` is given), over every visible key. With ``cfg.deterministic`` ``dkp`` is made
+    by the key-outer ``_dense_proxy_dk_kernel`` (stores, no atomics) instead of atomics."""
     T, H, D = q.shape
     Hs, Dp = q_proxy.shape[1:]
     Hkv, Hpk = k.shape[1], k_proxy.shape[1]
     grad = dkl is not None
+    det = grad and cfg.deterministic
     most = (triton.cdiv(cfg.max_seqlen, 16), cu.numel() - 1, Hs)  # grid at the smallest tile
     kl_part = torch.zeros(most[0] * most[1] * Hs, dtype=torch.float32, device=q.device)
     args = (
@@ -304,15 +501,30 @@ def _proxy_pass(
         G, G2, R, BT = geometry(H, Hkv, Hs, rows)
         return dict(
             H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, D=D, Dp=Dp, G=G, G2=G2, R=R, BT=BT, BN=keys,
-            KL_VALUE=kl_value, GRAD=grad, PREC=_prec(q), num_warps=warps,
+            KL_VALUE=kl_value, GRAD=grad, PREC=_prec(q), DK_PROXY=not det, num_warps=warps,
         )  # fmt: skip
 
-    key = (q.dtype, H, Hkv, Hs, Hpk, D, Dp, kl_value, grad)
+    key = (q.dtype, H, Hkv, Hs, Hpk, D, Dp, kl_value, grad, det)
     tile = tiles.pick(_dense_proxy_kernel, args, DENSE_TILES, options, key)
     BT = options(tile)["BT"]
     _dense_proxy_kernel[(triton.cdiv(cfg.max_seqlen, BT), cu.numel() - 1, Hs)](
         *args, **options(tile)
     )
+    if det:
+        dk_args = (
+            q, k, q_proxy, k_proxy, cu, lse, proxy_lse, dkl, dkp, cfg.softmax_scale,
+            cfg.proxy_scale, 1.0 / (Hs * T),
+        )  # fmt: skip
+
+        def dk_options(tile):
+            opts = options(tile)
+            for name in ("KL_VALUE", "GRAD", "DK_PROXY"):
+                del opts[name]
+            return dict(opts, num_stages=PROXY_DK_STAGES)
+
+        tile = tiles.pick(_dense_proxy_dk_kernel, dk_args, DENSE_TILES, dk_options, key)
+        grid = (triton.cdiv(cfg.max_seqlen, tile[1]), cu.numel() - 1, Hpk)
+        _dense_proxy_dk_kernel[grid](*dk_args, **dk_options(tile))
     return kl_part.sum() / (Hs * T) if kl_value else None
 
 
@@ -334,17 +546,24 @@ def fwd(q, k, v, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, proxy_grad
 
 
 def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
-    """Backend op ``bwd`` in warmup: dense causal attention gradients and the proxy gradient."""
+    """Backend op ``bwd`` in warmup: dense causal attention gradients and the proxy gradient.
+
+    With ``cfg.deterministic`` no atomics run: ``_dense_bwd_kernel`` owns a (key tile, KV
+    head) and visits its group's heads in order (dK/dV stored once), ``_dense_bwd_dq_kernel``
+    makes dQ query-outer (recomputing P and dS), and the proxy pass makes dk_proxy key-outer
+    (``_dense_proxy_dk_kernel``); every buffer is then written, not accumulated."""
     q, k, v, out, lse, _, q_proxy, k_proxy, proxy_lse = saved[:9]
     T, H, D = q.shape
     Hkv = k.shape[1]
     N = cu_seqlens.numel() - 1
+    det = cfg.deterministic
     f32 = dict(dtype=torch.float32, device=q.device)
+    new = torch.empty if det else torch.zeros  # deterministic: stores cover every row
     dq = dk = dv = dqp = dkp = None
     if dout is not None:
-        dq = torch.zeros((T, H, D), **f32)
-        dk = torch.zeros((T, Hkv, D), **f32)
-        dv = torch.zeros((T, Hkv, D), **f32)
+        dq = torch.empty_like(q) if det else torch.zeros((T, H, D), **f32)
+        dk = new((T, Hkv, D), **f32)
+        dv = new((T, Hkv, D), **f32)
         delta = (dout.float() * out.float()).sum(-1)
         args = (q, k, v, dout, delta, lse, cu_seqlens, dq, dk, dv, cfg.softmax_scale)
 
@@ -352,11 +571,21 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
             rows, keys, warps = tile
             return dict(H=H, Hkv=Hkv, D=D, BM=rows, BN=keys, PREC=_prec(q), num_warps=warps)
 
-        tile = tiles.pick(_dense_bwd_kernel, args, DENSE_TILES, options, (q.dtype, H, Hkv, D))
-        _dense_bwd_kernel[(triton.cdiv(cfg.max_seqlen, tile[1]), N, H)](*args, **options(tile))
+        def bwd_options(tile):
+            return dict(options(tile), DETERMINISTIC=det)
+
+        key = (q.dtype, H, Hkv, D, det)
+        tile = tiles.pick(_dense_bwd_kernel, args, DENSE_TILES, bwd_options, key)
+        grid = (triton.cdiv(cfg.max_seqlen, tile[1]), N, Hkv if det else H)
+        _dense_bwd_kernel[grid](*args, **bwd_options(tile))
+        if det:
+            dq_args = (q, k, v, dout, delta, lse, cu_seqlens, dq, cfg.softmax_scale)
+            tile = tiles.pick(_dense_bwd_dq_kernel, dq_args, DENSE_TILES, options, key)
+            grid = (triton.cdiv(cfg.max_seqlen, tile[0]), N, H)
+            _dense_bwd_dq_kernel[grid](*dq_args, **options(tile))
     if dkl is not None:
         dqp = torch.zeros(q_proxy.shape, **f32)
-        dkp = torch.zeros(k_proxy.shape, **f32)
+        dkp = new(k_proxy.shape, **f32)
         _proxy_pass(
             q, k, q_proxy, k_proxy, lse, proxy_lse, cu_seqlens, cfg, dkl=dkl, dqp=dqp, dkp=dkp
         )

@@ -13,6 +13,10 @@ on the block's visible keys, then
 
 ``Q - target`` (not ``dz``) is what is cast to the input dtype for the MMAs: ``coef`` is ~1/T and
 would underflow fp16; it is applied to the fp32 results.
+
+Deterministic mode (:func:`launch` with ``deterministic``; the forward's KL stage with
+``cfg.deterministic``): ``DETERMINISTIC`` stores the dq_proxy rows and dk_proxy tiles into
+partial buffers, which ordered.py adds in a fixed order (no atomics).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import triton.language as tl
 from triton import jit
 
+from .. import ordered
 from ..worklist import geometry
 from . import tiles
 from .common import item_block, item_rows, proxy_step, teacher
@@ -43,10 +48,13 @@ def _proxy_kernel(
     BLK_END,
     KL_PART,
     DQP,
-    DKP,  # [W] fp32; fp32 [T,Hs,Dp] / [T,Hpk,Dp], zero-initialized
+    DKP,  # [W] fp32; fp32 [T,Hs,Dp] / [T,Hpk,Dp], zero-initialized (DETERMINISTIC: partials)
+    TOK0,  # (1,) int64: first token of the work list's chunk (DETERMINISTIC only)
     scale,
     pscale,
     inv_rows,
+    P0,
+    P1,  # DETERMINISTIC: only selection heads P0 .. P1 run (the row partials' head slice)
     H: tl.constexpr,
     Hkv: tl.constexpr,
     Hs: tl.constexpr,
@@ -64,6 +72,10 @@ def _proxy_kernel(
     GRAD: tl.constexpr,
     PREC: tl.constexpr,
     PREFETCH: tl.constexpr,
+    # stores instead of fp32 atomics (ordered.py): DQP is the row partials [C, P1 - P0, K * S,
+    # Dp] of the chunk's tokens and heads P0 .. P1, DKP the key-tile partials [items, S * BN,
+    # Dp] of the item range, S = programs per key block (program_id(1))
+    DETERMINISTIC: tl.constexpr = False,
 ):
     w = tl.program_id(0)
     e0 = tl.load(ITEM_START + w)
@@ -72,6 +84,11 @@ def _proxy_kernel(
         return
     sub = tl.program_id(1)
     p, kpos, m_k = item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN, sub)
+    if DETERMINISTIC:
+        if (p < P0) | (p >= P1):
+            return
+        S = tl.num_programs(1)
+        tok0 = tl.load(TOK0)
     o_d = tl.arange(0, D)
     o_dp = tl.arange(0, Dp)
     pk = p // (Hs // Hpk)
@@ -91,7 +108,7 @@ def _proxy_kernel(
             nxt = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
             nxt1 = item_rows(PERM, c, e1, Hs * K, K, BT, 1)
         tr, _, hj, m_r = nxt
-        t, _, _, m_t = nxt1
+        t, slot, _, m_t = nxt1
         prow = t * Hs + p
         b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
         b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
@@ -107,15 +124,23 @@ def _proxy_kernel(
         )
         if GRAD:
             b_dqp = tl.dot(b_diff, b_kp, input_precision=PREC) * (coef * pscale)  # [BT, Dp]
-            tl.atomic_add(
-                DQP + prow[:, None] * Dp + o_dp[None, :], b_dqp, mask=m_t[:, None], sem="relaxed"
-            )
+            if DETERMINISTIC:  # the row's own partial: (token, head, slot, key part)
+                part = (((t - tok0) * (P1 - P0) + p - P0) * K + slot) * S + sub
+                tl.store(DQP + part[:, None] * Dp + o_dp[None, :], b_dqp, mask=m_t[:, None])
+            else:
+                p_dqp = DQP + prow[:, None] * Dp + o_dp[None, :]
+                tl.atomic_add(p_dqp, b_dqp, mask=m_t[:, None], sem="relaxed")
             b_dkp += tl.dot(tl.trans(b_diff), b_qp, input_precision=PREC)
     if KL_VALUE:
         tl.store(KL_PART + w * tl.num_programs(1) + sub, tl.sum(kl_acc, axis=0))
     if GRAD:
-        p_dkp = DKP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
-        tl.atomic_add(p_dkp, b_dkp * (coef * pscale), mask=m_k[:, None], sem="relaxed")
+        if DETERMINISTIC:  # this item's tile
+            k_row = (w * S + sub) * BN + tl.arange(0, BN)
+            p_part = DKP + k_row.to(tl.int64)[:, None] * Dp + o_dp[None, :]
+            tl.store(p_part, b_dkp * (coef * pscale), mask=m_k[:, None])
+        else:
+            p_dkp = DKP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+            tl.atomic_add(p_dkp, b_dkp * (coef * pscale), mask=m_k[:, None], sem="relaxed")
 
 
 # (rows, BN, PREFETCH) candidates of the proxy pass, in order of preference (tiles.py picks the
@@ -142,9 +167,12 @@ SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (b
     KL_PART="*fp32",
     DQP="*fp32",
     DKP="*fp32",
+    TOK0="*i64",
     scale="fp32",
     pscale="fp32",
     inv_rows="fp32",
+    P0="i32",
+    P1="i32",
 )
 
 
@@ -163,51 +191,91 @@ def launch(
     dqp=None,
     dkp=None,
     num_stages=1,
+    deterministic=False,
+    tok0=None,
 ):
     """Run the proxy pass over work list ``wl``: with ``kl_value``, returns the fp32 KL partials
     (one per program; their sum is the item's KL sum), and/or adds the gradients to
-    ``dqp``/``dkp`` (fp32) when ``dkl`` is given."""
+    ``dqp``/``dkp`` (fp32) when ``dkl`` is given.
+
+    ``deterministic``: the gradients are added in a fixed order (ordered.py) instead of by fp32
+    atomics: per slice of selection heads (so that the dQ_proxy row partials ``(C, heads, K *
+    S, Dp)`` of the work list's C tokens fit ``ordered.PARTIAL_BYTES``) and per range of work
+    items (the dK_proxy tiles ``(items, block, Dp)``, likewise), launch, add the range's tiles
+    into ``dkp``, then the slice's rows into ``dqp``. ``tok0`` (``(1,)`` int64 on the device)
+    is the chunk's first token, computed from ``wl`` when not given."""
     T, H, D = q.shape
     Hs, Dp = q_proxy.shape[1:]
+    Hpk = k_proxy.shape[1]
     grad = dkl is not None
+    ordered_sums = deterministic and grad  # the KL value alone has no atomics
     block = cfg.block_size
     cands = tiles.fitting(PROXY_TILES, block)
     kl_part = lse  # a dummy pointer without the KL value
     if kl_value:
         most = wl.num_items * (block // min(t[1] for t in cands))  # programs at the smallest BN
         kl_part = torch.zeros(most, dtype=torch.float32, device=q.device)
-    args = (
-        q, k, q_proxy, k_proxy, lse, proxy_lse, dkl if grad else lse,
-        wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end,
-        kl_part, dqp if grad else lse, dkp if grad else lse,
-        cfg.softmax_scale, cfg.proxy_scale, 1.0 / (Hs * T),
-    )  # fmt: skip
+    f32 = dict(dtype=torch.float32, device=q.device)
+    stub = torch.empty(4, **f32) if ordered_sums else None  # partial pointers, for the pick
+
+    def args(w0=0, w1=wl.num_items, dqp=dqp, dkp=dkp, tok0=wl.perm, p0=0, p1=Hs):
+        return (
+            q, k, q_proxy, k_proxy, lse, proxy_lse, dkl if grad else lse,
+            wl.perm, wl.item_list[w0:w1], wl.item_start[w0:w1], wl.item_end[w0:w1],
+            wl.block_start, wl.block_end, kl_part[w0 * splits :] if kl_value else kl_part,
+            dqp if grad else lse, dkp if grad else lse, tok0,
+            cfg.softmax_scale, cfg.proxy_scale, 1.0 / (Hs * T), p0, p1,
+        )  # fmt: skip
 
     def options(tile):
         rows, BN, prefetch = tile
         G, G2, R, BT = geometry(H, k.shape[1], Hs, rows)
         return dict(
-            H=H, Hkv=k.shape[1], Hs=Hs, Hpk=k_proxy.shape[1], K=wl.slots, D=D,
+            H=H, Hkv=k.shape[1], Hs=Hs, Hpk=Hpk, K=wl.slots, D=D,
             Dp=Dp, G=G, G2=G2, R=R, BN=BN, BT=BT, NB=wl.num_blocks,
             KL_VALUE=kl_value, GRAD=grad,
-            PREC="ieee" if q.dtype.itemsize == 4 else "tf32", PREFETCH=prefetch, num_warps=8,
-            num_stages=num_stages,
+            PREC="ieee" if q.dtype.itemsize == 4 else "tf32", PREFETCH=prefetch,
+            DETERMINISTIC=ordered_sums, num_warps=8, num_stages=num_stages,
         )  # fmt: skip
 
-    key = (q.dtype, H, k.shape[1], Hs, k_proxy.shape[1], wl.slots, D, Dp, block, kl_value, grad)
-    key += (num_stages,)
-    tile = tiles.pick(_proxy_kernel, args, cands, options, key)
+    key = (q.dtype, H, k.shape[1], Hs, Hpk, wl.slots, D, Dp, block, kl_value, grad)
+    key += (num_stages, ordered_sums)
+    splits = 1  # (args() reads it for the KL partials' offset)
+    pick_args = args(dqp=stub, dkp=stub) if ordered_sums else args()
+    tile = tiles.pick(_proxy_kernel, pick_args, cands, options, key)
     splits = block // tile[1]
-    _proxy_kernel[(wl.num_items, splits)](*args, **options(tile))
+    if not ordered_sums:
+        _proxy_kernel[(wl.num_items, splits)](*args(), **options(tile))
+    else:
+        K = wl.slots
+        C = wl.perm.numel() // (Hs * K)  # the work list's tokens
+        tok0 = ordered.first_token(wl) if tok0 is None else tok0
+        heads = max(1, min(Hs, ordered.PARTIAL_BYTES // (C * K * splits * Dp * 4)))
+        ranges = ordered.item_ranges(wl.num_items, block * Dp * 4)
+        items = ordered.list_items(wl)
+        k_part = torch.empty((max(w1 - w0 for w0, w1 in ranges), 1, block, Dp), **f32)
+        for p0 in range(0, Hs, heads):
+            p1 = min(Hs, p0 + heads)
+            part = torch.zeros((C, p1 - p0, K * splits, Dp), **f32)  # unused slots: 0
+            for w0, w1 in ranges:
+                run = args(w0, w1, part, k_part, tok0, p0, p1)
+                _proxy_kernel[(w1 - w0, splits)](*run, **options(tile))
+                ordered.item_sum((k_part,), (dkp,), items, w0, w1, wl, groups=Hs // Hpk,
+                                 per_item=1, heads=(p0, p1))  # fmt: skip
+            ordered.slot_sum(part, dqp, tok0, slots=K, parts=splits, h0=p0, accumulate=True)
     return kl_part[: wl.num_items * splits] if kl_value else None
 
 
 def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
     """Driver stage ``kl`` (flash_msa.sparse_forward): the fp32 sum of the per-row KL terms of
     work list ``wl``'s rows; with ``unit = (dq_proxy, dk_proxy)`` it also adds the proxy gradient
-    for ``dkl = 1`` there (the same pass: the scores are computed once)."""
+    for ``dkl = 1`` there (the same pass: the scores are computed once; in a fixed order with
+    ``cfg.deterministic``)."""
     grad = {}
     if unit is not None:
         one = torch.ones((), dtype=torch.float32, device=q.device)
         grad = dict(dkl=one, dqp=unit[0], dkp=unit[1])
-    return launch(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, kl_value=True, **grad).sum()
+    return launch(
+        q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, kl_value=True,
+        deterministic=cfg.deterministic, **grad,
+    ).sum()  # fmt: skip

@@ -12,6 +12,11 @@ which is only scaled here. Otherwise (``compute_kl=False``, or a forward that di
 proxy.py's pass runs over this work list. Fusing it into the main kernel below would save
 recomputing the group's scores, but that kernel's operand tiles plus a third accumulator exceed
 the registers and 227 KB of shared memory on Triton 3.6; see docs/perf-notes.md.
+
+Deterministic mode (``cfg.deterministic``, :func:`_ordered`): the same kernel with
+``DETERMINISTIC`` stores its dQ rows and dK/dV tiles into partial buffers instead of adding them
+by atomics, over query chunks and item ranges, and ordered.py's kernels add them in a fixed
+order; the default path (:func:`_atomic`) compiles to the same instructions as before.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import worklist
+from .. import ordered, worklist
 from ..problem import Config, Grads, Saved
 from ..worklist import ITEM_TOKENS, geometry
 from . import proxy as proxy_pass
@@ -44,7 +49,8 @@ def _bwd_kernel(
     BLK_END,
     DQ,
     DK,
-    DV,  # fp32, zero-initialized
+    DV,  # fp32, zero-initialized (DETERMINISTIC: the partial buffers below)
+    TOK0,  # (1,) int64: first token of the chunk (DETERMINISTIC only)
     scale,
     H: tl.constexpr,
     Hkv: tl.constexpr,
@@ -60,14 +66,22 @@ def _bwd_kernel(
     PREC: tl.constexpr,
     PREFETCH: tl.constexpr,
     DQ_SPLIT: tl.constexpr,  # dQ = dS K in DQ_SPLIT column slices (fewer live registers)
+    # stores instead of fp32 atomics (ordered.py): DQ is the chunk's row partials [C, H, K * S,
+    # D] and DK / DV the item range's key-tile partials [items, R, S * BN, D], S = programs
+    # per key block (program_id(1))
+    DETERMINISTIC: tl.constexpr = False,
 ):
     w = tl.program_id(0)
     e0 = tl.load(ITEM_START + w)
     e1 = tl.load(ITEM_END + w)
     if e0 >= e1:
         return
-    p, kpos, m_k = item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN, tl.program_id(1))
+    sub = tl.program_id(1)
+    p, kpos, m_k = item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN, sub)
     o_d = tl.arange(0, D)
+    if DETERMINISTIC:
+        S = tl.num_programs(1)
+        tok0 = tl.load(TOK0)
     for r in tl.static_range(R):
         h0 = p * G + r * G2
         kvh = h0 // (H // Hkv)
@@ -80,8 +94,10 @@ def _bwd_kernel(
         for c in range(e0, e1, BT):
             if not PREFETCH:
                 nxt = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
-            t, _, hj, m_r = nxt
+            t, slot, hj, m_r = nxt
             row = t * H + h0 + hj
+            if DETERMINISTIC:  # the row's own partial: (token, head, slot, key part)
+                dq_row = (((t - tok0) * H + h0 + hj) * K + slot) * S + sub
             b_do = tl.load(DO + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
             b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
             if PREFETCH:  # the next chunk's entries load while this one computes
@@ -92,21 +108,33 @@ def _bwd_kernel(
             b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
             if DQ_SPLIT == 1:
                 b_dq = tl.dot(b_ds, b_k, input_precision=PREC) * scale
-                tl.atomic_add(
-                    DQ + row[:, None] * D + o_d[None, :], b_dq, mask=m_r[:, None], sem="relaxed"
-                )
+                if DETERMINISTIC:
+                    tl.store(DQ + dq_row[:, None] * D + o_d[None, :], b_dq, mask=m_r[:, None])
+                else:
+                    tl.atomic_add(
+                        DQ + row[:, None] * D + o_d[None, :], b_dq, mask=m_r[:, None], sem="relaxed"
+                    )
             else:
                 for j in tl.static_range(DQ_SPLIT):
                     o_j = j * (D // DQ_SPLIT) + tl.arange(0, D // DQ_SPLIT)
                     p_kj = (kpos * Hkv + kvh)[:, None] * D + o_j[None, :]
                     b_kj = tl.load(Kt + p_kj, mask=m_k[:, None], other=0.0)
                     b_dq = tl.dot(b_ds, b_kj, input_precision=PREC) * scale
-                    tl.atomic_add(
-                        DQ + row[:, None] * D + o_j[None, :], b_dq, mask=m_r[:, None], sem="relaxed"
-                    )
+                    if DETERMINISTIC:
+                        p_dq = DQ + dq_row[:, None] * D + o_j[None, :]
+                        tl.store(p_dq, b_dq, mask=m_r[:, None])
+                    else:
+                        p_dq = DQ + row[:, None] * D + o_j[None, :]
+                        tl.atomic_add(p_dq, b_dq, mask=m_r[:, None], sem="relaxed")
             b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PREC)
-        tl.atomic_add(DK + p_kv, b_dk * scale, mask=m_k[:, None], sem="relaxed")
-        tl.atomic_add(DV + p_kv, b_dv, mask=m_k[:, None], sem="relaxed")
+        if DETERMINISTIC:  # this item's tile of sub-group r
+            k_row = (w * R + r) * (S * BN) + sub * BN + tl.arange(0, BN)
+            p_part = k_row.to(tl.int64)[:, None] * D + o_d[None, :]
+            tl.store(DK + p_part, b_dk * scale, mask=m_k[:, None])
+            tl.store(DV + p_part, b_dv, mask=m_k[:, None])
+        else:
+            tl.atomic_add(DK + p_kv, b_dk * scale, mask=m_k[:, None], sem="relaxed")
+            tl.atomic_add(DV + p_kv, b_dv, mask=m_k[:, None], sem="relaxed")
 
 
 SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (bf16 inputs)
@@ -119,6 +147,7 @@ SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (b
     ITEM_END="*i64",
     NB="i32",
     **{k: "*fp32" for k in ("DQ", "DK", "DV")},
+    TOK0="*i64",
     scale="fp32",
 )
 
@@ -136,16 +165,64 @@ BWD_STAGES = 1  # software-pipelining stages of both loops
 BWD_PREFETCH = False  # load the next chunk's PERM entries one iteration ahead (main backward)
 
 
+def _main_args(q, k, v, dout, delta, lse, wl, dq, dk, dv, tok0, cfg: Config, w0=0, w1=None):
+    """The main kernel's runtime arguments over items ``w0 .. w1`` of ``wl`` (its item arrays
+    sliced: program ``w`` runs item ``w0 + w``)."""
+    w1 = wl.num_items if w1 is None else w1
+    return (
+        q, k, v, dout, delta, lse, wl.perm, wl.item_list[w0:w1], wl.item_start[w0:w1],
+        wl.item_end[w0:w1], wl.block_start, wl.block_end, dq, dk, dv, tok0, cfg.softmax_scale,
+    )  # fmt: skip
+
+
+def _main_tile(q, k, wl, cfg: Config, args, deterministic: bool):
+    """``(tile, options)`` of the main kernel: the first spill-free ``BWD_TILES`` candidate
+    (tiles.py) and its launch keywords."""
+    T, H, D = q.shape
+    Hkv, Hs, K = k.shape[1], wl.heads, wl.slots
+
+    def options(tile):
+        rows, BN, split = tile
+        G, G2, R, BT = geometry(H, Hkv, Hs, rows)
+        return dict(
+            H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, R=R, BN=BN, BT=BT, DQ_SPLIT=split,
+            NB=wl.num_blocks, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            PREFETCH=BWD_PREFETCH, DETERMINISTIC=deterministic, num_warps=8,
+            num_stages=BWD_STAGES,
+        )  # fmt: skip
+
+    key = (q.dtype, H, Hkv, Hs, K, D, cfg.block_size, BWD_PREFETCH, BWD_STAGES, deterministic)
+    cands = tiles.fitting(BWD_TILES, cfg.block_size)
+    return tiles.pick(_bwd_kernel, args, cands, options, key), options
+
+
 def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
     """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup)."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit = saved
     main, proxy = dout is not None, dkl is not None
     if not (main or proxy):
         return Grads(None, None, None, None, None)
+    proxy_pass_needed = proxy and unit is None
+    if cfg.deterministic:
+        dq, dk, dv, dqp, dkp = _ordered(dout, dkl, saved, cu_seqlens, cfg, proxy_pass_needed)
+    else:
+        dq, dk, dv, dqp, dkp = _atomic(dout, dkl, saved, cu_seqlens, cfg, proxy_pass_needed)
+    if proxy and not proxy_pass_needed:  # the forward's KL pass made the gradient for dkl = 1
+        dqp, dkp = (g * dkl for g in unit)
+
+    def cast(x, like):
+        return None if x is None else x.to(like.dtype)
+
+    return Grads(cast(dq, q), cast(dk, k), cast(dv, v), cast(dqp, q_proxy), cast(dkp, k_proxy))
+
+
+def _atomic(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool):
+    """The default backward: one work list, sums by fp32 atomics. ``(dq, dk, dv, dqp, dkp)``
+    (fp32, ``None`` where not computed)."""
+    q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
     T, H, D = q.shape
     Hkv = k.shape[1]
-    Hs, K = indices.shape[1:]
-    proxy_pass_needed = proxy and unit is None
+    main = dout is not None
     if main or proxy_pass_needed:
         wl = worklist.build(indices, cu_seqlens, cfg.block_size, ITEM_TOKENS)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -155,35 +232,83 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
         dk = torch.zeros((T, Hkv, D), **f32)
         dv = torch.zeros((T, Hkv, D), **f32)
         delta = (dout.float() * out.float()).sum(-1)  # [T, H]
-        args = (
-            q, k, v, dout, delta, lse,
-            wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start, wl.block_end,
-            dq, dk, dv, cfg.softmax_scale,
-        )  # fmt: skip
-
-        def options(tile):
-            rows, BN, split = tile
-            G, G2, R, BT = geometry(H, Hkv, Hs, rows)
-            return dict(
-                H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, R=R, BN=BN, BT=BT, DQ_SPLIT=split,
-                NB=wl.num_blocks, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                PREFETCH=BWD_PREFETCH, num_warps=8, num_stages=BWD_STAGES,
-            )  # fmt: skip
-
-        key = (q.dtype, H, Hkv, Hs, K, D, cfg.block_size, BWD_PREFETCH, BWD_STAGES)
-        tile = tiles.pick(_bwd_kernel, args, tiles.fitting(BWD_TILES, cfg.block_size), options, key)
+        args = _main_args(q, k, v, dout, delta, lse, wl, dq, dk, dv, wl.perm, cfg)
+        tile, options = _main_tile(q, k, wl, cfg, args, False)
         _bwd_kernel[(wl.num_items, cfg.block_size // tile[1])](*args, **options(tile))
-    if proxy and not proxy_pass_needed:  # the forward's KL pass made the gradient for dkl = 1
-        dqp, dkp = (g * dkl for g in unit)
-    elif proxy:
+    if proxy_pass_needed:
         dqp = torch.zeros(q_proxy.shape, **f32)
         dkp = torch.zeros(k_proxy.shape, **f32)
         proxy_pass.launch(
             q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg,
             dkl=dkl, dqp=dqp, dkp=dkp, num_stages=BWD_STAGES,
         )  # fmt: skip
+    return dq, dk, dv, dqp, dkp
 
-    def cast(x, like):
-        return None if x is None else x.to(like.dtype)
 
-    return Grads(cast(dq, q), cast(dk, k), cast(dv, v), cast(dqp, q_proxy), cast(dkp, k_proxy))
+def _ordered(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool):
+    """The deterministic backward (``cfg.deterministic``; ordered.py): the same kernels storing
+    their sums into partial buffers, added in a fixed order. ``(dq, dk, dv, dqp, dkp)``.
+
+    Over chunks of C query tokens (a work list each, as the forward driver): per chunk the main
+    kernel writes dQ row partials ``(C, H, K * S, D)`` fp32 (``S = block // BN`` programs per
+    key block) and, per range of work items, dK / dV tiles ``(items, R, block, D)`` fp32, which
+    :func:`~flash_msa.ordered.item_sum` adds into dK / dV after each range; then
+    :func:`~flash_msa.ordered.slot_sum` sums the dQ partials into the chunk's rows.
+    C and the ranges keep each buffer within ``ordered.PARTIAL_BYTES``. The proxy pass runs over
+    the same chunks (proxy.py, ``deterministic=True``)."""
+    q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    Hs, K = indices.shape[1:]
+    block = cfg.block_size
+    main = dout is not None
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dq = dk = dv = dqp = dkp = None
+    per_token = 0
+    if main:
+        delta = (dout.float() * out.float()).sum(-1)  # [T, H]
+        # the tile decides S, hence the partials' size: pick it first, on a one-token work list
+        # with placeholder buffers (the compiled kernel depends on dtypes, not sizes)
+        probe = worklist.build(indices[:1], cu_seqlens, block, ITEM_TOKENS, 0, T)
+        stub = torch.empty(4, **f32)
+        args = _main_args(q, k, v, dout, delta, lse, probe, stub, stub, stub, probe.perm, cfg)
+        tile, options = _main_tile(q, k, probe, cfg, args, True)
+        S = block // tile[1]
+        G, G2, R, _ = geometry(H, Hkv, Hs, tile[0])
+        per_token = H * K * S * D * 4
+        per_item = 2 * R * block * D * 4
+        dq = torch.empty_like(q)  # slot_sum writes every row
+        dk = torch.zeros((T, Hkv, D), **f32)
+        dv = torch.zeros((T, Hkv, D), **f32)
+    if proxy_pass_needed:
+        dqp = torch.zeros(q_proxy.shape, **f32)
+        dkp = torch.zeros(k_proxy.shape, **f32)
+        per_token = max(per_token, Hs * K * q_proxy.shape[2] * 4)  # it slices heads if needed
+    C = ordered.token_chunk(T, per_token)
+    dq_part = torch.empty((C, H, K * S, D), **f32) if main else None
+    k_parts = None
+    for c0 in range(0, T, C):
+        c1 = min(T, c0 + C)
+        idx = indices[c0:c1]
+        wl = worklist.build(idx, cu_seqlens, block, ITEM_TOKENS, c0, T)
+        tok0 = torch.full((1,), c0, dtype=torch.int64, device=q.device)
+        if main:
+            items = ordered.list_items(wl)
+            ranges = ordered.item_ranges(wl.num_items, per_item)
+            most = max(w1 - w0 for w0, w1 in ranges)
+            if k_parts is None or k_parts[0].shape[0] < most:
+                k_parts = [torch.empty((most, R, block, D), **f32) for _ in range(2)]
+            part = dq_part[: c1 - c0]
+            for w0, w1 in ranges:
+                args = _main_args(q, k, v, dout, delta, lse, wl, part, *k_parts, tok0, cfg, w0, w1)
+                _bwd_kernel[(w1 - w0, S)](*args, **options(tile))
+                # a KV head's sub-groups: its H / Hkv heads, G2 per item sub-group
+                kw = dict(groups=H // Hkv // G2, per_item=R)
+                ordered.item_sum(k_parts, (dk, dv), items, w0, w1, wl, **kw)
+            ordered.slot_sum(part, dq, tok0, slots=K, parts=S, idx=idx, group=H // Hs)
+        if proxy_pass_needed:
+            proxy_pass.launch(
+                q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, dkl=dkl, dqp=dqp, dkp=dkp,
+                num_stages=BWD_STAGES, deterministic=True, tok0=tok0,
+            )  # fmt: skip
+    return dq, dk, dv, dqp, dkp

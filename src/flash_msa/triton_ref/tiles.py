@@ -11,14 +11,20 @@ synchronization) and keeps the first one whose cubin has no stack frame and no l
 fits the device. The choice is cached per
 static configuration; the kernel launch that follows reuses the compiled binary.
 
-If every candidate spills (not the case for any configuration ``compile_check`` covers), the
-last one is used and a warning names the kernel. Under Triton's interpreter (CPU) nothing is
-compiled and the first candidate is used.
+A candidate is also skipped when its TTGIR has a shared-memory race of Triton's software
+pipelining (:func:`ring_hazards`: an async wgmma reading a ring-buffer slot that the loop's
+next prefetch overwrites; found in ``dense._dense_proxy_dk_kernel``, the likely cause of a
+non-deterministic dk_proxy on the H200).
+
+If every candidate spills or races (not the case for any configuration ``compile_check``
+covers), the last one is used and a warning names the kernel. Under Triton's interpreter (CPU)
+nothing is compiled and the first candidate is used.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 
 from ..backends import interpreting
@@ -44,6 +50,51 @@ def spill_bytes(compiled) -> int:
         compiled._init_handles()
         return 4 * compiled.n_spills
     return res["stack"] + res["local"]
+
+
+_ALLOC = re.compile(r"\s*(%[\w.]+) = ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x")
+_SLOT = re.compile(r"\s*(%[\w.]+) = ttg\.memdesc_(?:index|subview) (%[\w.]+)\[(%[\w.]+)")
+_DOT = re.compile(r"\s*(%[\w.]+) = ttng\.warp_group_dot (%[\w.]+), (%[\w.]+), .*isAsync = true")
+
+
+def ring_hazards(ttgir: str) -> list[str]:
+    """Shared-memory races of software pipelining in a kernel's TTGIR (sm_90): an async wgmma
+    whose operand is a slot of a pipelining ring buffer with every slot in flight (as many
+    slots as the loop's prologue fills) and which no ``pendings = 0`` wait completes before its
+    loop iteration ends. The iteration's refill then targets the slot the wgmma still reads.
+    Triton sizes a ring ``distance + 1`` when a load feeds a wgmma alone, but only ``distance``
+    when the load also has a register use (``dense._dense_proxy_dk_kernel`` before its fix).
+    Returns one line per hazard (empty: none found; a text without these ops gives none)."""
+    lines = ttgir.splitlines()
+    slots = {m[1]: int(m[2]) for m in map(_ALLOC.match, lines) if m}
+    ring_of, fills = {}, {a: set() for a in slots}
+    for m in map(_SLOT.match, lines):
+        if m and m[2] in slots:
+            ring_of[m[1]] = m[2]
+            if re.fullmatch(r"%c\d+_i32", m[3]):  # a constant slot: a prologue fill
+                fills[m[2]].add(m[3])
+    found = []
+    for n, line in enumerate(lines):
+        dot = _DOT.match(line)
+        if not dot:
+            continue
+        depth, waited = 0, False
+        for later in lines[n + 1 :]:  # up to the yield of the dot's own loop body
+            if depth == 0 and "scf.yield" in later:
+                break
+            depth += later.rstrip().endswith("{") - later.lstrip().startswith("}")
+            wait = "warp_group_dot_wait" in later and "pendings = 0" in later
+            if wait and re.search(re.escape(dot[1]) + r"\b", later):
+                waited = True
+                break
+        for operand in () if waited else dot.group(2, 3):
+            ring = ring_of.get(operand)
+            if ring is not None and len(fills[ring]) >= slots[ring]:
+                found.append(
+                    f"{dot[1]} reads {operand}, a slot of {ring} ({slots[ring]} slots, "
+                    f"{len(fills[ring])} in flight)"
+                )
+    return found
 
 
 def _shared_limit(dev) -> int:
@@ -83,11 +134,19 @@ def pick(kernel, args, candidates, options, key):
         except Exception as e:  # e.g. out of resources at compile time: try the next one
             log.info("flash_msa: tile %s of %s does not compile: %s", cand, key[0], e)
             continue
+        hazards = ring_hazards(compiled.asm.get("ttgir", ""))
+        if hazards:
+            log.warning(
+                "flash_msa: tile %s of %s skipped, a pipelining race: %s", cand, key[0], hazards
+            )
+            continue
         if compiled.metadata.shared <= _shared_limit(dev) and spill_bytes(compiled) == 0:
             choice = cand
             break
     if choice is None:
         choice = candidates[-1]
-        log.warning("flash_msa: every tile candidate of %s spills registers (%s)", key[0], key)
+        log.warning(
+            "flash_msa: every tile candidate of %s spills registers or races (%s)", key[0], key
+        )
     _chosen[key] = choice
     return choice
