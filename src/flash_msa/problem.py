@@ -143,3 +143,9 @@ class Grads(NamedTuple):
     dv: torch.Tensor | None
     dq_proxy: torch.Tensor | None
     dk_proxy: torch.Tensor | None
+
+    @classmethod
+    def cast(cls, grads, likes) -> Grads:
+        """``Grads`` of ``grads`` (dq, dk, dv, dq_proxy, dk_proxy: fp32 accumulators or
+        ``None``), each in the dtype of its input in ``likes`` (q, k, v, q_proxy, k_proxy)."""
+        return cls(*(None if g is None else g.to(x.dtype) for g, x in zip(grads, likes)))

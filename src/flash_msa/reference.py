@@ -370,13 +370,6 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, upcast=True, *, q_map=
         if proxy:
             dkp[s0 : s0 + L] = dkph.view(Hpk, Hp // Hpk, L, Dp).sum(1).transpose(0, 1)
 
-    def cast(x, like):
-        return None if x is None else x.to(like.dtype)
-
-    return Grads(
-        cast(dq, q),
-        cast(dk, k),
-        cast(dv, v),
-        cast(dqp, q_proxy) if proxy else None,
-        cast(dkp, k_proxy) if proxy else None,
-    )
+    if not proxy:
+        dqp = dkp = None
+    return Grads.cast((dq, dk, dv, dqp, dkp), (q, k, v, q_proxy, k_proxy))

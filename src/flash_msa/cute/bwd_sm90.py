@@ -989,13 +989,9 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
             outs = [None if x is None else x.view(-1, x.shape[-1]) for x in (dq, dk, dv, dqp, dkp)]
             launch(wl, outs)  # 2-D fp32 views: > 2**31 elements at 1M tokens
     if proxy:
-        dqp = (dqp * dkl).to(q_proxy.dtype)
-        dkp = (dkp * dkl).to(k_proxy.dtype)
+        dqp, dkp = dqp * dkl, dkp * dkl
 
-    def cast(x, like):
-        return None if x is None else x.to(like.dtype)
-
-    return Grads(cast(dq, q), cast(dk, k), cast(dv, v), dqp, dkp)
+    return Grads.cast((dq, dk, dv, dqp, dkp), (q, k, v, q_proxy, k_proxy))
 
 
 def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, proxy):

@@ -590,7 +590,4 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
             q, k, q_proxy, k_proxy, lse, proxy_lse, cu_seqlens, cfg, dkl=dkl, dqp=dqp, dkp=dkp
         )
 
-    def cast(x, like):
-        return None if x is None else x.to(like.dtype)
-
-    return Grads(cast(dq, q), cast(dk, k), cast(dv, v), cast(dqp, q_proxy), cast(dkp, k_proxy))
+    return Grads.cast((dq, dk, dv, dqp, dkp), (q, k, v, q_proxy, k_proxy))

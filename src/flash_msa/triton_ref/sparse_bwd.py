@@ -210,10 +210,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
     if proxy and not proxy_pass_needed:  # the forward's KL pass made the gradient for dkl = 1
         dqp, dkp = (g * dkl for g in unit)
 
-    def cast(x, like):
-        return None if x is None else x.to(like.dtype)
-
-    return Grads(cast(dq, q), cast(dk, k), cast(dv, v), cast(dqp, q_proxy), cast(dkp, k_proxy))
+    return Grads.cast((dq, dk, dv, dqp, dkp), (q, k, v, q_proxy, k_proxy))
 
 
 def _atomic(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool):

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One GPU session's backward work, in priority order, each step time-boxed; logs under OUTDIR.
+# Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
+#   STEPS: any of tests det ab ncu bench (default: all, in that order)
+set -uo pipefail
+out="${1:?usage: bwd_session.sh OUTDIR [STEPS]}"
+steps="${2:-tests det ab ncu bench}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+t() { local s rc; s=$(date +%s); "$@"; rc=$?; echo "  [$(( $(date +%s) - s )) s, rc=$rc] $*" | cut -c1-160; }
+for step in $steps; do
+  case "$step" in
+    tests)  # the CuTe backward: v2, ws and deterministic variants, hypothesis, sanitizer
+      t timeout 420 python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_cute_bwd.py \
+        > "$out/test_gpu_cute_bwd.log" 2>&1
+      grep -E "FAILED|ERROR" "$out/test_gpu_cute_bwd.log" | head -5
+      grep -cE "PASSED" "$out/test_gpu_cute_bwd.log" ;;
+    det)  # deterministic mode on auto (sparse and warmup)
+      t timeout 180 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_deterministic.py \
+        > "$out/test_deterministic.log" 2>&1
+      grep -E "PASSED|FAILED|ratio" "$out/test_deterministic.log" | tail -6 ;;
+    ab)  # the backward op, same run: Triton, v2, ws, deterministic
+      (cd benchmarks && t timeout 420 python3 bwd_ab.py --variants cute "cute ws" "cute deterministic" \
+        --cases anchor:16384 anchor:32768 paper:32768 paper:131072 --out "$out/bwd_ab.json" \
+        > "$out/bwd_ab.log" 2>&1)
+      python3 - "$out/bwd_ab.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(r["shape"], r["S"], " ".join(f"{k}:{min(v['ms']):.2f}ms/{v['tflops']:.0f}"
+          for k, v in r.items() if isinstance(v, dict) and "tflops" in v))
+PY
+      ;;
+    ncu)  # profile of the ws kernel at anchor 32K (stall reasons)
+      NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      (cd benchmarks && t timeout 240 "$NCU" --kernel-name regex:BwdWsSm90 --launch-skip 1 \
+        --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section Occupancy --section LaunchStats --section SourceCounters --import-source no \
+        -o "$out/ws_anchor32k" python3 profile_bwd.py --provider "cute ws" > "$out/ncu.log" 2>&1)
+      "$NCU" -i "$out/ws_anchor32k.ncu-rep" --page details > "$out/ncu_ws_details.txt" 2>&1
+      grep -E "Duration|Eligible Warps|Issue Slots|Achieved Occ" "$out/ncu_ws_details.txt" ;;
+    bench)  # the training step (KL in the loss and compute_kl=False) next to FA4
+      t timeout 300 python3 -m flash_msa bench --shape anchor --seqlen 16384 32768 --backends cute \
+        --inputs random --iters 5 --dense fa4 --json "$out/bench_anchor.json" > "$out/bench_anchor.log" 2>&1
+      t timeout 240 python3 -m flash_msa bench --shape paper --seqlen 131072 --backends cute \
+        --inputs random --iters 3 --dense --json "$out/bench_paper.json" > "$out/bench_paper.log" 2>&1
+      tail -4 "$out/bench_anchor.log"; tail -2 "$out/bench_paper.log" ;;
+  esac
+done
