@@ -243,6 +243,27 @@ MUTANTS = (
         ("tests/test_cli.py",),
         "check_fails_wrong_gradients",
     ),
+    Mutant(
+        "det-last-slot-dropped",
+        "ordered.slot_sum stops one slot early (an off-by-one in the fixed-order row sum)",
+        ((PKG + "ordered.py", "for s in range(K * S):", "for s in range(K * S - 1):"),),
+        ("tests/test_deterministic.py",),
+        "step_twice_same_bits_and_reference and not warmup",
+    ),
+    Mutant(
+        "det-main-kernel-atomic",
+        "the deterministic backward launches the main kernel compiled without DETERMINISTIC "
+        "(its stores become atomics again, into the partial buffers' layout)",
+        (
+            (
+                PKG + "triton_ref/sparse_bwd.py",
+                "tile, options = _main_tile(q, k, probe, cfg, args, True)",
+                "tile, options = _main_tile(q, k, probe, cfg, args, False)",
+            ),
+        ),
+        ("tests/test_deterministic.py",),
+        "step_twice_same_bits_and_reference or program_order",
+    ),
 )
 
 
