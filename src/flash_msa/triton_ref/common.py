@@ -1,5 +1,9 @@
 """``@triton.jit`` helpers shared by the Triton kernels (they inline into their callers).
 
+- Sequences and rows: :func:`sequence_tile` (a program's tile of a packed sequence, from
+  ``cu_seqlens``), :func:`tile_rows` (a tile's positions, mask and rows), :func:`row_ptrs` /
+  :func:`load_rows` / :func:`row_offsets` (a tile of whole rows of a row-major ``[..., D]``
+  tensor); for the dense (warmup) kernels.
 - Work items (the reverse index of :mod:`flash_msa.worklist`): :func:`item_block` (a work
   item's selection head and key positions) and :func:`item_rows` (the token, slot and head of
   each MMA row of a token chunk), for the sparse forward, backward and proxy pass.
@@ -41,6 +45,55 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# ---------------------------------------------------------------------------------------------
+# sequences and rows
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def sequence_tile(CU, tile, B: tl.constexpr):
+    """Packed sequence ``tl.program_id(1)``'s first packed token ``s0`` and length ``L`` (``CU``
+    = cu_seqlens [N + 1]), and the first sequence-local position ``tile * B`` of its tile
+    ``tile`` (B positions per tile; the grid has the longest sequence's tiles). The caller
+    returns when that position is ``>= L``."""
+    seq = tl.program_id(1)
+    s0 = tl.load(CU + seq)
+    return s0, tl.load(CU + seq + 1) - s0, tile * B
+
+
+@triton.jit
+def tile_rows(s0, t0, L, head, NH: tl.constexpr, B: tl.constexpr):
+    """The sequence-local positions ``t0 .. t0 + B`` [B] of a tile of a sequence of ``L`` tokens
+    from packed token ``s0``, their mask (``< L``) and their rows ``(s0 + pos) * NH + head``
+    (int64) in a packed ``[T, NH, ...]`` tensor."""
+    pos = t0 + tl.arange(0, B)
+    m = pos < L
+    return pos, m, (s0 + pos).to(tl.int64) * NH + head
+
+
+@triton.jit
+def row_ptrs(PTR, row, cols):
+    """Pointers [N, D] to the rows ``row`` [N] (int64, e.g. ``token * heads + head``) of a
+    row-major tensor of D-element rows at ``PTR``. ``cols`` is ``tl.arange(0, D)``, made by the
+    kernel: where a kernel makes its ranges decides the order of its layouts, and with it the
+    compiled code (a range made here moved the dense kernels' instructions)."""
+    return PTR + row[:, None] * cols.shape[0] + cols[None, :]
+
+
+@triton.jit
+def load_rows(PTR, row, mask, cols):
+    """The rows ``row`` [N] of ``PTR`` as an [N, D] tile (see :func:`row_ptrs`), 0 where
+    ``mask`` [N] is False."""
+    return tl.load(row_ptrs(PTR, row, cols), mask=mask[:, None], other=0.0)
+
+
+@triton.jit
+def row_offsets(row, cols):
+    """Element offsets [N, D] of the rows ``row`` [N] (as :func:`row_ptrs`), for tensors of one
+    layout that share them (k and v, dk and dv)."""
+    return row[:, None] * cols.shape[0] + cols[None, :]
+
 
 # ---------------------------------------------------------------------------------------------
 # work items

@@ -29,7 +29,16 @@ import triton.language as tl
 from ..problem import Config, Forward, Grads, Saved
 from ..worklist import geometry
 from . import tiles
-from .common import finish_lse, proxy_step, teacher
+from .common import (
+    finish_lse,
+    load_rows,
+    proxy_step,
+    row_offsets,
+    row_ptrs,
+    sequence_tile,
+    teacher,
+    tile_rows,
+)
 
 BM, BN = 64, 64  # query rows and keys per tile of the forward
 # (rows, keys, warps) candidates of the backward and the proxy pass, in order (tiles.py picks
@@ -40,6 +49,36 @@ DENSE_TILES = ((64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4))
 # stages every D = 128 tile with BN = 64 or 32 spills (sm_90a, Triton 3.9), leaving (32, 32, 4)
 # and no wgmma; at 2 stages (64, 64, 8) fits (247 registers, no spill, 78 KB shared).
 PROXY_DK_STAGES = 2
+
+
+@triton.jit
+def _query_rows(Q, DO, LSE, DELTA, rows, m_i, o_d):
+    """The backward's query side of the main rows ``rows`` [BM] (int64 ``token * H + head``,
+    mask ``m_i``): q and dO [BM, D] (``o_d = tl.arange(0, D)``), the saved LSE and ``delta =
+    rowsum(dO * out)`` [BM]."""
+    b_q = load_rows(Q, rows, m_i, o_d)
+    b_do = load_rows(DO, rows, m_i, o_d)
+    b_lse = tl.load(LSE + rows, mask=m_i, other=0.0)
+    b_delta = tl.load(DELTA + rows, mask=m_i, other=0.0)
+    return b_q, b_do, b_lse, b_delta
+
+
+@triton.jit
+def _masked_probs(b_q, b_k, b_lse, i, m_i, j, m_j, scale, PREC: tl.constexpr):
+    """P [BM, BN] = ``exp(q k^T * scale - lse)`` (fp32) of queries ``i`` [BM] on keys ``j``
+    [BN] (sequence-local; masks ``m_i``, ``m_j``), 0 where either is masked or the key is after
+    the query; ``b_q`` [BM, D], ``b_k`` [BN, D], ``b_lse`` [BM] the saved LSE."""
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
+    keep = m_i[:, None] & m_j[None, :] & (j[None, :] <= i[:, None])
+    return tl.where(keep, tl.exp(b_s - b_lse[:, None]), 0.0)
+
+
+@triton.jit
+def _dscores(b_p, b_do, b_v, b_delta, PREC: tl.constexpr):
+    """dS [BM, BN] = ``P * (dO v^T - delta)`` (fp32) from P [BM, BN], dO [BM, D], v [BN, D] and
+    ``delta = rowsum(dO * out)`` [BM]; the softmax scale is left to the dQ/dK results."""
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+    return b_p * (b_dp - b_delta[:, None])
 
 
 @triton.jit
@@ -60,26 +99,21 @@ def _dense_fwd_kernel(
     PREC: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest tiles first
-    seq = tl.program_id(1)
-    h = tl.program_id(2)
-    s0 = tl.load(CU + seq)
-    L = tl.load(CU + seq + 1) - s0
-    m0 = tile * BM
+    s0, L, m0 = sequence_tile(CU, tile, BM)
     if m0 >= L:
         return
+    h = tl.program_id(2)
     kh = h // (H // Hk)
-    i = m0 + tl.arange(0, BM)  # [BM] sequence-local query positions
-    m_i = i < L
+    i, m_i, rows = tile_rows(s0, m0, L, h, H, BM)  # [BM] query positions, mask, rows
     o_d = tl.arange(0, D)
     o_n = tl.arange(0, BN)
-    rows = (s0 + i).to(tl.int64) * H + h
-    b_q = tl.load(Q + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
+    b_q = load_rows(Q, rows, m_i, o_d)
     b_m = tl.full([BM], float("-inf"), tl.float32)
     b_l = tl.zeros([BM], tl.float32)
     b_acc = tl.zeros([BM, D], tl.float32)
     for n0 in range(0, tl.minimum(m0 + BM, L), BN):
         j = n0 + o_n
-        kv = ((s0 + j).to(tl.int64) * Hk + kh)[:, None] * D + o_d[None, :]
+        kv = row_offsets((s0 + j).to(tl.int64) * Hk + kh, o_d)  # [BN, D] of k and v
         b_k = tl.load(Kt + kv, mask=(j < L)[:, None], other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
         b_s = tl.where((j[None, :] <= i[:, None]) & (j < L)[None, :], b_s, float("-inf"))
@@ -97,7 +131,7 @@ def _dense_fwd_kernel(
     tl.store(LSE + rows, b_lse, mask=m_i)
     if HAS_V:
         b_out = (b_acc / b_safe[:, None]).to(OUT.dtype.element_ty)
-        tl.store(OUT + rows[:, None] * D + o_d[None, :], b_out, mask=m_i[:, None])
+        tl.store(row_ptrs(OUT, rows, o_d), b_out, mask=m_i[:, None])
 
 
 @triton.jit
@@ -132,23 +166,17 @@ def _dense_proxy_kernel(
     PREC: tl.constexpr,
     DK_PROXY: tl.constexpr = True,  # False: dk_proxy is left to _dense_proxy_dk_kernel
 ):
-    pid = tl.program_id(0)
-    tile = tl.num_programs(0) - 1 - pid
-    seq = tl.program_id(1)
+    pid = tl.program_id(0)  # pid first, p before the return: the code of the helper-less kernel
+    s0, L, m0 = sequence_tile(CU, tl.num_programs(0) - 1 - pid, BT)  # longest tiles first
     p = tl.program_id(2)
-    s0 = tl.load(CU + seq)
-    L = tl.load(CU + seq + 1) - s0
-    m0 = tile * BT
     if m0 >= L:
         return
     pk = p // (Hs // Hpk)
     o_d = tl.arange(0, D)
     o_dp = tl.arange(0, Dp)
     o_n = tl.arange(0, BN)
-    i = m0 + tl.arange(0, BT)  # [BT] tokens
-    m_t = i < L
-    prow = (s0 + i).to(tl.int64) * Hs + p
-    b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
+    i, m_t, prow = tile_rows(s0, m0, L, p, Hs, BT)  # [BT] tokens, mask, q_proxy rows
+    b_qp = load_rows(QP, prow, m_t, o_dp)
     b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
     o_r = tl.arange(0, BT * G2)  # main rows: token-major (token r // G2, head r % G2)
     ir = m0 + o_r // G2  # [BT * G2] sequence-local positions
@@ -162,15 +190,13 @@ def _dense_proxy_kernel(
         m_j = j < L
         kpos = (s0 + j).to(tl.int64)  # packed key positions
         # the first KV sub-group's key tile (the teacher's with R == 1)
-        p_k0 = Kt + (kpos * Hkv + (p * G) // (H // Hkv))[:, None] * D + o_d[None, :]
-        b_k0 = tl.load(p_k0, mask=m_j[:, None], other=0.0)  # [BN, D]
+        b_k0 = load_rows(Kt, kpos * Hkv + (p * G) // (H // Hkv), m_j, o_d)  # [BN, D]
         tok = (s0 + ir).to(tl.int64)  # packed tokens of the main rows (loop-invariant, hoisted)
         b_tgt = teacher(  # [BT, BN]
             Q, LSE, Kt, b_k0, tok, o_r % G2, m_r, ir, kpos, j, m_j, p, scale,
             H, Hkv, D, G, G2, R, BT, BN, PREC,
         )  # fmt: skip
-        p_kp = KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
-        b_kp = tl.load(p_kp, mask=m_j[:, None], other=0.0)  # [BN, Dp]
+        b_kp = load_rows(KP, kpos * Hpk + pk, m_j, o_dp)  # [BN, Dp]
         kl_acc, b_diff = proxy_step(
             kl_acc, b_tgt, b_qp, b_kp, b_plse, m_t, i, j, m_j, pscale, KL_VALUE, GRAD, PREC
         )
@@ -178,15 +204,13 @@ def _dense_proxy_kernel(
             b_dqp += tl.dot(b_diff, b_kp, input_precision=PREC)
             if DK_PROXY:
                 b_dkp = tl.dot(tl.trans(b_diff), b_qp, input_precision=PREC) * (coef * pscale)
-                p_dkp = DKP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+                p_dkp = row_ptrs(DKP, kpos * Hpk + pk, o_dp)
                 tl.atomic_add(p_dkp, b_dkp, mask=m_j[:, None], sem="relaxed")
     if KL_VALUE:
-        flat = (seq * Hs + p) * tl.num_programs(0) + pid
+        flat = (tl.program_id(1) * Hs + p) * tl.num_programs(0) + pid
         tl.store(KL_PART + flat, tl.sum(kl_acc, axis=0))
     if GRAD:
-        tl.store(
-            DQP + prow[:, None] * Dp + o_dp[None, :], b_dqp * (coef * pscale), mask=m_t[:, None]
-        )
+        tl.store(row_ptrs(DQP, prow, o_dp), b_dqp * (coef * pscale), mask=m_t[:, None])
 
 
 @triton.jit
@@ -220,33 +244,25 @@ def _dense_proxy_dk_kernel(
     head) and sums, in order, over the Hs / Hpk proxy heads that read that key head and over
     the query tiles at or after the keys (the teacher and the proxy probabilities recomputed as
     in _dense_proxy_kernel), then stores its tile once: no atomics."""
-    tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    pk = tl.program_id(2)
-    s0 = tl.load(CU + seq)
-    L = tl.load(CU + seq + 1) - s0
-    n0 = tile * BN
+    s0, L, n0 = sequence_tile(CU, tl.program_id(0), BN)
     if n0 >= L:
         return
+    pk = tl.program_id(2)
     o_d = tl.arange(0, D)
     o_dp = tl.arange(0, Dp)
     j = n0 + tl.arange(0, BN)  # [BN] sequence-local key positions
     m_j = j < L
     kpos = (s0 + j).to(tl.int64)
-    p_kp = KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
-    b_kp = tl.load(p_kp, mask=m_j[:, None], other=0.0)  # [BN, Dp]
+    b_kp = load_rows(KP, kpos * Hpk + pk, m_j, o_dp)  # [BN, Dp]
     coef = tl.load(DKL).to(tl.float32) * inv_rows
     o_r = tl.arange(0, BT * G2)  # main rows: token-major (token r // G2, head r % G2)
     b_dkp = tl.zeros([BN, Dp], tl.float32)
     for pp in range(Hs // Hpk):
         p = pk * (Hs // Hpk) + pp
-        p_k0 = Kt + (kpos * Hkv + (p * G) // (H // Hkv))[:, None] * D + o_d[None, :]
-        b_k0 = tl.load(p_k0, mask=m_j[:, None], other=0.0)  # [BN, D]
+        b_k0 = load_rows(Kt, kpos * Hkv + (p * G) // (H // Hkv), m_j, o_d)  # [BN, D]
         for m0 in range((n0 // BT) * BT, L, BT):
-            i = m0 + tl.arange(0, BT)  # [BT] tokens
-            m_t = i < L
-            prow = (s0 + i).to(tl.int64) * Hs + p
-            b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
+            i, m_t, prow = tile_rows(s0, m0, L, p, Hs, BT)  # [BT] tokens, mask, q_proxy rows
+            b_qp = load_rows(QP, prow, m_t, o_dp)
             b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
             ir = m0 + o_r // G2
             m_r = ir < L
@@ -268,10 +284,10 @@ def _dense_proxy_dk_kernel(
             # race is the likely cause of dk_proxy differing between two runs on the H200
             # (Triton 3.6). tests/test_deterministic.py checks every tile's code for it
             # (tiles.ring_hazards); tiles.pick skips a tile that has it.
-            p_qp_b = QP + prow[:, None] * Dp + o_dp[None, :]
+            p_qp_b = row_ptrs(QP, prow, o_dp)
             b_qp_b = tl.load(p_qp_b, mask=m_t[:, None], other=0.0, eviction_policy="evict_last")
             b_dkp += tl.dot(tl.trans(b_diff), b_qp_b, input_precision=PREC)
-    p_dkp = DKP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :]
+    p_dkp = row_ptrs(DKP, kpos * Hpk + pk, o_dp)
     tl.store(p_dkp, b_dkp * (coef * pscale), mask=m_j[:, None])
 
 
@@ -298,11 +314,8 @@ def _dense_bwd_kernel(
     # heads in order, storing dK/dV once; dQ is left to _dense_bwd_dq_kernel. Grid z: Hkv.
     DETERMINISTIC: tl.constexpr = False,
 ):
-    tile = tl.program_id(0)  # key tile: the first ones see the most queries
-    seq = tl.program_id(1)
-    s0 = tl.load(CU + seq)
-    L = tl.load(CU + seq + 1) - s0
-    n0 = tile * BN
+    # key tile: the first ones see the most queries
+    s0, L, n0 = sequence_tile(CU, tl.program_id(0), BN)
     if n0 >= L:
         return
     if DETERMINISTIC:
@@ -310,9 +323,8 @@ def _dense_bwd_kernel(
     else:
         kvh = tl.program_id(2) // (H // Hkv)
     o_d = tl.arange(0, D)
-    j = n0 + tl.arange(0, BN)
-    m_j = j < L
-    kv = ((s0 + j).to(tl.int64) * Hkv + kvh)[:, None] * D + o_d[None, :]
+    j, m_j, krow = tile_rows(s0, n0, L, kvh, Hkv, BN)
+    kv = row_offsets(krow, o_d)  # [BN, D] of k, v, dk and dv
     b_k = tl.load(Kt + kv, mask=m_j[:, None], other=0.0)
     b_v = tl.load(V + kv, mask=m_j[:, None], other=0.0)
     b_dk = tl.zeros([BN, D], tl.float32)
@@ -323,22 +335,14 @@ def _dense_bwd_kernel(
         else:
             h = tl.program_id(2)
         for m0 in range((n0 // BM) * BM, L, BM):
-            i = m0 + tl.arange(0, BM)
-            m_i = i < L
-            rows = (s0 + i).to(tl.int64) * H + h
-            b_q = tl.load(Q + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
-            b_do = tl.load(DO + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
-            b_lse = tl.load(LSE + rows, mask=m_i, other=0.0)
-            b_delta = tl.load(DELTA + rows, mask=m_i, other=0.0)
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
-            keep = m_i[:, None] & m_j[None, :] & (j[None, :] <= i[:, None])
-            b_p = tl.where(keep, tl.exp(b_s - b_lse[:, None]), 0.0)
+            i, m_i, rows = tile_rows(s0, m0, L, h, H, BM)
+            b_q, b_do, b_lse, b_delta = _query_rows(Q, DO, LSE, DELTA, rows, m_i, o_d)
+            b_p = _masked_probs(b_q, b_k, b_lse, i, m_i, j, m_j, scale, PREC)
             b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
-            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-            b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
+            b_ds = _dscores(b_p, b_do, b_v, b_delta, PREC).to(b_q.dtype)  # the MMAs' operand
             if not DETERMINISTIC:
                 b_dq = tl.dot(b_ds, b_k, input_precision=PREC) * scale
-                p_dq = DQ + rows[:, None] * D + o_d[None, :]
+                p_dq = row_ptrs(DQ, rows, o_d)
                 tl.atomic_add(p_dq, b_dq, mask=m_i[:, None], sem="relaxed")
             b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PREC)
     if DETERMINISTIC:
@@ -371,96 +375,39 @@ def _dense_bwd_dq_kernel(
     walks the key tiles up to the diagonal in order, recomputing P and dS (two more MMAs per
     tile than the key-outer kernel shares), dQ kept in registers and stored once."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest tiles first
-    seq = tl.program_id(1)
-    h = tl.program_id(2)
-    s0 = tl.load(CU + seq)
-    L = tl.load(CU + seq + 1) - s0
-    m0 = tile * BM
+    s0, L, m0 = sequence_tile(CU, tile, BM)
     if m0 >= L:
         return
+    h = tl.program_id(2)
     kvh = h // (H // Hkv)
     o_d = tl.arange(0, D)
-    i = m0 + tl.arange(0, BM)
-    m_i = i < L
-    rows = (s0 + i).to(tl.int64) * H + h
-    b_q = tl.load(Q + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
-    b_do = tl.load(DO + rows[:, None] * D + o_d[None, :], mask=m_i[:, None], other=0.0)
-    b_lse = tl.load(LSE + rows, mask=m_i, other=0.0)
-    b_delta = tl.load(DELTA + rows, mask=m_i, other=0.0)
+    i, m_i, rows = tile_rows(s0, m0, L, h, H, BM)
+    b_q, b_do, b_lse, b_delta = _query_rows(Q, DO, LSE, DELTA, rows, m_i, o_d)
     b_dq = tl.zeros([BM, D], tl.float32)
     for n0 in range(0, tl.minimum(m0 + BM, L), BN):
-        j = n0 + tl.arange(0, BN)
-        m_j = j < L
-        kv = ((s0 + j).to(tl.int64) * Hkv + kvh)[:, None] * D + o_d[None, :]
+        j, m_j, krow = tile_rows(s0, n0, L, kvh, Hkv, BN)
+        kv = row_offsets(krow, o_d)  # [BN, D] of k and v
         b_k = tl.load(Kt + kv, mask=m_j[:, None], other=0.0)
         b_v = tl.load(V + kv, mask=m_j[:, None], other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
-        keep = m_i[:, None] & m_j[None, :] & (j[None, :] <= i[:, None])
-        b_p = tl.where(keep, tl.exp(b_s - b_lse[:, None]), 0.0)
-        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
+        b_p = _masked_probs(b_q, b_k, b_lse, i, m_i, j, m_j, scale, PREC)
+        b_ds = _dscores(b_p, b_do, b_v, b_delta, PREC).to(b_q.dtype)
         b_dq += tl.dot(b_ds, b_k, input_precision=PREC)
-    p_dq = DQ + rows[:, None] * D + o_d[None, :]
+    p_dq = row_ptrs(DQ, rows, o_d)
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_i[:, None])
 
 
-_B16 = "*bf16"
-SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 inputs)
-    "fwd": dict(Q=_B16, Kt=_B16, V=_B16, CU="*i32", OUT=_B16, LSE="*fp32", scale="fp32"),
-    "bwd": dict(
-        Q=_B16,
-        Kt=_B16,
-        V=_B16,
-        DO=_B16,
-        DELTA="*fp32",
-        LSE="*fp32",
-        CU="*i32",
-        DQ="*fp32",
-        DK="*fp32",
-        DV="*fp32",
-        scale="fp32",
-    ),
-    "bwd-dq": dict(
-        Q=_B16,
-        Kt=_B16,
-        V=_B16,
-        DO=_B16,
-        DELTA="*fp32",
-        LSE="*fp32",
-        CU="*i32",
-        DQ=_B16,
-        scale="fp32",
-    ),
-    "proxy-dk": dict(
-        Q=_B16,
-        Kt=_B16,
-        QP=_B16,
-        KP=_B16,
-        CU="*i32",
-        LSE="*fp32",
-        PLSE="*fp32",
-        DKL="*fp32",
-        DKP="*fp32",
-        scale="fp32",
-        pscale="fp32",
-        inv_rows="fp32",
-    ),
-    "proxy": dict(
-        Q=_B16,
-        Kt=_B16,
-        QP=_B16,
-        KP=_B16,
-        CU="*i32",
-        LSE="*fp32",
-        PLSE="*fp32",
-        DKL="*fp32",
-        KL_PART="*fp32",
-        DQP="*fp32",
-        DKP="*fp32",
-        scale="fp32",
-        pscale="fp32",
-        inv_rows="fp32",
-    ),
+_B16, _F32 = "*bf16", "*fp32"
+# runtime-argument types, for compile checks without a GPU (bf16 inputs); the backward's and
+# the proxy pass's kernels share their inputs
+_BWD_IN = dict(Q=_B16, Kt=_B16, V=_B16, DO=_B16, DELTA=_F32, LSE=_F32, CU="*i32")
+_PROXY_IN = dict(Q=_B16, Kt=_B16, QP=_B16, KP=_B16, CU="*i32", LSE=_F32, PLSE=_F32, DKL=_F32)
+_PROXY_SCALES = dict(scale="fp32", pscale="fp32", inv_rows="fp32")
+SIGNATURE = {
+    "fwd": dict(Q=_B16, Kt=_B16, V=_B16, CU="*i32", OUT=_B16, LSE=_F32, scale="fp32"),
+    "bwd": dict(_BWD_IN, DQ=_F32, DK=_F32, DV=_F32, scale="fp32"),
+    "bwd-dq": dict(_BWD_IN, DQ=_B16, scale="fp32"),
+    "proxy-dk": dict(_PROXY_IN, DKP=_F32, **_PROXY_SCALES),
+    "proxy": dict(_PROXY_IN, KL_PART=_F32, DQP=_F32, DKP=_F32, **_PROXY_SCALES),
 }
 
 
