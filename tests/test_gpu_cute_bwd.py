@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from flash_msa import backends, reference
+from flash_msa import backends, reference, testing
 from flash_msa.problem import Problem, Saved
 from harness import GRADS, check, config, incoming, packed_inputs, references, results
 
@@ -136,13 +136,18 @@ def test_cute_bwd_variants_match_reference(variant, case):
 
 def test_cute_bwd_deterministic_same_bits(monkeypatch):
     """Deterministic mode: two backwards on the same inputs give bitwise equal gradients,
-    through several token chunks and work-item ranges (a 1 MiB partial budget), no atomics;
-    by the rule against the reference (the variant tests), and close to the atomic default."""
+    through several token chunks and work-item ranges (a 1 MiB partial budget), no atomics,
+    new buffers NaN-filled; by the rule against the reference (the variant tests), and close to
+    the atomic default."""
     from flash_msa import ordered
     from flash_msa.cute import bwd_sm90
 
     _backends()
     monkeypatch.setattr(ordered, "PARTIAL_BYTES", 1 << 20)
+    real_empty, real_like = torch.empty, torch.empty_like  # new buffers start as NaN: a partial
+    # row or tile the kernel should have written and did not shows up in the sums
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: testing.poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: testing.poison(real_like(*a, **kw)))
     lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = CASES["anchor"]
     (qp, kp, q, k, v), cu = packed_inputs(
         lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=torch.bfloat16, device="cuda", seed=5
