@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # One GPU session's backward work, in priority order, each step time-boxed; logs under OUTDIR.
 # Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
-#   STEPS: any of tests det ab ncu bench (default: all, in that order)
+#   STEPS: any of tests det ab ncu bench sanitizer hypothesis (default: all, in that order)
 set -uo pipefail
 out="${1:?usage: bwd_session.sh OUTDIR [STEPS]}"
-steps="${2:-tests det ab ncu bench}"
+steps="${2:-tests det ab ncu bench sanitizer hypothesis}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 t() { local s rc; s=$(date +%s); "$@"; rc=$?; echo "  [$(( $(date +%s) - s )) s, rc=$rc] $*" | cut -c1-160; }
 for step in $steps; do
   case "$step" in
-    tests)  # the CuTe backward: v2, ws and deterministic variants, hypothesis, sanitizer
-      t timeout 420 python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_cute_bwd.py \
-        > "$out/test_gpu_cute_bwd.log" 2>&1
-      grep -E "FAILED|ERROR" "$out/test_gpu_cute_bwd.log" | head -5
-      grep -cE "PASSED" "$out/test_gpu_cute_bwd.log" ;;
+    tests|sanitizer|hypothesis)  # the CuTe backward's GPU tests, in three time-boxed parts
+      case "$step" in
+        tests) sel="not hypothesis and not sanitizer"; limit=420 ;;  # v2, ws, deterministic
+        sanitizer) sel="sanitizer"; limit=240 ;;  # racecheck + synccheck per variant
+        hypothesis) sel="hypothesis"; limit=300 ;;
+      esac
+      t timeout "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_cute_bwd.py \
+        -k "$sel" > "$out/test_gpu_cute_bwd_$step.log" 2>&1
+      grep -E "FAILED|ERROR" "$out/test_gpu_cute_bwd_$step.log" | head -5
+      echo "  passed: $(grep -cE "PASSED" "$out/test_gpu_cute_bwd_$step.log")" ;;
     det)  # deterministic mode on auto (sparse and warmup)
       t timeout 180 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_deterministic.py \
         > "$out/test_deterministic.log" 2>&1
