@@ -250,26 +250,36 @@ def test_q_map_validation():
 
 
 def test_q_map_refused_by_gpu_backends(monkeypatch):
-    """Only the torch backend declares the query map; the GPU backends refuse it by name (the
-    same call without a map runs there), so a forced backend raises and ``auto`` on CPU falls
-    back to torch."""
+    """The torch backend declares the query map everywhere, Triton for its sparse ops (not the
+    warmup), CuTe nowhere yet; a backend that does not refuses it by name (the same call
+    without a map runs there), so a forced backend raises and ``auto`` falls back to one that
+    runs it. (The Triton ops with a map: tests/test_qmap_triton.py.)"""
     cfg = Config(block_size=BLOCK, softmax_scale=0.25, max_seqlen=128, proxy_scale=0.3, top_k=4)
     plain = problem_of("cpu", torch.bfloat16, (16, 2, 128, 4, 1, 128), 1, True, cfg)
     plain = type(plain)(**{**plain.__dict__, "device_type": "cuda", "capability": (9, 0)})
     mapped = type(plain)(**{**plain.__dict__, "q_map": True})
+    warm = Config(**{**cfg.__dict__, "top_k": None, "warmup": True})
+    warm_mapped = type(mapped)(**{**mapped.__dict__, "cfg": warm})
     for op in ("select", "fwd", "bwd"):
         assert reference.unsupported_reason(op, mapped) is None
         for name in ("triton", "cute"):
             module, _ = backends.load(name)
             if module is not None:
                 assert module.unsupported_reason(op, plain) is None, (name, op)
-                assert "q_map" in (module.unsupported_reason(op, mapped) or ""), (name, op)
+                why = module.unsupported_reason(op, mapped)
+                assert (why is None) if name == "triton" else "q_map" in (why or ""), (name, op)
+    for op in ("fwd", "bwd"):  # the Triton warmup takes no map
+        module, _ = backends.load("triton")
+        if module is not None:
+            assert "q_map" in (module.unsupported_reason(op, warm_mapped) or ""), op
     cu = testing.cu([100])
     xs = _inputs(100, torch.float32)
     q_map = torch.arange(100, dtype=torch.int32)
     monkeypatch.setenv("FLASH_MSA_BACKEND", "triton")  # runs fp32 CPU under the interpreter
     with pytest.raises(flash_msa.BackendError, match="q_map"):
-        flash_msa.msa_attention(*xs, TOP_K, block_size=BLOCK, cu_seqlens=cu, q_map=q_map)
+        flash_msa.msa_attention(
+            *xs, TOP_K, block_size=BLOCK, cu_seqlens=cu, q_map=q_map, warmup=True
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,8 +489,8 @@ def _gpu_worker(rank, world, init_file, backend):
 def test_cp_nccl_64k(tmp_path, backend):
     """2 GPUs, NCCL, one 64K-token sequence (anchor heads, top_k 16, block 128): CP equals the
     single-process op by the rule (torch backend: fp32; auto: bf16 against its own single-process
-    run as the same-dtype reference). ``auto`` runs once a GPU backend implements the query
-    map; until then it is skipped with the backends' reasons."""
+    run as the same-dtype reference). ``auto`` runs the Triton sparse ops (the query map is not
+    on CuTe yet); skipped with the backends' reasons where no GPU backend takes it."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     if backend == "auto":

@@ -637,8 +637,9 @@ def msa_attention(
             keys: ``out = 0``, KL term 0). Varlen form only; ``q``/``q_proxy`` then have ``Tq``
             rows, ``cu_seqlens``/``max_seqlen`` describe the keys' sequences, positions (the
             blocks, the own block, causality) are those of each query's token in its
-            sequence, and ``kl`` is a mean over ``Hp * Tq`` rows. Only the ``torch`` backend
-            runs it for now; not under ``torch.compile``.
+            sequence, and ``kl`` is a mean over ``Hp * Tq`` rows. The ``torch`` and
+            ``triton`` backends run it (not the Triton warmup, not CuTe yet); not under
+            ``torch.compile``.
         deterministic: ``True`` makes ``out``, ``kl`` and every gradient bitwise identical
             across runs on the same inputs (ordered reductions instead of fp32 atomics; more
             time and memory, docs/design.md "Deterministic mode"); ``None`` (default) reads

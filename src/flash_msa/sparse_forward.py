@@ -30,6 +30,11 @@ A backend that does not have a stage yet leaves it ``None``: the driver then run
 backend's stage in its place (:func:`borrowed`), and :func:`borrowed_reason` adds that stage's
 limits to the backend's own. Today the CuTe backend supplies ``partials`` only (its combine,
 proxy LSE and KL run on Triton's stages; the README's backend table says so).
+
+With a query map (``q_map``, context parallelism) the chunks are chunks of query rows, ``k``,
+``v``, ``k_proxy`` keep the keys' ``T`` rows, and the map reaches the stages inside the work
+list (``wl.q_map``): the stage signatures do not change. Only stages that declare it
+(``Stages.q_map``) are run with a map; the driver refuses the call otherwise.
 """
 
 from __future__ import annotations
@@ -62,6 +67,10 @@ class Stages:
       the proxy gradient for ``dkl = 1`` there.
 
     ``None``: the Triton backend's stage runs in its place (:func:`borrowed`).
+
+    With a query map the work list carries it (``wl.q_map``, else ``None``): a stage takes each
+    query row's causal position from it; rows (``q``, ``q_proxy``, the partials, ``out``,
+    ``lse``) stay query rows and keys (``k``, ``v``, ``k_proxy``) key tokens.
     """
 
     partials: Callable
@@ -70,6 +79,7 @@ class Stages:
     combine: Callable | None = None
     kl: Callable | None = None
     kl_makes_proxy_grad: bool = False  # the kl stage can make the unit proxy gradient
+    q_map: bool = False  # every stage of these (borrowed ones included) honours wl.q_map
 
 
 BORROWED_FROM = "triton"
@@ -93,6 +103,7 @@ def borrowed(stages: Stages) -> Stages:
     fill = {name: getattr(lender, name) for name in missing}
     if "kl" in missing:
         fill["kl_makes_proxy_grad"] = lender.kl_makes_proxy_grad
+    fill["q_map"] = stages.q_map and lender.q_map  # the backend's own stages decide first
     return Stages(**{**{f.name: getattr(stages, f.name) for f in fields(Stages)}, **fill})
 
 
@@ -118,14 +129,23 @@ def fwd(
     q_proxy=None,
     k_proxy=None,
     proxy_grad=False,
+    *,
+    q_map=None,
 ) -> Forward:
     """Backend op ``fwd`` (contract in docs/design.md) for given indices, run with ``stages``.
 
     With ``proxy_grad`` and ``compute_kl``, and a ``kl`` stage that can, the KL stage also
     accumulates the proxy gradient for ``dkl = 1`` (``Forward.proxy_grad``, fp32): the gradient
     is linear in ``dkl``, so ``bwd`` only scales it instead of recomputing the same scores.
+
+    ``q_map``: ``None`` or ``(Tq,)`` int32, the contract's query map (docs/design.md): ``q``,
+    ``q_proxy``, ``indices`` and the outputs have ``Tq`` rows, the KL is a mean over ``Hs * Tq``
+    rows, padding rows (``-1``) get ``out = 0``, ``lse = -inf`` (their indices are ignored).
+    Needs ``stages.q_map``.
     """
     stages = borrowed(stages)
+    if q_map is not None and not stages.q_map:
+        raise ValueError("q_map: these forward stages do not implement a query map")
     T, H, D = q.shape
     Hs, K = indices.shape[1:]
     proxy = q_proxy is not None
@@ -144,7 +164,11 @@ def fwd(
     for c0 in range(0, T, C):
         c1 = min(T, c0 + C)
         idx = indices[c0:c1]
-        wl = worklist.build(idx, cu_seqlens, cfg.block_size, worklist.ITEM_TOKENS, c0, T)
+        if q_map is not None:  # padding rows: no keys, whatever their slots hold (combine)
+            idx = worklist.drop_padding_rows(idx, q_map[c0:c1])
+        wl = worklist.build(
+            idx, cu_seqlens, cfg.block_size, worklist.ITEM_TOKENS, c0, k.shape[0], q_map
+        )
         fused = (q_proxy, k_proxy, pl_part) if proxy and stages.partials_make_proxy else None
         stages.partials(q, k, v, wl, o_part, l_part, cfg, c0, fused)
         if proxy and fused is None:

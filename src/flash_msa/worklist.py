@@ -13,6 +13,12 @@ sort keeps each list in token order).
 Backend-neutral: both backends' forward and backward kernels walk these lists (the Triton
 kernels and the CuTe kernels read the same six tensors), and :func:`geometry` says how a work
 item's main heads are packed into MMA rows.
+
+With a query map (``q_map``, context parallelism: docs/distributed.md) the entries stay keyed
+by query row, and only the row's sequence comes from its token ``q_map[row]`` (a padding row,
+``-1``, has no entries); the list carries the map (``WorkList.q_map``) for the kernels, which
+take a query's causal position from it. :func:`query_order` groups query rows by sequence for
+the selection kernel, and :func:`drop_padding_rows` clears the indices of padding rows.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ class WorkList(NamedTuple):
     num_items: int  # W: upper bound on the number of work items
     slots: int  # K: index slots per (token, head)
     heads: int  # Hs: selection heads
+    # (Tq,) int32 or None: the query map of the call (query row -> packed key token, -1 for a
+    # padding row); entries (``perm``) count query rows, blocks (``block_*``) key tokens
+    q_map: torch.Tensor | None = None
 
 
 def build(
@@ -55,10 +64,16 @@ def build(
     TW: int,
     tok0: int = 0,
     total_tokens: int | None = None,
+    q_map: torch.Tensor | None = None,
 ) -> WorkList:
     """Reverse index of ``indices`` ``(C, Hs, K)`` (sequence-local blocks, -1 unused): the rows
     of packed tokens ``[tok0, tok0 + C)`` of a ``total_tokens``-token batch (default: all).
-    ``perm`` holds flat entries of the whole batch: ``token * Hs * K + head * K + slot``."""
+    ``perm`` holds flat entries of the whole batch: ``token * Hs * K + head * K + slot``.
+
+    With ``q_map`` (``(Tq,)`` int32, the whole call's map) the rows ``[tok0, tok0 + C)`` are
+    query rows, whose sequences come from their tokens ``q_map[row]``; ``total_tokens`` must
+    then be the keys' ``T`` (it bounds the number of key blocks). Padding rows (``-1``) get no
+    entries whatever their indices."""
     T, Hs, K = indices.shape
     total = T if total_tokens is None else total_tokens
     dev = indices.device
@@ -82,8 +97,11 @@ def build(
 
     # entries -> list keys, stable-sorted (token order inside each list)
     tok = torch.arange(tok0, tok0 + T, device=dev)
-    seq_of_tok = torch.searchsorted(cu[1:], tok, right=True)
     idx = indices.long()
+    if q_map is not None:  # the row's token among the keys; a padding row: every slot unused
+        tok = q_map[tok0 : tok0 + T].long()
+        idx = torch.where(tok[:, None, None] >= 0, idx, -1)
+    seq_of_tok = torch.searchsorted(cu[1:], tok, right=True)
     head = torch.arange(Hs, device=dev)[None, :, None]
     key = head * NB + blk_first[seq_of_tok][:, None, None] + idx
     key = torch.where(idx >= 0, key, Hs * NB).flatten()  # unused slots sort last
@@ -106,5 +124,33 @@ def build(
     item_start = torch.where(ok, first, 0)  # int64: T * Hs * K can pass 2**31 at long context
     item_end = torch.where(ok, last, 0)
     return WorkList(
-        perm, lst_c.to(torch.int32), item_start, item_end, block_start, block_end, NB, W, K, Hs
-    )
+        perm, lst_c.to(torch.int32), item_start, item_end, block_start, block_end, NB, W, K, Hs,
+        q_map,
+    )  # fmt: skip
+
+
+def drop_padding_rows(indices: torch.Tensor, q_map: torch.Tensor | None) -> torch.Tensor:
+    """``indices`` ``(C, Hs, K)`` with every slot of a padding row (``q_map == -1``, ``q_map``
+    the same ``C`` rows' map) set to ``-1`` (unused), as the contract reads them: such a row has
+    no keys whatever its indices say (the selection writes ``-1`` there already; this is for
+    kernels that read a chunk's indices directly, e.g. the forward's combine). ``indices``
+    itself without a map. (``build`` drops those entries itself.)"""
+    if q_map is None:
+        return indices
+    return torch.where(q_map[:, None, None] >= 0, indices, -1)
+
+
+class QueryOrder(NamedTuple):
+    rows: torch.Tensor  # [Tq] int32: query rows sorted by their token (padding rows last)
+    seq_start: torch.Tensor  # [N+1] int32: sequence n's rows are rows[seq_start[n]:seq_start[n+1]]
+
+
+def query_order(q_map: torch.Tensor, cu_seqlens: torch.Tensor, total_tokens: int) -> QueryOrder:
+    """Query rows grouped by sequence, for a kernel whose programs own a sequence's run of
+    queries (the selection): rows sorted by their token ``q_map[row]`` (so within a sequence by
+    position), padding rows (``-1``) after every sequence. ``total_tokens``: the keys' ``T``.
+    Device ops only (no host synchronization)."""
+    tokens = torch.where(q_map >= 0, q_map, total_tokens)  # padding rows sort last
+    tokens, rows = torch.sort(tokens, stable=True)
+    seq_start = torch.searchsorted(tokens, cu_seqlens.to(tokens.dtype), out_int32=True)
+    return QueryOrder(rows.to(torch.int32), seq_start)

@@ -7,9 +7,17 @@ gradient (``proxy.py``); warmup (dense causal attention, KL over every visible k
 ``flash_msa.ordered`` (the CuTe backward uses them too).
 On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 triton is first imported).
+
+The sparse ops take the contract's query map (``q_map``, context parallelism; docs/design.md):
+the selection groups the query rows by sequence (``worklist.query_order``), the forward and
+backward kernels read each row's token from the work list's map for the causal limit (a
+``HAS_QMAP`` constexpr: without a map they compile as before). The warmup (``dense.py``) does
+not take one.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -39,7 +47,9 @@ _ALL = Limits(
     # the sparse backward, the proxy pass and the warmup backward (ordered.py, dense.py)
     deterministic=True,
 )
-LIMITS = {op: _ALL for op in OPS}  # every op, warmup included, within one envelope
+# every op, warmup included, within one envelope; the sparse ops also take a query map (with
+# or without deterministic mode), the warmup's dense kernels do not (yet)
+LIMITS = {op: dataclasses.replace(_ALL, q_map=op != "warmup") for op in OPS}
 
 
 def unavailable_reason() -> str | None:
@@ -81,30 +91,42 @@ def forward_stages():
     return stages()
 
 
-def select(q_proxy, k_proxy, cu_seqlens, cfg):
+def _no_warmup_q_map(q_map):
+    if q_map is not None:
+        raise ValueError(
+            "q_map: the Triton warmup (dense attention, indices=None) does not take a query map"
+        )
+
+
+def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
     """Backend op ``select``: see :func:`flash_msa.triton_ref.selection.select`."""
     from .selection import select as _select
 
-    return _select(q_proxy, k_proxy, cu_seqlens, cfg)
+    return _select(q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map)
 
 
-def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):
+def fwd(
+    q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False, *,
+    q_map=None,
+):  # fmt: skip
     """Backend op ``fwd``: see :func:`flash_msa.triton_ref.sparse_fwd.fwd`."""
     if indices is None:  # warmup: dense causal attention
         from .dense import fwd as _dense_fwd
 
+        _no_warmup_q_map(q_map)
         return _dense_fwd(q, k, v, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad)
     from .sparse_fwd import fwd as _fwd
 
-    return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad)
+    return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad, q_map=q_map)
 
 
-def bwd(dout, dkl, saved, cu_seqlens, cfg):
+def bwd(dout, dkl, saved, cu_seqlens, cfg, *, q_map=None):
     """Backend op ``bwd``: see :func:`flash_msa.triton_ref.sparse_bwd.bwd`."""
     if saved.indices is None:  # warmup
         from .dense import bwd as _dense_bwd
 
+        _no_warmup_q_map(q_map)
         return _dense_bwd(dout, dkl, saved, cu_seqlens, cfg)
     from .sparse_bwd import bwd as _bwd
 
-    return _bwd(dout, dkl, saved, cu_seqlens, cfg)
+    return _bwd(dout, dkl, saved, cu_seqlens, cfg, q_map=q_map)

@@ -27,7 +27,7 @@ Import graph of ``triton_ref/`` (``a -> b``: ``a`` imports ``b``; one way, no cy
     sparse_bwd    -> proxy, common, tiles    (+ flash_msa.ordered)
     dense         -> common, tiles
     proxy         -> common, tiles           (+ flash_msa.ordered)
-    selection     -> tiles
+    selection     -> tiles                   (+ flash_msa.worklist: query_order)
     tiles         -> (flash_msa.backends; flash_msa.cubin lazily)
     common        -> (triton only)
 

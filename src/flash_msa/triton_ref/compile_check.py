@@ -6,6 +6,11 @@ configuration it compiles the tile candidates in the order the host code tries t
 (``tiles.pick``) and prints one JSON line for the one that would run: name, tile, registers,
 spill bytes (stack + local), shared memory, whether the PTX uses wgmma. Exit status 1 if a
 configuration has no spill-free candidate or exceeds the shared memory of a block.
+
+Query map (context parallelism): the sparse kernels' default configurations compile with the
+map's pointers as constexpr ``None`` (what the host passes without a map, so the binary checked
+is the one that runs, unchanged by the map's code); the ``-qmap`` configurations (``HAS_QMAP``,
+the pointers int32) cover the selection and the shapes and families of :data:`QMAP_FAMILIES`.
 """
 
 from __future__ import annotations
@@ -50,6 +55,17 @@ def compile_kernel(
     )
 
 
+# The "-qmap" configurations (HAS_QMAP: query-map kernels of context parallelism), at D = 128
+# and block 128: every sparse family except CuTe's proxy-only forward (which takes no map) at
+# the anchor shape; the training step's kernels at the paper shape. Cold compiles on the 2-core
+# CPU machine: ~60 s for these (the paper bwd alone ~23 s: 8 tile candidates), so not more.
+QMAP_FAMILIES = {
+    "anchor": ("fwd", "bwd", "bwd-det", "kl", "kl+grad", "proxy-grad", "kl+grad-det",
+               "proxy-grad-det"),
+    "paper": ("fwd", "bwd", "kl+grad"),
+}  # fmt: skip
+
+
 def configurations():
     """(name, fn, signature, candidates) of every shipped kernel configuration; a candidate is
     ``(tile, constexprs, num_warps, num_stages)``, in the order the host code tries them
@@ -58,18 +74,24 @@ def configurations():
     from ..worklist import geometry
     from . import dense, proxy, selection, sparse_bwd, sparse_fwd, tiles
 
+    # without a query map its pointers are constexpr None (as the host passes them)
+    no_qmap = dict.fromkeys(selection.QMAP_ARGS, None) | dict(HAS_QMAP=False)
     for Dp in (64, 128):
         for block in (64, 128):
             for top_k in (16, 64):
                 for G in (1, 4):
                     consts, warps, stages = selection.launch_config(G, Dp, block, top_k, "bf16")
-                    cands = [(w, consts, w, stages) for w in selection.warp_candidates(warps)]
-                    yield (
-                        f"select bf16 Dp={Dp} b={block} k={top_k} G={G}",
-                        selection._select_kernel,
-                        selection.SIGNATURE("bf16"),
-                        cands,
-                    )
+                    variants = [("", dict(consts, **no_qmap))]
+                    if Dp == 128 and block == 128 and top_k == 16:
+                        variants.append(("-qmap", dict(consts, HAS_QMAP=True)))
+                    for suffix, consts in variants:
+                        cands = [(w, consts, w, stages) for w in selection.warp_candidates(warps)]
+                        yield (
+                            f"select{suffix} bf16 Dp={Dp} b={block} k={top_k} G={G}",
+                            selection._select_kernel,
+                            selection.SIGNATURE("bf16"),
+                            cands,
+                        )
     # (name, H, Hkv, Hs, Hpk): the anchor and paper shapes, and a selection spanning 2 KV heads
     shapes = [("anchor", 16, 2, 4, 1), ("paper", 64, 4, 4, 1), ("Hs<Hkv", 8, 4, 2, 1)]
     for name, H, Hkv, Hs, Hpk in shapes:
@@ -79,26 +101,39 @@ def configurations():
                 base = dict(H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=16, D=D, Dp=D, BLOCK=block)
                 base.update(PREC="tf32")
 
+                def maps(fam, name=name, D=D, block=block):
+                    """(suffix, constexprs): without a map (QMAP a constexpr None), then with
+                    one where QMAP_FAMILIES asks for it."""
+                    yield "", dict(QMAP=None, HAS_QMAP=False)
+                    fams = QMAP_FAMILIES.get(name, ())
+                    if D == 128 and block == 128 and fam in fams:
+                        yield "-qmap", dict(HAS_QMAP=True)
+
                 def geo(rows, H=H, Hkv=Hkv, Hs=Hs):
                     return dict(zip(("G", "G2", "R", "BT"), geometry(H, Hkv, Hs, rows)))
 
                 for fam, has_main in (("fwd", True), ("fwd-proxy-only", False)):
-                    fixed = dict(base, HAS_PROXY=True, PREFETCH=sparse_fwd.FWD_PREFETCH)
-                    fixed.update(HAS_MAIN=has_main)
-                    cands = [
-                        (t, dict(fixed, OUT_SPLIT=t[1], **geo(t[0])), 8, sparse_fwd.FWD_STAGES)
-                        for t in sparse_fwd.fwd_tiles(has_main)
-                    ]
-                    yield f"{fam} {tag}", sparse_fwd._fwd_kernel, sparse_fwd.SIGNATURE["fwd"], cands
+                    for q, qconsts in maps(fam):
+                        fixed = dict(base, HAS_PROXY=True, PREFETCH=sparse_fwd.FWD_PREFETCH)
+                        fixed.update(HAS_MAIN=has_main, **qconsts)
+                        cands = [
+                            (t, dict(fixed, OUT_SPLIT=t[1], **geo(t[0])), 8, sparse_fwd.FWD_STAGES)
+                            for t in sparse_fwd.fwd_tiles(has_main)
+                        ]
+                        sig = sparse_fwd.SIGNATURE["fwd"]
+                        yield f"{fam}{q} {tag}", sparse_fwd._fwd_kernel, sig, cands
                 # deterministic mode (ordered.py): the same kernels storing partials ("-det")
                 for det, suffix in ((False, ""), (True, "-det")):
-                    fixed = dict(base, PREFETCH=sparse_bwd.BWD_PREFETCH, DETERMINISTIC=det)
-                    stages = sparse_bwd.BWD_STAGES
-                    cands = [
-                        (t, dict(fixed, BN=t[1], DQ_SPLIT=t[2], **geo(t[0])), 8, stages)
-                        for t in tiles.fitting(sparse_bwd.BWD_TILES, block)
-                    ]
-                    yield f"bwd{suffix} {tag}", sparse_bwd._bwd_kernel, sparse_bwd.SIGNATURE, cands
+                    for q, qconsts in maps(f"bwd{suffix}"):
+                        fixed = dict(base, PREFETCH=sparse_bwd.BWD_PREFETCH, DETERMINISTIC=det)
+                        fixed.update(qconsts)
+                        stages = sparse_bwd.BWD_STAGES
+                        cands = [
+                            (t, dict(fixed, BN=t[1], DQ_SPLIT=t[2], **geo(t[0])), 8, stages)
+                            for t in tiles.fitting(sparse_bwd.BWD_TILES, block)
+                        ]
+                        fn, sig = sparse_bwd._bwd_kernel, sparse_bwd.SIGNATURE
+                        yield f"bwd{suffix}{q} {tag}", fn, sig, cands
                 modes = (
                     ("kl", True, False, False),
                     ("kl+grad", True, True, False),
@@ -107,12 +142,14 @@ def configurations():
                     ("proxy-grad-det", False, True, True),
                 )
                 for mode, kl_value, grad, det in modes:
-                    fixed = dict(base, KL_VALUE=kl_value, GRAD=grad, DETERMINISTIC=det)
-                    cands = [
-                        (t, dict(fixed, BN=t[1], PREFETCH=t[2], **geo(t[0])), 8, 1)
-                        for t in tiles.fitting(proxy.PROXY_TILES, block)
-                    ]
-                    yield f"{mode} {tag}", proxy._proxy_kernel, proxy.SIGNATURE, cands
+                    for q, qconsts in maps(mode):
+                        fixed = dict(base, KL_VALUE=kl_value, GRAD=grad, DETERMINISTIC=det)
+                        fixed.update(qconsts)
+                        cands = [
+                            (t, dict(fixed, BN=t[1], PREFETCH=t[2], **geo(t[0])), 8, 1)
+                            for t in tiles.fitting(proxy.PROXY_TILES, block)
+                        ]
+                        yield f"{mode}{q} {tag}", proxy._proxy_kernel, proxy.SIGNATURE, cands
 
     for D in (64, 128):
         common = dict(D=D, PREC="tf32")

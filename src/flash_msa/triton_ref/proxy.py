@@ -17,6 +17,11 @@ would underflow fp16; it is applied to the fp32 results.
 Deterministic mode (:func:`launch` with ``deterministic``; the forward's KL stage with
 ``cfg.deterministic``): ``DETERMINISTIC`` stores the dq_proxy rows and dk_proxy tiles into
 partial buffers, which ordered.py adds in a fixed order (no atomics).
+
+Query map (``HAS_QMAP``: the work list's ``q_map``): entries are query rows (``q``, ``lse``,
+``q_proxy``, ``proxy_lse``, ``dq_proxy``, the row partials), keys are key tokens; causality
+compares the keys with the rows' tokens ``QMAP[row]``, and ``coef = dkl / (Hs * Tq)``.
+Without a map ``QMAP`` is ``None`` and the kernel compiles as before.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def _proxy_kernel(
     ITEM_END,
     BLK_START,
     BLK_END,
+    QMAP,  # [Tq] int32: each query row's packed key token (HAS_QMAP), else None
     KL_PART,
     DQP,
     DKP,  # [W] fp32; fp32 [T,Hs,Dp] / [T,Hpk,Dp], zero-initialized (DETERMINISTIC: partials)
@@ -76,6 +82,7 @@ def _proxy_kernel(
     # Dp] of the chunk's tokens and heads P0 .. P1, DKP the key-tile partials [items, S * BN,
     # Dp] of the item range, S = programs per key block (program_id(1))
     DETERMINISTIC: tl.constexpr = False,
+    HAS_QMAP: tl.constexpr = False,  # queries are rows of QMAP (causality from their tokens)
 ):
     w = tl.program_id(0)
     e0 = tl.load(ITEM_START + w)
@@ -109,6 +116,10 @@ def _proxy_kernel(
             nxt1 = item_rows(PERM, c, e1, Hs * K, K, BT, 1)
         tr, _, hj, m_r = nxt
         t, slot, _, m_t = nxt1
+        tr_pos, t_pos = tr, t  # the queries' packed key positions (causality)
+        if HAS_QMAP:
+            tr_pos = tl.load(QMAP + tr, mask=m_r, other=0).to(tl.int64)
+            t_pos = tl.load(QMAP + t, mask=m_t, other=0).to(tl.int64)
         prow = t * Hs + p
         b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
         b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
@@ -116,11 +127,11 @@ def _proxy_kernel(
             nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
             nxt1 = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
         b_tgt = teacher(  # [BT, BN]
-            Q, LSE, Kt, b_k0, tr, hj, m_r, tr, kpos, kpos, m_k, p, scale,
+            Q, LSE, Kt, b_k0, tr, hj, m_r, tr_pos, kpos, kpos, m_k, p, scale,
             H, Hkv, D, G, G2, R, BT, BN, PREC,
         )  # fmt: skip
         kl_acc, b_diff = proxy_step(
-            kl_acc, b_tgt, b_qp, b_kp, b_plse, m_t, t, kpos, m_k, pscale, KL_VALUE, GRAD, PREC
+            kl_acc, b_tgt, b_qp, b_kp, b_plse, m_t, t_pos, kpos, m_k, pscale, KL_VALUE, GRAD, PREC
         )
         if GRAD:
             b_dqp = tl.dot(b_diff, b_kp, input_precision=PREC) * (coef * pscale)  # [BT, Dp]
@@ -164,6 +175,7 @@ SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (b
     ITEM_START="*i64",
     ITEM_END="*i64",
     NB="i32",
+    QMAP="*i32",  # a constexpr None without a query map (compile_check passes QMAP=None)
     KL_PART="*fp32",
     DQP="*fp32",
     DKP="*fp32",
@@ -222,7 +234,8 @@ def launch(
         return (
             q, k, q_proxy, k_proxy, lse, proxy_lse, dkl if grad else lse,
             wl.perm, wl.item_list[w0:w1], wl.item_start[w0:w1], wl.item_end[w0:w1],
-            wl.block_start, wl.block_end, kl_part[w0 * splits :] if kl_value else kl_part,
+            wl.block_start, wl.block_end, wl.q_map,
+            kl_part[w0 * splits :] if kl_value else kl_part,
             dqp if grad else lse, dkp if grad else lse, tok0,
             cfg.softmax_scale, cfg.proxy_scale, 1.0 / (Hs * T), p0, p1,
         )  # fmt: skip
@@ -235,11 +248,12 @@ def launch(
             Dp=Dp, G=G, G2=G2, R=R, BN=BN, BT=BT, NB=wl.num_blocks,
             KL_VALUE=kl_value, GRAD=grad,
             PREC="ieee" if q.dtype.itemsize == 4 else "tf32", PREFETCH=prefetch,
-            DETERMINISTIC=ordered_sums, num_warps=8, num_stages=num_stages,
+            DETERMINISTIC=ordered_sums, HAS_QMAP=wl.q_map is not None, num_warps=8,
+            num_stages=num_stages,
         )  # fmt: skip
 
     key = (q.dtype, H, k.shape[1], Hs, Hpk, wl.slots, D, Dp, block, kl_value, grad)
-    key += (num_stages, ordered_sums)
+    key += (num_stages, ordered_sums, wl.q_map is not None)
     splits = 1  # (args() reads it for the KL partials' offset)
     pick_args = args(dqp=stub, dkp=stub) if ordered_sums else args()
     tile = tiles.pick(_proxy_kernel, pick_args, cands, options, key)

@@ -12,6 +12,15 @@ greater than the current minimum (blocks arrive in ascending order, so ties keep
 block); the own block enters with score +inf and is never evicted; blocks with no visible key
 score -inf and never enter. The evicted slot is the minimum one, the highest block among equal
 minima. At the end the kept blocks are sorted ascending, empty slots become -1.
+
+Query map (``HAS_QMAP``, context parallelism): the queries are rows of ``q_proxy`` whose tokens
+``q_map[row]`` lie anywhere among the keys. The host groups them by sequence
+(:func:`flash_msa.worklist.query_order`: rows sorted by token, ``QSTART`` the first sorted row
+of each sequence), and a program owns BT consecutive rows of its sequence's group instead of BT
+consecutive tokens: each row's position (causal limit, own block) is ``q_map[row] - start``,
+and the program walks the key blocks up to its last row's. Padding rows (``-1``) belong to no
+sequence: no program visits them, and the host fills their indices with -1. Without a map the
+three pointers are ``None`` (constexprs) and the kernel compiles as before.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import worklist
 from ..problem import Config
 from . import tiles
 
@@ -30,6 +40,9 @@ def _select_kernel(
     KP,
     CU,
     IDX,  # q_proxy [T, Hp, Dp], k_proxy [T, Hpk, Dp], cu [N+1], indices [T, Hp, K]
+    QMAP,  # [Tq] int32: each query row's packed key token (HAS_QMAP), else None
+    ROWS,  # [Tq] int32: query rows sorted by token (worklist.query_order), else None
+    QSTART,  # [N+1] int32: sequence n's sorted rows are ROWS[QSTART[n]:QSTART[n+1]], else None
     scale,
     Hp: tl.constexpr,
     Hpk: tl.constexpr,
@@ -41,6 +54,7 @@ def _select_kernel(
     BM: tl.constexpr,
     BT: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_QMAP: tl.constexpr = False,  # q_proxy rows are mapped queries (QMAP, ROWS, QSTART)
 ):
     # longest (last) tiles first: they walk the most key blocks
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -49,16 +63,31 @@ def _select_kernel(
     s0 = tl.load(CU + seq)
     L = tl.load(CU + seq + 1) - s0
     t0 = tile * BT
-    if t0 >= L:
-        return
+    # (the default path's ops in their order before the map existed: the same SASS)
+    if HAS_QMAP:  # the tile's rows: sorted rows t0 .. t0 + BT of the sequence's group
+        q0 = tl.load(QSTART + seq)
+        nq = tl.load(QSTART + seq + 1) - q0
+        if t0 >= nq:
+            return
+    else:
+        if t0 >= L:
+            return
     o_r = tl.arange(0, BM)
     o_d = tl.arange(0, Dp)
     o_k = tl.arange(0, BLOCK)
     slot = tl.arange(0, KP2)
-    tok = t0 + o_r // G  # [BM] sequence-local query position
+    if HAS_QMAP:
+        m_r = (o_r < BT * G) & (t0 + o_r // G < nq)
+        qrow = tl.load(ROWS + q0 + t0 + o_r // G, mask=m_r, other=0).to(tl.int64)  # [BM]
+        tok = tl.load(QMAP + qrow, mask=m_r, other=0) - s0  # [BM] sequence-local position
+        tok = tl.where(m_r, tok, 0)
+    else:
+        tok = t0 + o_r // G  # [BM] sequence-local query position
     head = pk * G + o_r % G  # [BM] proxy head
-    m_r = (o_r < BT * G) & (tok < L)
-    p_q = QP + ((s0 + tok).to(tl.int64) * Hp + head)[:, None] * Dp + o_d[None, :]
+    if not HAS_QMAP:
+        m_r = (o_r < BT * G) & (tok < L)
+        qrow = (s0 + tok).to(tl.int64)  # [BM] row of q_proxy and of indices
+    p_q = QP + (qrow * Hp + head)[:, None] * Dp + o_d[None, :]
     b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)  # [BM, Dp]
     own = tok // BLOCK
 
@@ -68,7 +97,10 @@ def _select_kernel(
     )
     b_id = tl.full([BM, KP2], -1, tl.int32)
 
-    last = tl.minimum(t0 + BT, L) - 1
+    if HAS_QMAP:
+        last = tl.max(tok, axis=0)  # the rows ascend by token, but the max needs no such promise
+    else:
+        last = tl.minimum(t0 + BT, L) - 1
     for n in range(0, last // BLOCK + 1):
         kpos = n * BLOCK + o_k  # [BLOCK]
         p_k = KP + ((s0 + kpos).to(tl.int64) * Hpk + pk)[:, None] * Dp + o_d[None, :]
@@ -88,13 +120,22 @@ def _select_kernel(
     b_key = tl.where(b_id >= 0, b_id, 1 << 30)
     b_key = tl.sort(b_key, dim=1)  # ascending, empty slots last
     b_out = tl.where(b_key == (1 << 30), -1, b_key)
-    p_o = IDX + ((s0 + tok).to(tl.int64) * Hp + head)[:, None] * TOPK + slot[None, :]
+    if not HAS_QMAP:
+        qrow = (s0 + tok).to(tl.int64)
+    p_o = IDX + (qrow * Hp + head)[:, None] * TOPK + slot[None, :]
     tl.store(p_o, b_out, mask=m_r[:, None] & (slot[None, :] < TOPK))
 
 
+QMAP_ARGS = ("QMAP", "ROWS", "QSTART")  # the query map's pointers (None without a map)
+
+
 def SIGNATURE(dtype: str) -> dict:
-    """Runtime-argument types of ``_select_kernel`` (for compile checks without a GPU)."""
-    return {"QP": f"*{dtype}", "KP": f"*{dtype}", "CU": "*i32", "IDX": "*i32", "scale": "fp32"}
+    """Runtime-argument types of ``_select_kernel`` (for compile checks without a GPU; without a
+    query map the constexprs hold ``QMAP = ROWS = QSTART = None``)."""
+    return {
+        "QP": f"*{dtype}", "KP": f"*{dtype}", "CU": "*i32", "IDX": "*i32",
+        **{k: "*i32" for k in QMAP_ARGS}, "scale": "fp32",
+    }  # fmt: skip
 
 
 def launch_config(G: int, Dp: int, block: int, top_k: int, dtype: str):
@@ -114,15 +155,27 @@ def warp_candidates(num_warps: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys((num_warps, 8)))
 
 
-def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config):
-    """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written)."""
+def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config, q_map=None):
+    """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written).
+
+    ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map): ``q_proxy`` and
+    ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of a mapped row is
+    written, those of padding rows (``-1``) are left as they are (:func:`select` fills them
+    with -1)."""
     T, Hp, Dp = q_proxy.shape
     Hpk = k_proxy.shape[1]
     dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[q_proxy.dtype]
     consts, num_warps, num_stages = launch_config(Hp // Hpk, Dp, cfg.block_size, cfg.top_k, dtype)
     consts.update(Hp=Hp, Hpk=Hpk)
-    grid = (triton.cdiv(cfg.max_seqlen, consts["BT"]), cu_seqlens.numel() - 1, Hpk)
-    args = (q_proxy, k_proxy, cu_seqlens, indices, cfg.proxy_scale)
+    qm = dict.fromkeys(QMAP_ARGS)  # None: constexprs, not parameters
+    rows = cfg.max_seqlen  # query rows per sequence: at most its tokens
+    if q_map is not None:
+        order = worklist.query_order(q_map, cu_seqlens, k_proxy.shape[0])
+        qm = dict(QMAP=q_map, ROWS=order.rows, QSTART=order.seq_start)
+        rows = min(T, cfg.max_seqlen)  # and at most the query rows (a host bound: no sync)
+        consts.update(HAS_QMAP=True)
+    grid = (triton.cdiv(rows, consts["BT"]), cu_seqlens.numel() - 1, Hpk)
+    args = (q_proxy, k_proxy, cu_seqlens, indices, *qm.values(), cfg.proxy_scale)
 
     def options(warps):
         return dict(num_warps=warps, num_stages=num_stages, **consts)
@@ -134,8 +187,13 @@ def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config):
     return indices
 
 
-def select(q_proxy, k_proxy, cu_seqlens, cfg: Config):
-    """Backend op ``select`` (contract in docs/design.md): ``(T, Hp, top_k)`` int32 indices."""
+def select(q_proxy, k_proxy, cu_seqlens, cfg: Config, *, q_map=None):
+    """Backend op ``select`` (contract in docs/design.md): ``(T, Hp, top_k)`` int32 indices;
+    with ``q_map`` ``(Tq, Hp, top_k)``, all -1 for a padding row."""
     T, Hp, _ = q_proxy.shape
-    out = torch.empty((T, Hp, cfg.top_k), dtype=torch.int32, device=q_proxy.device)
-    return select_into(out, q_proxy, k_proxy, cu_seqlens, cfg)
+    shape, dev = (T, Hp, cfg.top_k), q_proxy.device
+    if q_map is None:
+        out = torch.empty(shape, dtype=torch.int32, device=dev)
+    else:  # padding rows are never visited
+        out = torch.full(shape, -1, dtype=torch.int32, device=dev)
+    return select_into(out, q_proxy, k_proxy, cu_seqlens, cfg, q_map)

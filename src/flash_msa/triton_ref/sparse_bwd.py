@@ -17,6 +17,12 @@ Deterministic mode (``cfg.deterministic``, :func:`_ordered`): the same kernel wi
 ``DETERMINISTIC`` stores its dQ rows and dK/dV tiles into partial buffers instead of adding them
 by atomics, over query chunks and item ranges, and ordered.py's kernels add them in a fixed
 order; the default path (:func:`_atomic`) compiles to the same instructions as before.
+
+Query map (``q_map``, context parallelism; ``HAS_QMAP``): ``q``, ``dout``, ``lse``, ``dq`` (and
+the proxy's query side) have ``Tq`` rows, ``k``, ``v``, ``dk``, ``dv`` (``k_proxy``,
+``dk_proxy``) the keys' ``T``; the work list's entries are query rows and causality compares
+the keys with the rows' tokens ``QMAP[row]``. Without a map ``QMAP`` is ``None`` (a constexpr):
+the kernel compiles as before.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ def _bwd_kernel(
     ITEM_END,
     BLK_START,
     BLK_END,
+    QMAP,  # [Tq] int32: each query row's packed key token (HAS_QMAP), else None
     DQ,
     DK,
     DV,  # fp32, zero-initialized (DETERMINISTIC: the partial buffers below)
@@ -70,6 +77,7 @@ def _bwd_kernel(
     # D] and DK / DV the item range's key-tile partials [items, R, S * BN, D], S = programs
     # per key block (program_id(1))
     DETERMINISTIC: tl.constexpr = False,
+    HAS_QMAP: tl.constexpr = False,  # queries are rows of QMAP (causality from their tokens)
 ):
     w = tl.program_id(0)
     e0 = tl.load(ITEM_START + w)
@@ -95,6 +103,9 @@ def _bwd_kernel(
             if not PREFETCH:
                 nxt = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
             t, slot, hj, m_r = nxt
+            t_pos = t  # the query's packed key position (causality)
+            if HAS_QMAP:
+                t_pos = tl.load(QMAP + t, mask=m_r, other=0).to(tl.int64)
             row = t * H + h0 + hj
             if DETERMINISTIC:  # the row's own partial: (token, head, slot, key part)
                 dq_row = (((t - tok0) * H + h0 + hj) * K + slot) * S + sub
@@ -102,7 +113,7 @@ def _bwd_kernel(
             b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
             if PREFETCH:  # the next chunk's entries load while this one computes
                 nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
-            b_p, b_q = probs(Q, LSE, b_k, row, m_r, t, kpos, m_k, scale, D, PREC)  # [BM, BN]
+            b_p, b_q = probs(Q, LSE, b_k, row, m_r, t_pos, kpos, m_k, scale, D, PREC)  # [BM, BN]
             b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)  # [BM, BN]
             b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
@@ -146,6 +157,7 @@ SIGNATURE = dict(  # runtime-argument types, for compile checks without a GPU (b
     ITEM_START="*i64",
     ITEM_END="*i64",
     NB="i32",
+    QMAP="*i32",  # a constexpr None without a query map (compile_check passes QMAP=None)
     **{k: "*fp32" for k in ("DQ", "DK", "DV")},
     TOK0="*i64",
     scale="fp32",
@@ -171,7 +183,8 @@ def _main_args(q, k, v, dout, delta, lse, wl, dq, dk, dv, tok0, cfg: Config, w0=
     w1 = wl.num_items if w1 is None else w1
     return (
         q, k, v, dout, delta, lse, wl.perm, wl.item_list[w0:w1], wl.item_start[w0:w1],
-        wl.item_end[w0:w1], wl.block_start, wl.block_end, dq, dk, dv, tok0, cfg.softmax_scale,
+        wl.item_end[w0:w1], wl.block_start, wl.block_end, wl.q_map, dq, dk, dv, tok0,
+        cfg.softmax_scale,
     )  # fmt: skip
 
 
@@ -187,47 +200,50 @@ def _main_tile(q, k, wl, cfg: Config, args, deterministic: bool):
         return dict(
             H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, R=R, BN=BN, BT=BT, DQ_SPLIT=split,
             NB=wl.num_blocks, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            PREFETCH=BWD_PREFETCH, DETERMINISTIC=deterministic, num_warps=8,
+            PREFETCH=BWD_PREFETCH, DETERMINISTIC=deterministic, HAS_QMAP=has_qmap, num_warps=8,
             num_stages=BWD_STAGES,
         )  # fmt: skip
 
+    has_qmap = wl.q_map is not None
     key = (q.dtype, H, Hkv, Hs, K, D, cfg.block_size, BWD_PREFETCH, BWD_STAGES, deterministic)
+    key += (has_qmap,)
     cands = tiles.fitting(BWD_TILES, cfg.block_size)
     return tiles.pick(_bwd_kernel, args, cands, options, key), options
 
 
-def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
-    """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup)."""
+def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, *, q_map=None) -> Grads:
+    """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup).
+
+    ``q_map``: ``None`` or the forward's ``(Tq,)`` int32 query map: ``dq``/``dq_proxy`` then
+    have ``Tq`` rows (0 for a padding row), ``dk``/``dv``/``dk_proxy`` the keys' ``T``."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit = saved
     main, proxy = dout is not None, dkl is not None
     if not (main or proxy):
         return Grads(None, None, None, None, None)
     proxy_pass_needed = proxy and unit is None
-    if cfg.deterministic:
-        dq, dk, dv, dqp, dkp = _ordered(dout, dkl, saved, cu_seqlens, cfg, proxy_pass_needed)
-    else:
-        dq, dk, dv, dqp, dkp = _atomic(dout, dkl, saved, cu_seqlens, cfg, proxy_pass_needed)
+    run = _ordered if cfg.deterministic else _atomic
+    dq, dk, dv, dqp, dkp = run(dout, dkl, saved, cu_seqlens, cfg, proxy_pass_needed, q_map)
     if proxy and not proxy_pass_needed:  # the forward's KL pass made the gradient for dkl = 1
         dqp, dkp = (g * dkl for g in unit)
 
     return Grads.cast((dq, dk, dv, dqp, dkp), (q, k, v, q_proxy, k_proxy))
 
 
-def _atomic(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool):
+def _atomic(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool, q_map):
     """The default backward: one work list, sums by fp32 atomics. ``(dq, dk, dv, dqp, dkp)``
     (fp32, ``None`` where not computed)."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
     T, H, D = q.shape
-    Hkv = k.shape[1]
+    Tk, Hkv = k.shape[:2]  # the keys' tokens: T without a query map
     main = dout is not None
     if main or proxy_pass_needed:
-        wl = worklist.build(indices, cu_seqlens, cfg.block_size, ITEM_TOKENS)
+        wl = worklist.build(indices, cu_seqlens, cfg.block_size, ITEM_TOKENS, 0, Tk, q_map)
     f32 = dict(dtype=torch.float32, device=q.device)
     dq = dk = dv = dqp = dkp = None
     if main:
         dq = torch.zeros((T, H, D), **f32)
-        dk = torch.zeros((T, Hkv, D), **f32)
-        dv = torch.zeros((T, Hkv, D), **f32)
+        dk = torch.zeros((Tk, Hkv, D), **f32)
+        dv = torch.zeros((Tk, Hkv, D), **f32)
         delta = (dout.float() * out.float()).sum(-1)  # [T, H]
         args = _main_args(q, k, v, dout, delta, lse, wl, dq, dk, dv, wl.perm, cfg)
         tile, options = _main_tile(q, k, wl, cfg, args, False)
@@ -242,7 +258,7 @@ def _atomic(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed:
     return dq, dk, dv, dqp, dkp
 
 
-def _ordered(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool):
+def _ordered(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool, q_map):
     """The deterministic backward (``cfg.deterministic``; ordered.py): the same kernels storing
     their sums into partial buffers, added in a fixed order. ``(dq, dk, dv, dqp, dkp)``.
 
@@ -255,7 +271,7 @@ def _ordered(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed
     the same chunks (proxy.py, ``deterministic=True``)."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
     T, H, D = q.shape
-    Hkv = k.shape[1]
+    Tk, Hkv = k.shape[:2]  # the keys' tokens: T without a query map
     Hs, K = indices.shape[1:]
     block = cfg.block_size
     main = dout is not None
@@ -266,7 +282,7 @@ def _ordered(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed
         delta = (dout.float() * out.float()).sum(-1)  # [T, H]
         # the tile decides S, hence the partials' size: pick it first, on a one-token work list
         # with placeholder buffers (the compiled kernel depends on dtypes, not sizes)
-        probe = worklist.build(indices[:1], cu_seqlens, block, ITEM_TOKENS, 0, T)
+        probe = worklist.build(indices[:1], cu_seqlens, block, ITEM_TOKENS, 0, Tk, q_map)
         stub = torch.empty(4, **f32)
         args = _main_args(q, k, v, dout, delta, lse, probe, stub, stub, stub, probe.perm, cfg)
         tile, options = _main_tile(q, k, probe, cfg, args, True)
@@ -275,8 +291,8 @@ def _ordered(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed
         per_token = H * K * S * D * 4
         per_item = 2 * R * block * D * 4
         dq = torch.empty_like(q)  # slot_sum writes every row
-        dk = torch.zeros((T, Hkv, D), **f32)
-        dv = torch.zeros((T, Hkv, D), **f32)
+        dk = torch.zeros((Tk, Hkv, D), **f32)
+        dv = torch.zeros((Tk, Hkv, D), **f32)
     if proxy_pass_needed:
         dqp = torch.zeros(q_proxy.shape, **f32)
         dkp = torch.zeros(k_proxy.shape, **f32)
@@ -287,7 +303,9 @@ def _ordered(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed
     for c0 in range(0, T, C):
         c1 = min(T, c0 + C)
         idx = indices[c0:c1]
-        wl = worklist.build(idx, cu_seqlens, block, ITEM_TOKENS, c0, T)
+        if q_map is not None:  # padding rows: no keys, whatever their slots hold (slot_sum)
+            idx = worklist.drop_padding_rows(idx, q_map[c0:c1])
+        wl = worklist.build(idx, cu_seqlens, block, ITEM_TOKENS, c0, Tk, q_map)
         tok0 = torch.full((1,), c0, dtype=torch.int64, device=q.device)
         if main:
             items = ordered.list_items(wl)

@@ -15,6 +15,12 @@ instead of two (a tuning knob per kernel: see docs/perf-notes.md for what it mea
 
 The KL value needs the final LSEs, so it is a second pass over the same work items (proxy.py:
 recomputing the scores, no stored P); in training it also makes the proxy gradient.
+
+Query map (``HAS_QMAP``, context parallelism; the work list's ``q_map``): a work-list entry's
+token is a query row (it addresses ``q``, ``q_proxy`` and the partials as before), and the
+causal limit compares the block's keys with the row's token ``QMAP[row]`` instead of the row
+itself: one extra load per MMA row. Without a map ``QMAP`` is ``None`` (a constexpr) and the
+kernel compiles to the code it had before the map existed.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ def _fwd_kernel(
     ITEM_END,
     BLK_START,
     BLK_END,  # work list
+    QMAP,  # [Tq] int32: each query row's packed key token (HAS_QMAP), else None
     O_PART,
     L_PART,
     PL_PART,  # [C,H,K,D] input dtype, [C,H,K] f32, [C,Hs,K] f32 for tokens tok0 .. tok0 + C
@@ -67,6 +74,7 @@ def _fwd_kernel(
     PREFETCH: tl.constexpr,
     HAS_MAIN: tl.constexpr = True,  # False: only the proxy LSE partials (another kernel did O)
     OUT_SPLIT: tl.constexpr = 1,  # O = P V in column slices (fewer live registers)
+    HAS_QMAP: tl.constexpr = False,  # queries are rows of QMAP (causality from their tokens)
 ):
     w = tl.program_id(0)
     e0 = tl.load(ITEM_START + w)
@@ -86,8 +94,11 @@ def _fwd_kernel(
             for c in range(e0, e1, BT):
                 if not PREFETCH:
                     nxt = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
-                t, slot, hj, m_r = nxt
-                row = t * H + h0 + hj  # [BM] (token, head)
+                qrow, slot, hj, m_r = nxt
+                t = qrow  # the query's packed key position (causality)
+                if HAS_QMAP:
+                    t = tl.load(QMAP + qrow, mask=m_r, other=0).to(tl.int64)
+                row = qrow * H + h0 + hj  # [BM] (token, head)
                 b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
                 if PREFETCH:  # the next chunk's entries load while this one computes
                     nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
@@ -96,7 +107,7 @@ def _fwd_kernel(
                 b_s = tl.where(keep, b_s, float("-inf"))
                 b_m, b_p, b_l = row_exp(b_s)  # [BM], [BM, BLOCK], [BM]
                 b_lse = finish_lse(b_m, b_l)
-                part = ((t - tok0) * H + h0 + hj) * K + slot  # chunk-local partial row
+                part = ((qrow - tok0) * H + h0 + hj) * K + slot  # chunk-local partial row
                 b_pv = b_p.to(b_v.dtype)
                 b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
                 if OUT_SPLIT == 1:
@@ -122,9 +133,12 @@ def _fwd_kernel(
         for c in range(e0, e1, BT):
             if not PREFETCH:
                 nxt = item_rows(PERM, c, e1, Hs * K, K, BT, 1)
-            t, slot, _, m_t = nxt
+            qrow, slot, _, m_t = nxt
+            t = qrow  # the query's packed key position (causality)
+            if HAS_QMAP:
+                t = tl.load(QMAP + qrow, mask=m_t, other=0).to(tl.int64)
             b_qp = tl.load(
-                QP + (t * Hs + p)[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0
+                QP + (qrow * Hs + p)[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0
             )  # [BT, Dp]
             if PREFETCH:
                 nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
@@ -132,7 +146,7 @@ def _fwd_kernel(
             b_z = tl.where(m_k[None, :] & (kpos[None, :] <= t[:, None]), b_z, float("-inf"))
             b_m, _, b_l = row_exp(b_z)
             b_lse = finish_lse(b_m, b_l)
-            tl.store(PL_PART + ((t - tok0) * Hs + p) * K + slot, b_lse, mask=m_t)
+            tl.store(PL_PART + ((qrow - tok0) * Hs + p) * K + slot, b_lse, mask=m_t)
 
 
 @triton.jit
@@ -187,6 +201,7 @@ SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 
         {k: "*bf16" for k in ("Q", "Kt", "V", "QP", "KP")},
         PERM="*i64",
         **_WL,
+        QMAP="*i32",  # a constexpr None without a query map (compile_check passes QMAP=None)
         O_PART="*bf16",
         L_PART="*fp32",
         PL_PART="*fp32",
@@ -245,9 +260,11 @@ def _launch(q, k, v, wl, cfg: Config, tok0: int, main, proxy):
     Dp = qp.shape[2] if proxy is not None else 16
     Hpk = kp.shape[1] if proxy is not None else 1
     has_main = main is not None
+    has_qmap = wl.q_map is not None  # (without a map QMAP is None: a constexpr, no parameter)
     args = (
         q, k, v, qp, kp, wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start,
-        wl.block_end, o_part, l_part, pl_part, cfg.softmax_scale, cfg.proxy_scale or 1.0, tok0,
+        wl.block_end, wl.q_map, o_part, l_part, pl_part, cfg.softmax_scale,
+        cfg.proxy_scale or 1.0, tok0,
     )  # fmt: skip
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
@@ -258,10 +275,11 @@ def _launch(q, k, v, wl, cfg: Config, tok0: int, main, proxy):
             H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
             BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC=prec,
             HAS_PROXY=proxy is not None, PREFETCH=FWD_PREFETCH, HAS_MAIN=has_main,
-            OUT_SPLIT=split, num_warps=8, num_stages=FWD_STAGES,
+            OUT_SPLIT=split, HAS_QMAP=has_qmap, num_warps=8, num_stages=FWD_STAGES,
         )  # fmt: skip
 
     key = (q.dtype, H, Hkv, Hs, Hpk, K, D, Dp, cfg.block_size, proxy is not None, has_main)
+    key += (has_qmap,)
     cands = fwd_tiles(has_main)
     tile = tiles.pick(_fwd_kernel, args, cands, options, (*key, FWD_PREFETCH, FWD_STAGES))
     _fwd_kernel[(wl.num_items,)](*args, **options(tile))
@@ -285,7 +303,7 @@ def combine(o_part, l_part, idx, out, lse):
 def forward_stages() -> sparse_forward.Stages:
     """This backend's stages of the sparse-forward driver (:mod:`flash_msa.sparse_forward`):
     one kernel makes the main and the proxy LSE partials; the KL pass also makes the proxy
-    gradient for ``dkl = 1`` when the step will need it."""
+    gradient for ``dkl = 1`` when the step will need it. They run calls with a query map."""
     return sparse_forward.Stages(
         partials=partials,
         partials_make_proxy=True,
@@ -293,12 +311,17 @@ def forward_stages() -> sparse_forward.Stages:
         combine=combine,
         kl=proxy.kl,
         kl_makes_proxy_grad=True,
+        q_map=True,  # every stage reads wl.q_map (the combine needs none: it works per row)
     )
 
 
-def fwd(q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, proxy_grad=False):
+def fwd(
+    q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, proxy_grad=False, *,
+    q_map=None,
+):  # fmt: skip
     """Backend op ``fwd`` for given indices (not warmup): the sparse-forward driver
-    (:func:`flash_msa.sparse_forward.fwd`) with this backend's stages."""
+    (:func:`flash_msa.sparse_forward.fwd`) with this backend's stages; ``q_map`` as there."""
     return sparse_forward.fwd(
-        forward_stages(), q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad
-    )
+        forward_stages(), q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad,
+        q_map=q_map,
+    )  # fmt: skip
