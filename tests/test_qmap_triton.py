@@ -211,7 +211,9 @@ def test_warmup_refuses_q_map():
     cfg = config(64, 16, 16, 64, 2, warmup=True)
     with pytest.raises(ValueError, match="q_map"):
         triton_ref.fwd(q, k, v, None, cu, cfg, qp, kp, q_map=torch.arange(64, dtype=torch.int32))
-    assert limits.describe(triton_ref.LIMITS["warmup"]) == limits.describe(triton_ref.LIMITS["fwd"])
+    # the README's backend table says which ops take a map
+    assert "query map" in limits.describe(triton_ref.LIMITS["fwd"])
+    assert "query map" not in limits.describe(triton_ref.LIMITS["warmup"])
 
 
 def test_msa_attention_q_map_on_triton(monkeypatch):

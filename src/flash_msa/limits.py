@@ -128,6 +128,10 @@ def describe(lim: Limits | str) -> str:
         parts.append("block " + "/".join(map(str, lim.block_sizes)))
     if lim.max_top_k is not None:
         parts.append(f"top_k <= {lim.max_top_k}")
+    if lim.q_map:
+        parts.append("query map (q_map)")
+    if lim.deterministic:
+        parts.append("deterministic mode")
     return ", ".join(parts) + (f"; {lim.note}" if lim.note else "")
 
 
