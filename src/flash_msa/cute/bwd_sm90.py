@@ -1038,7 +1038,7 @@ def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, pro
         wl = worklist.build(idx, cu_seqlens, block, BwdSm90.ITEM_TOKENS, c0, T)
         items = ordered.list_items(wl)
         ranges = ordered.item_ranges(wl.num_items, per_item)
-        most = max(w1 - w0 for w0, w1 in ranges)
+        most = max((w1 - w0 for w0, w1 in ranges), default=0)
         if most > cap:  # dK, dV, dK_proxy tiles of one range
             cap = most
             tiles = [torch.empty((cap, 1, block, D), **f32) if main else None for _ in range(2)]
