@@ -38,7 +38,8 @@ or 128, and every main head of a selection head sharing one KV head (``(H / Hkv)
 
 Version 2 (docs/perf-notes.md "CuTe backward v2"): no warp specialization; two gather buffers
 (``gather_stages``) where shared memory allows; fp32 reductions by ``red.global.add.v2.f32``.
-Deterministic mode is not here yet.
+Deterministic mode (:attr:`BwdSm90.deterministic`, :func:`_ordered`): stores into partials
+summed in a fixed order; compiled, not yet verified on a GPU.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class BwdSm90:
             "sRowF": 2 * rows * 4 * gather_stages,  # per row: LSE (log2 units), Delta / proxy LSE
             # per row: token (-1: pad), gradient row (+ its partial row, deterministic)
             "sRowI": (3 if deterministic else 2) * rows * 4 * gather_stages,
-            # q rows (gather_stages buffers), then one buffer of q_proxy rows
+            # q rows (gather_stages buffers), then QP_STAGES buffers of q_proxy rows
             "sQ": rows * max(D * gather_stages, proxy_head_dim * cls.QP_STAGES) * elem_bytes,
             "sdO": rows * D * elem_bytes * gather_stages,
             "sK": block_size * D * elem_bytes,
@@ -550,6 +551,27 @@ class BwdSm90:
                 sRowF[t_all, 1, buf] = Float32(0.0)
 
     @cute.jit
+    def proxy_row_data(self, mPerm, mPLSE, sRowI, sRowF, c, e1, p, buf, t_all, tok0):
+        """Threads 0..63 write the data of phase B's rows (entries ``c + row``, selection head
+        ``p``) into buffer ``buf``: token (-1: pad), q_proxy row, proxy LSE (log2 units, +inf:
+        pad); deterministic: the row's dQ_proxy partial row."""
+        HS, K = self.sel_heads, self.top_k
+        if t_all < self.ROWS:
+            e = c + t_all
+            flat = mPerm[cutlass.min(e, e1 - 1)]
+            t = Int32(flat // (HS * K))
+            prow = t * HS + p
+            sRowI[t_all, 1, buf] = prow
+            if cutlass.const_expr(self.deterministic):
+                sRowI[t_all, 2, buf] = ((t - tok0) * HS + p) * K + Int32(flat % K)
+            if e < e1:
+                sRowI[t_all, 0, buf] = t
+                sRowF[t_all, 0, buf] = mPLSE[prow] * LOG2E
+            else:
+                sRowI[t_all, 0, buf] = Int32(-1)
+                sRowF[t_all, 0, buf] = Float32.inf
+
+    @cute.jit
     def phase_a(
         self, mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, mPerm, mDQ,
         mDK, mDV, mmas, gather, scales, e0, e1, p, ks, ke, kvh, t_all,
@@ -801,13 +823,13 @@ class BwdSm90:
                     for jj in cutlass.range_constexpr(cute.size(a_rc, mode=[1]) // 2):
                         pair[0] = a_rc[i, 2 * jj] * coef
                         pair[1] = a_rc[i, 2 * jj + 1] * coef
-                        ptr = mOut.iterator + (base + c_rc[i, 2 * jj][1])
+                        off = base + c_rc[i, 2 * jj][1]
                         if cutlass.const_expr(mode == "store"):  # (8-byte aligned: even column)
-                            off = cute.assume(base + c_rc[i, 2 * jj][1], divby=2)
+                            off = cute.assume(off, divby=2)
                             dst = cute.make_tensor(mOut.iterator + off, cute.make_layout(2))
                             dst.store(pair.load())
                         else:
-                            cute.arch.red(ptr, pair.load(), **red)
+                            cute.arch.red(mOut.iterator + off, pair.load(), **red)
 
     @cute.jit
     def phase_b(
@@ -816,7 +838,6 @@ class BwdSm90:
     ):  # fmt: skip
         """The unit proxy gradient over the item's tokens, against the slab's teacher."""
         ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.block_size
-        HS, K = self.sel_heads, self.top_k
         G = self.geometry[0]
         pscale_log2, pcoef, tok0 = scales[2], scales[3], scales[4]
         mma_sdp, mma_dkv, mma_dq = mmas
@@ -838,20 +859,7 @@ class BwdSm90:
         n_chunks = (e1 - e0 + ROWS - 1) // ROWS
         for ch in cutlass.range(n_chunks, unroll=1):
             c = e0 + ch * ROWS
-            if t_all < ROWS:
-                e = c + t_all
-                flat = mPerm[cutlass.min(e, e1 - 1)]
-                t = Int32(flat // (HS * K))
-                prow = t * HS + p
-                sRowI[t_all, 1, 0] = prow
-                if cutlass.const_expr(self.deterministic):
-                    sRowI[t_all, 2, 0] = ((t - tok0) * HS + p) * K + Int32(flat % K)
-                if e < e1:
-                    sRowI[t_all, 0, 0] = t
-                    sRowF[t_all, 0, 0] = mPLSE[prow] * LOG2E
-                else:
-                    sRowI[t_all, 0, 0] = Int32(-1)
-                    sRowF[t_all, 0, 0] = Float32.inf
+            self.proxy_row_data(mPerm, mPLSE, sRowI, sRowF, c, e1, p, 0, t_all, tok0)
             cute.arch.sync_threads()
             self.gather_rows(gather, mQp, sQp, DP, sRowI, 0, t_all)
             cute.arch.cp_async_wait_group(0)
@@ -914,7 +922,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
     Hkv = k.shape[1]
     Hs, K = indices.shape[1:]
     Hpk, Dp = (k_proxy.shape[1], k_proxy.shape[2]) if proxy else (Hs, D)
-    det = bool(variant.pop("deterministic", False) or getattr(cfg, "deterministic", False))
+    det = bool(variant.pop("deterministic", False) or cfg.deterministic)
     kernel = BwdSm90.make(
         cutlass_dtype(q.dtype),
         H,
@@ -1039,15 +1047,15 @@ def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, pro
         items = ordered.list_items(wl)
         ranges = ordered.item_ranges(wl.num_items, per_item)
         most = max((w1 - w0 for w0, w1 in ranges), default=0)
-        if most > cap:  # dK, dV, dK_proxy tiles of one range
+        if most > cap:  # dK, dV, dK_proxy tiles of one range, and their 2-D views
             cap = most
             tiles = [torch.empty((cap, 1, block, D), **f32) if main else None for _ in range(2)]
             tiles.append(torch.empty((cap, 1, block, Dp), **f32) if proxy else None)
+            flat = [None if x is None else x.view(-1, x.shape[-1]) for x in tiles]
         rows = [
             None if x is None else x[: c1 - c0].view(-1, x.shape[-1]) for x in (dq_part, dqp_part)
         ]
         for w0, w1 in ranges:
-            flat = [None if x is None else x.view(-1, x.shape[-1]) for x in tiles]
             launch(wl, (rows[0], flat[0], flat[1], rows[1], flat[2]), c0, w0, w1)
             n = w1 - w0
             if main:

@@ -50,7 +50,7 @@ from cutlass import Constexpr, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.memory import SmemAllocator
 
-from .bwd_sm90 import LOG2E, BwdSm90
+from .bwd_sm90 import BwdSm90
 from .common import WorkItems, acc_as_a, acc_rows_cols
 
 
@@ -232,7 +232,6 @@ class BwdWsSm90(BwdSm90):
     ):  # fmt: skip
         """Fill the ring: phase A's (chunk, sub-group) iterations, then phase B's chunks."""
         ROWS, D, DP = self.ROWS, self.head_dim, self.proxy_head_dim
-        HS, K = self.sel_heads, self.top_k
         G, G2, R = self.geometry
         BT = ROWS // G2
         n_a = (e1 - e0 + BT - 1) // BT
@@ -256,20 +255,7 @@ class BwdWsSm90(BwdSm90):
                 c = e0 + ch * ROWS
                 s = it % 2
                 cute.arch.mbarrier_wait(bars + 4 + s, (it // 2) % 2 ^ 1)
-                if tp < ROWS:
-                    e = c + tp
-                    flat = mPerm[cutlass.min(e, e1 - 1)]
-                    t = Int32(flat // (HS * K))
-                    prow = t * HS + p
-                    sRowI[tp, 1, s] = prow
-                    if cutlass.const_expr(self.deterministic):
-                        sRowI[tp, 2, s] = ((t - tok0) * HS + p) * K + Int32(flat % K)
-                    if e < e1:
-                        sRowI[tp, 0, s] = t
-                        sRowF[tp, 0, s] = mPLSE[prow] * LOG2E
-                    else:
-                        sRowI[tp, 0, s] = Int32(-1)
-                        sRowF[tp, 0, s] = Float32.inf
+                self.proxy_row_data(mPerm, mPLSE, sRowI, sRowF, c, e1, p, s, tp, tok0)
                 self.producer_sync()
                 self.gather_rows(gathers[1], mQp, sQp, DP, sRowI, s, tp)
                 self.publish(bars + 2 + s)
