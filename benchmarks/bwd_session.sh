@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session's backward work, in priority order, each step time-boxed; logs under OUTDIR.
 # Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
-#   STEPS: any of tests det ab ncu bench sanitizer hypothesis (default: all, in that order)
+#   STEPS: any of tests det ab ncu bench sanitizer hypothesis (default: all, in that order);
+#   bench_anchor / bench_paper: one half of bench
+#   BWD_TESTS_K / BWD_TESTS_LIMIT: override the test steps' pytest -k selection and time limit
 set -uo pipefail
 out="${1:?usage: bwd_session.sh OUTDIR [STEPS]}"
 steps="${2:-tests det ab ncu bench sanitizer hypothesis}"
@@ -16,6 +18,7 @@ for step in $steps; do
         sanitizer) sel="sanitizer"; limit=240 ;;  # racecheck + synccheck per variant
         hypothesis) sel="hypothesis"; limit=300 ;;
       esac
+      sel="${BWD_TESTS_K:-$sel}"; limit="${BWD_TESTS_LIMIT:-$limit}"  # a session's override
       t timeout "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_cute_bwd.py \
         -k "$sel" > "$out/test_gpu_cute_bwd_$step.log" 2>&1
       grep -E "FAILED|ERROR" "$out/test_gpu_cute_bwd_$step.log" | head -5
@@ -25,7 +28,7 @@ for step in $steps; do
         > "$out/test_deterministic.log" 2>&1
       grep -E "PASSED|FAILED|ratio" "$out/test_deterministic.log" | tail -6 ;;
     ab)  # the backward op, same run: Triton, v2, ws, deterministic
-      (cd benchmarks && t timeout 420 python3 bwd_ab.py --variants cute "cute ws" "cute deterministic" \
+      (cd benchmarks && t timeout 420 python3 bwd_ab.py --variants cute "cute v2" "cute deterministic" \
         --cases anchor:16384 anchor:32768 paper:32768 paper:131072 --out "$out/bwd_ab.json" \
         > "$out/bwd_ab.log" 2>&1)
       python3 - "$out/bwd_ab.json" <<'PY'
@@ -35,19 +38,19 @@ for r in json.load(open(sys.argv[1]))["rows"]:
           for k, v in r.items() if isinstance(v, dict) and "tflops" in v))
 PY
       ;;
-    ncu)  # profile of the ws kernel at anchor 32K (stall reasons)
+    ncu)  # profile of the default (warp-specialized) kernel at anchor 32K (stall reasons)
       NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
       (cd benchmarks && t timeout 240 "$NCU" --kernel-name regex:BwdWsSm90 --launch-skip 1 \
         --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section Occupancy --section LaunchStats --section SourceCounters --import-source no \
-        -o "$out/ws_anchor32k" python3 profile_bwd.py --provider "cute ws" > "$out/ncu.log" 2>&1)
+        -o "$out/ws_anchor32k" python3 profile_bwd.py --provider cute > "$out/ncu.log" 2>&1)
       "$NCU" -i "$out/ws_anchor32k.ncu-rep" --page details > "$out/ncu_ws_details.txt" 2>&1
       grep -E "Duration|Eligible Warps|Issue Slots|Achieved Occ" "$out/ncu_ws_details.txt" ;;
-    bench)  # the training step (KL in the loss and compute_kl=False) next to FA4
-      t timeout 300 python3 -m flash_msa bench --shape anchor --seqlen 16384 32768 --backends cute \
+    bench|bench_anchor|bench_paper)  # the training step (KL in the loss and compute_kl=False) next to FA4
+      [ "$step" = bench_paper ] || t timeout 300 python3 -m flash_msa bench --shape anchor --seqlen 16384 32768 --backends cute \
         --inputs random --iters 5 --dense fa4 --json "$out/bench_anchor.json" > "$out/bench_anchor.log" 2>&1
-      t timeout 240 python3 -m flash_msa bench --shape paper --seqlen 131072 --backends cute \
+      [ "$step" = bench_anchor ] || t timeout 240 python3 -m flash_msa bench --shape paper --seqlen 131072 --backends cute \
         --inputs random --iters 3 --dense --json "$out/bench_paper.json" > "$out/bench_paper.log" 2>&1
-      tail -4 "$out/bench_anchor.log"; tail -2 "$out/bench_paper.log" ;;
+      tail -4 "$out/bench_anchor.log" 2>/dev/null; tail -2 "$out/bench_paper.log" 2>/dev/null ;;
   esac
 done

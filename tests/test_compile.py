@@ -154,9 +154,10 @@ def test_cute_backward_limits_and_shared_memory_arithmetic():
 
 
 def test_cute_warp_specialized_backward_limits():
-    """``BwdWsSm90`` (under A/B): BwdSm90's limits plus its own (block 128, ``Dp == D``, two
+    """``BwdWsSm90`` (the default): BwdSm90's limits plus its own (block 128, ``Dp == D``, two
     ring stages, no deterministic mode yet), each refused with the reason; its shared memory is
-    BwdSm90's with two gather stages and two q_proxy stages; ``make(ws=True)`` builds it."""
+    BwdSm90's with two gather stages and two q_proxy stages; ``make`` builds it by default where
+    it can run (``ws=True`` forces it), BwdSm90 otherwise."""
     pytest.importorskip("cutlass")
     from cutlass import BFloat16
 
@@ -174,6 +175,16 @@ def test_cute_warp_specialized_backward_limits():
     assert "share one KV head" in ok(BFloat16, 8, 4, 2, 1, 64, 64, 8, 128)
     ws = BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, ws=True)
     assert type(ws) is BwdWsSm90 and ws.gather_stages == 2 and ws.cta_threads == 384
+    # the default: the warp-specialized kernel where it can run, else BwdSm90 (two stages)
+    assert BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128) == ws
+    for args, kw in (
+        ((16, 2, 4, 1, 128, 128, 16, 64), {}),  # block 64
+        ((8, 1, 4, 1, 64, 128, 3, 128), {}),  # Dp != D
+        ((16, 2, 4, 1, 128, 128, 16, 128), dict(deterministic=True)),
+        ((16, 2, 4, 1, 128, 128, 16, 128), dict(gather_stages=1)),
+        ((16, 2, 4, 1, 128, 128, 16, 128), dict(ws=False)),
+    ):
+        assert type(BwdSm90.make(BFloat16, *args, **kw)) is BwdSm90, (args, kw)
     assert BwdWsSm90.shared_bytes(2, 128, 128, 128, True, 2)["total"] == 216064
     with pytest.raises(ValueError, match="block_size 128"):
         BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 64, ws=True)

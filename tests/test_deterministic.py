@@ -284,16 +284,23 @@ def _sm90_problem(deterministic: bool) -> Problem:
 
 
 def test_backends_declare_it_and_auto_skips_the_others(monkeypatch):
-    """A backend whose Limits do not declare deterministic mode refuses it with a reason naming
-    the setting (CuTe's backward today): ``auto`` picks the next one, a forced one raises."""
+    """Every op of the three backends declares deterministic mode (CuTe's backward since its
+    H200 run); an op whose Limits do not refuses it with a reason naming the setting: ``auto``
+    picks the next backend, a forced one raises."""
+    import dataclasses
+
     problem = _sm90_problem(True)
-    for name in ("triton", "torch"):
+    for name in ("triton", "torch", "cute"):
         module, why = backends.load(name)
-        assert module is not None, why
-        assert all(lim.deterministic for lim in module.LIMITS.values()), name
-    cute, why = backends.load("cute")
-    if cute is None:
-        pytest.skip(why)
+        if module is None:
+            assert name == "cute", why
+            pytest.skip(why)
+        assert all(lim.deterministic for lim in module.LIMITS.values() if not isinstance(lim, str))
+    cute = module
+    assert limits.reason(cute.LIMITS, "bwd", problem) is None
+    assert backends.choose("bwd", problem)[0] == "cute"
+    no = dataclasses.replace(cute.LIMITS["bwd"], deterministic=False)
+    monkeypatch.setitem(cute.LIMITS, "bwd", no)
     reason = limits.reason(cute.LIMITS, "bwd", problem)
     assert reason is not None and "FLASH_MSA_DETERMINISTIC" in reason
     assert limits.reason(cute.LIMITS, "bwd", _sm90_problem(False)) is None

@@ -16,7 +16,8 @@ configuration, tuning choices included, as constructor arguments) with a ``@cute
 included); ``common.py`` holds what they share.
 
 * ``bwd`` (sparse, not warmup): one fused key-outer kernel for the main and the proxy gradients
-  (``bwd_sm90.py``: ``BwdSm90``), within ``BWD_LIMITS`` and :func:`bwd_kernel_reason` (each
+  (``bwd_ws_sm90.py``: ``BwdWsSm90``, warp-specialized, where it can run; else ``bwd_sm90.py``:
+  ``BwdSm90``; ``BwdSm90.make`` picks), within ``BWD_LIMITS`` and :func:`bwd_kernel_reason` (each
   selection head's main heads share one KV head); the forward then does not make the proxy
   gradient (``FUSED_PROXY_GRAD``).
 
@@ -44,14 +45,16 @@ BWD_LIMITS = Limits(
     **_SM90,
     head_dims=(64, 128),
     proxy_head_dims=(64, 128),
+    # ordered sums of per-slot / per-item partials (BwdSm90(deterministic=True)); bitwise equal
+    # across runs and by the rule on the H200 (tests/test_gpu_cute_bwd.py, sixth session)
+    deterministic=True,
     note="one fused kernel for the main and proxy gradients; each selection head's main heads "
     "must share one KV head",
 )
 # Deterministic mode (Problem.deterministic): the selection and the forward's partials have no
 # atomics (every output element has one writer; the borrowed Triton stages order their sums
-# when cfg.deterministic), so they run it; the fused backward adds dQ and the key gradients
-# with fp32 atomics and does not yet (BWD_LIMITS leaves ``deterministic`` False): ``auto`` then
-# runs the backward on Triton, and a forced FLASH_MSA_BACKEND=cute raises, naming the setting.
+# when cfg.deterministic); the fused backward stores partials instead of fp32 atomics and
+# flash_msa.ordered adds them in a fixed order.
 LIMITS = {
     "select": Limits(**_SM90, proxy_head_dims=(64, 128), max_top_k=64, deterministic=True),
     # the proxy LSE / combine / KL stages are borrowed from Triton: their limits are added

@@ -115,8 +115,8 @@ class BwdSm90:
     # benchmarks/bwd_ab.py times them as "cute <name>")
     VARIANTS: ClassVar[dict] = {
         "default": {},
+        "v2": dict(ws=False),  # one MMA warpgroup per 64 keys, no producer (the fallback)
         "stages1": dict(gather_stages=1),
-        "ws": dict(ws=True),
         # deterministic mode (not an A/B switch: checked and timed beside the others)
         "deterministic": dict(deterministic=True),
     }
@@ -220,17 +220,26 @@ class BwdSm90:
 
     @classmethod
     def make(cls, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main=True, proxy=True, **variant):
-        """The kernel for a configuration with ``variant``'s switches, and two gather buffers
-        where they fit the shared memory unless ``variant`` says otherwise (measured faster).
-        ``ws=True``: the warp-specialized version (:mod:`.bwd_ws_sm90`, under A/B)."""
-        if variant.pop("ws", False):
-            from .bwd_ws_sm90 import BwdWsSm90
+        """The kernel for a configuration with ``variant``'s switches: the warp-specialized
+        kernel (:mod:`.bwd_ws_sm90`) where it can run this configuration (1.08x / 1.04x /
+        1.16x / 1.14x this class's at anchor 16K / anchor 32K / paper 32K / paper 128K,
+        docs/perf-notes.md "CuTe backward v3"), else this class's, with two gather buffers
+        where they fit the shared memory (measured faster). ``ws=True`` / ``ws=False`` forces
+        one (the A/B); an explicit ``gather_stages`` means this class's."""
+        from .bwd_ws_sm90 import BwdWsSm90
 
-            return BwdWsSm90.make(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
+        ws = variant.pop("ws", None)
+        if ws is None:
+            ws = "gather_stages" not in variant and BwdWsSm90.can_implement(
+                dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, proxy, 2,
+                variant.get("deterministic", False),
+            ) is None  # fmt: skip
+        if ws:
+            return BwdWsSm90(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
         if "gather_stages" not in variant:
             two = cls.can_implement(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, proxy, 2) is None
             variant = dict(variant, gather_stages=2 if two else 1)
-        return cls(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
+        return BwdSm90(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
 
     @property
     def geometry(self) -> tuple[int, int, int]:

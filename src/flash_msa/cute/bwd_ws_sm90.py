@@ -4,7 +4,10 @@ The computation is :class:`~flash_msa.cute.bwd_sm90.BwdSm90`'s (same work items,
 MMAs, teacher slab and reductions: that module's docstring); what changes is who waits for what.
 The v2 profile (docs/perf-notes.md "CuTe backward v2") showed one CTA per SM whose 8 warps all
 stop at every step of one serial chain per 64-row chunk: the row data (``perm`` -> LSE / Delta
-loads), the gathers, four CTA-wide barriers. Here the CTA has three warpgroups:
+loads), the gathers, four CTA-wide barriers. Here the CTA has three warpgroups (the default
+backward where it can run, :meth:`BwdSm90.make`: 1.08x / 1.04x / 1.16x / 1.14x BwdSm90 at
+anchor 16K / anchor 32K / paper 32K / paper 128K, whole ``bwd`` op, docs/perf-notes.md "CuTe
+backward v3"):
 
 * warpgroup 0, the **producer** (``setmaxnreg`` down to :attr:`PRODUCER_REGS`): the K/V TMA,
   then for every (chunk, sub-group) of phase A and every chunk of phase B, into a two-stage ring
@@ -17,8 +20,8 @@ loads), the gathers, four CTA-wide barriers. Here the CTA has three warpgroups:
   synchronize only with each other, by named barriers over their 256 threads: ``DS_FREE``
   before a chunk's dS tile is written (both warpgroups' previous dQ MMAs, which read all of it,
   are done), ``DS_READY`` after it is written (fenced) and before the dQ MMA; at the end of the
-  stage (MMAs waited, row data read by the reductions) one lane per consumer warp arrives on
-  ``empty`` (8 arrivals).
+  stage (MMAs waited, row data read by the reductions) every consumer thread arrives on
+  ``empty`` (256 arrivals).
 
 Stage ``s = i % 2`` of iteration ``i`` (phase A's iterations, then phase B's) is in its
 ``n = i // 2``-th use: consumers wait ``full[s]`` for parity ``n % 2``; the producer waits
@@ -33,7 +36,9 @@ consumers take 232 (128 * 32 + 256 * 232 = 63,488 <= 384 * 168 = 64,512). The sp
 by compiling every configuration of the compile check: 24 / 240 spilled 8-32 bytes (anchor,
 paper, fp16), 40 / 224 8-56 bytes (anchor, G2 = 1, main-only, fp16); 32 / 232 none. With
 ``deterministic`` it spilled 8 bytes at every split tried: refused for now (``can_implement``;
-the deterministic backward runs on BwdSm90). The dS tile is stored by one vectorized copy of the
+the deterministic backward runs on BwdSm90). The consumers' thread index is masked to 0..255
+(the compilers then know it is not negative; without it, with 256 ``empty`` arrivals, a
+derived value was held across phase A and spilled 4 bytes). The dS tile is stored by one vectorized copy of the
 thread's partition (per-element indices held 32 registers and spilled at 240), before the dK
 MMA takes the same registers as its A operand (a wgmma's register operands may not be read
 until it is waited).
@@ -96,10 +101,6 @@ class BwdWsSm90(BwdSm90):
                 f"({proxy_head_dim} != {head_dim})"
             )
         return None
-
-    @classmethod
-    def make(cls, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main=True, proxy=True, **variant):
-        return cls(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
 
     @property
     def cta_threads(self) -> int:
@@ -168,7 +169,7 @@ class BwdWsSm90(BwdSm90):
                 cute.arch.mbarrier_init(bars + 1, 1)
                 for s in cutlass.range_constexpr(2):
                     cute.arch.mbarrier_init(bars + 2 + s, self.THREADS)  # producer threads
-                    cute.arch.mbarrier_init(bars + 4 + s, self.warpgroups * 4)  # consumer warps
+                    cute.arch.mbarrier_init(bars + 4 + s, self.THREADS * self.warpgroups)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -197,11 +198,13 @@ class BwdWsSm90(BwdSm90):
                 )  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
-                tc = t_all - self.THREADS  # 0 .. 255
+                # 0 .. 255; the mask tells the compilers it is not negative (divisions and
+                # remainders by 128 become shifts and masks: a 4-byte spill went away)
+                tc = (t_all - self.THREADS) & (self.THREADS * self.warpgroups - 1)
                 cute.arch.mbarrier_wait(bars, 0)
                 it = self.consumer_a(
                     sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, mDQ, mDK, mDV, mmas, scales, bars,
-                    e0, e1, ks, ke, kvh, tc,
+                    e0, e1, ks, ke, kvh, tc, role,
                 )  # fmt: skip
                 if cutlass.const_expr(self.proxy):
                     # both warpgroups are past phase A (its MMAs waited, its teacher written):
@@ -215,7 +218,7 @@ class BwdWsSm90(BwdSm90):
                     cute.arch.mbarrier_wait(bars + 1, 0)
                     self.consumer_b(
                         sQp, sKp, sdS, sRowF, sRowI, slab, mDQp, mDKp, mmas_p, scales, bars, it,
-                        e0, e1, ks, ke, pk, tc,
+                        e0, e1, ks, ke, pk, tc, role,
                     )  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
@@ -285,16 +288,18 @@ class BwdWsSm90(BwdSm90):
 
     @cute.jit
     def release(self, empty):
-        """One lane per consumer warp: this stage's MMAs are waited and its row data read (by
-        every lane: the warp meets first)."""
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            cute.arch.mbarrier_arrive(empty)
+        """Every consumer thread, once done with the stage (its MMAs waited, its row-data reads
+        issued and used): arrive on ``empty`` (256 arrivals). An arrive releases only its own
+        thread's earlier accesses: one elected lane per warp after ``bar.warp.sync`` (the first
+        version) and one thread per warpgroup after a named barrier (the second) were both
+        flagged by compute-sanitizer racecheck (12 hazards each, H200, sixth session: the other
+        threads' row-data reads against the producer's next writes)."""
+        cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
     def consumer_a(
         self, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, mDQ, mDK, mDV, mmas, scales, bars, e0,
-        e1, ks, ke, kvh, tc,
+        e1, ks, ke, kvh, tc, role,
     ):  # fmt: skip
         """Phase A on the consumer warpgroups (BwdSm90.phase_a's math); returns the ring
         iterations used."""
@@ -326,7 +331,7 @@ class BwdWsSm90(BwdSm90):
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         tCsdS = self.ds_partition(thr_sdp, sdS)
-        wg = cute.arch.make_warp_uniform(tc // self.THREADS)
+        wg = role - 1  # consumer warpgroup 0 / 1 (warp-uniform: no vector register)
         n_a = (e1 - e0 + BT - 1) // BT
         it = Int32(0)
         for ch in cutlass.range(n_a, unroll=1):
@@ -408,7 +413,7 @@ class BwdWsSm90(BwdSm90):
     @cute.jit
     def consumer_b(
         self, sQp, sKp, sdS, sRowF, sRowI, slab, mDQp, mDKp, mmas, scales, bars, it0, e0, e1, ks,
-        ke, pk, tc,
+        ke, pk, tc, role,
     ):  # fmt: skip
         """Phase B on the consumer warpgroups (BwdSm90.phase_b's math), ring iterations from
         ``it0``."""
@@ -430,7 +435,7 @@ class BwdWsSm90(BwdSm90):
         cS = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((BLOCK, ROWS))))
         rD = cute.make_rmem_tensor_like(acc_S, self.dtype)
         tCsdS = self.ds_partition(thr_sdp, sdS)
-        wg = cute.arch.make_warp_uniform(tc // self.THREADS)
+        wg = role - 1  # consumer warpgroup 0 / 1 (warp-uniform: no vector register)
         inv_g = Float32(1.0 / G)
         n_b = (e1 - e0 + ROWS - 1) // ROWS
         it = it0

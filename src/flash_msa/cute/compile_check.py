@@ -97,15 +97,16 @@ def bwd_configurations():
     yield "bwd bf16 anchor deterministic", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, det
     yield "bwd bf16 paper deterministic", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1, det
     yield "bwd bf16 anchor D=64 b=64 deterministic", "bf16", 16, 2, 4, 1, 64, 64, 16, 64, 1, 1, det
-    ws = dict(ws=True)  # the warp-specialized kernel (bwd_ws_sm90.py), under A/B
+    v2 = dict(ws=False)  # the fallback without a producer warpgroup (the defaults above are
+    # the warp-specialized kernel where it can run them: block 128, Dp == D, not deterministic)
     for name, H, Hkv, Hs, Hpk, D, K, main, proxy in (
         ("anchor", 16, 2, 4, 1, 128, 16, 1, 1), ("paper", 64, 4, 4, 1, 128, 16, 1, 1),
         ("anchor D=64", 16, 2, 4, 1, 64, 16, 1, 1), ("G2=1", 4, 4, 4, 2, 128, 8, 1, 1),
         ("anchor main-only", 16, 2, 4, 1, 128, 16, 1, 0),
         ("anchor proxy-only", 16, 2, 4, 1, 128, 16, 0, 1),
     ):  # fmt: skip
-        yield f"bwd bf16 {name} ws", "bf16", H, Hkv, Hs, Hpk, D, D, K, 128, main, proxy, ws
-    yield "bwd fp16 anchor ws", "fp16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, ws
+        yield f"bwd bf16 {name} v2", "bf16", H, Hkv, Hs, Hpk, D, D, K, 128, main, proxy, v2
+    yield "bwd fp16 anchor v2", "fp16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, v2
 
 
 def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=None, **dump) -> dict:
