@@ -112,16 +112,22 @@ def main(argv):
         help="CuTe providers",
     )
     args = ap.parse_args(argv)
-    rows = []
-    for c in args.cases:
-        shape, S = c.split(":")
-        r = case(shape, int(S), args.iters, args.variants)
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(dict(rows=rows, device=torch.cuda.get_device_name()), fh, indent=1)
+    run_cases(lambda shape, S: case(shape, S, args.iters, args.variants), args.cases, args.out)
     return 0
+
+
+def run_cases(case_fn, cases, out) -> list:
+    """``case_fn(shape, S)`` for each ``"shape:S"`` of ``cases``, each row printed as JSON when
+    done, all of them written to ``out`` (``{"rows": [...], "device": ...}``) if given."""
+    rows = []
+    for c in cases:
+        shape, S = c.split(":")
+        rows.append(case_fn(shape, int(S)))
+        print(json.dumps(rows[-1]), flush=True)
+    if out:
+        with open(out, "w") as fh:
+            json.dump(dict(rows=rows, device=torch.cuda.get_device_name()), fh, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's backward work, in priority order, each step time-boxed; logs under OUTDIR.
 # Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
-#   STEPS: any of tests det ab ncu bench sanitizer hypothesis (default: all, in that order);
+#   STEPS: any of tests det ab ncu bench sanitizer hypothesis kl (default: all but kl, in that
+#   order);
 #   bench_anchor / bench_paper: one half of bench
 #   BWD_TESTS_K / BWD_TESTS_LIMIT: override the test steps' pytest -k selection and time limit
 set -uo pipefail
@@ -23,6 +24,18 @@ for step in $steps; do
         -k "$sel" > "$out/test_gpu_cute_bwd_$step.log" 2>&1
       grep -E "FAILED|ERROR" "$out/test_gpu_cute_bwd_$step.log" | head -5
       echo "  passed: $(grep -cE "PASSED" "$out/test_gpu_cute_bwd_$step.log")" ;;
+    kl)  # the CuTe KL stage (off by default: cute.KL_ON_CUTE): its tests, then its A/B
+      t timeout 300 python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_cute_kl.py \
+        > "$out/test_gpu_cute_kl.log" 2>&1
+      grep -E "FAILED|ERROR" "$out/test_gpu_cute_kl.log" | head -5
+      echo "  passed: $(grep -cE "PASSED" "$out/test_gpu_cute_kl.log")"
+      (cd benchmarks && t timeout 300 python3 kl_ab.py --out "$out/kl_ab.json" > "$out/kl_ab.log" 2>&1)
+      python3 - "$out/kl_ab.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(r["shape"], r["S"], r["kl_sum"]["rel_diff"], {k: round(v, 2) for k, v in r["ms"].items()})
+PY
+      ;;
     det)  # deterministic mode on auto (sparse and warmup)
       t timeout 180 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_deterministic.py \
         > "$out/test_deterministic.log" 2>&1

@@ -97,3 +97,15 @@ def check(mine: dict, exact: dict, same: dict, names=None, *, can_fail=True, lab
             f"{label}{name}", mine[name], exact[name], same[name], can_fail=can_fail
         )
     return report
+
+
+# the GPU tests' head layouts of the CuTe kernels (backward, KL stage): lengths (with empty
+# and one-token sequences), H, Hkv, Hp, Hpk, D, Dp, block, top_k
+CUTE_LAYOUTS = {
+    "anchor": ((3000, 1, 900), 16, 2, 4, 1, 128, 128, 128, 8),
+    "paper": ((1500,), 64, 4, 4, 1, 128, 128, 128, 8),
+    "Hp>Hpk>1-b64": ((700, 0, 1300, 1), 8, 2, 4, 2, 64, 64, 64, 8),
+    "G2=1": ((1000, 333), 4, 4, 4, 2, 128, 128, 128, 5),
+    "Dp>D": ((777, 777), 8, 1, 4, 1, 64, 128, 128, 3),
+    "D=64-b128": ((2049,), 16, 2, 4, 1, 64, 64, 128, 16),
+}

@@ -161,6 +161,76 @@ def test_opcheck_each_op(dtype):
         torch.library.opcheck(ops.bwd, (d_out, d_kl, *saved, *args))
 
 
+def _mapped_inputs(rank=1, P=2, lengths=(130, 0, 200)):
+    """A query map as context parallelism makes it (rank ``rank`` of a ``P``-rank zigzag: local
+    queries in two chunks per sequence, padding rows -1) and packed fp32 leaves: the queries
+    (``q_proxy``, ``q``: ``Tl`` rows), the keys (``T`` rows); ``(xs, cu, max_seqlen, q_map)``."""
+    from flash_msa import distributed as cp
+
+    cu = testing.cu(list(lengths))
+    lay = cp.layout(P, rank, cu_seqlens=cu, block_size=BLOCK)
+    xs = [x.detach() for x in _inputs((int(cu[-1]),))]
+    xs = [cp.shard(x, lay) if i in (0, 2) else x for i, x in enumerate(xs)]
+    return [x.requires_grad_() for x in xs], cu, lay.max_seqlen, lay.q_map
+
+
+def test_q_map_fullgraph_matches_eager():
+    """The query map under ``torch.compile(fullgraph=True)``: the custom ops take it (their last
+    positional argument) and the compiled step equals eager (the torch backend: bit for bit);
+    another map of the same length reuses the graph; the warmup (dense) step with a map too."""
+
+    def f(qp, kp, q, k, v, cu, max_seqlen, q_map):
+        return flash_msa.msa_attention(
+            qp, kp, q, k, v, TOP_K, block_size=BLOCK, cu_seqlens=cu, max_seqlen=max_seqlen,
+            q_map=q_map,
+        )  # fmt: skip
+
+    compiled = torch.compile(f, fullgraph=True)
+    for rank in (1, 0):
+        xs, cu, max_seqlen, q_map = _mapped_inputs(rank)
+        kw = dict(cu=cu, max_seqlen=max_seqlen, q_map=q_map)
+        mine, eager = _step(compiled, xs, **kw), _step(f, xs, **kw)
+        for name, a, b in zip(("out", "kl"), mine[:2], eager[:2]):
+            assert torch.equal(a, b), name
+        for name, a, b in zip(("dq_proxy", "dk_proxy", "dq", "dk", "dv"), mine[2], eager[2]):
+            assert torch.equal(a, b), name
+        assert (mine[0][q_map < 0] == 0).all()  # padding rows
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["recompiles"], dict(counters["recompiles"])
+
+    def warm(qp, kp, q, k, v, cu, max_seqlen, q_map):  # the warmup (dense) forward and backward
+        return flash_msa.msa_attention(
+            qp, kp, q, k, v, TOP_K, block_size=BLOCK, cu_seqlens=cu, max_seqlen=max_seqlen,
+            q_map=q_map, warmup=True,
+        )  # fmt: skip
+
+    mine, eager = _step(torch.compile(warm, fullgraph=True), xs, **kw), _step(warm, xs, **kw)
+    _same("warmup", mine, eager)
+
+
+def test_opcheck_each_op_with_q_map():
+    """``torch.library.opcheck`` of the three ops with a query map (``Tq != T`` rows, padding
+    rows): schema, fake shapes, autograd registration, dispatch (fp32 only: the map does not
+    touch the dtypes, which test_opcheck_each_op covers)."""
+    xs, cu, max_seqlen, q_map = _mapped_inputs(lengths=(70, 0, 130))
+    qp, kp, q, k, v = (x.detach() for x in xs)
+    args = (*_op_args(k.shape[0], max_seqlen, TOP_K), q_map)
+    torch.library.opcheck(ops.select, (qp, kp, cu, *args))
+    idx = ops.select(qp, kp, cu, *args)
+    assert idx.shape == (q.shape[0], HP, TOP_K) and (idx[q_map < 0] == -1).all()
+    for proxy in (True, False):
+        p = (qp, kp) if proxy else (None, None)
+        torch.library.opcheck(ops.fwd, (q, k, v, idx, cu, *p, proxy, *args))
+    out, lse, plse, kl, u1, u2 = ops.fwd(q, k, v, idx, cu, qp, kp, True, *args)
+    assert out.shape == q.shape and plse.shape == (q.shape[0], HP)
+    dout, dkl = torch.randn_like(out), torch.ones((), dtype=kl.dtype)
+    saved = (q, k, v, out, lse, idx, qp, kp, plse, u1, u2, cu)
+    for d_out, d_kl in ((dout, dkl), (dout, None), (None, dkl)):
+        torch.library.opcheck(ops.bwd, (d_out, d_kl, *saved, *args))
+    dq, dk, dv, dqp, dkp = ops.bwd(dout, dkl, *saved, *args)
+    assert dq.shape == q.shape and dk.shape == k.shape and dkp.shape == kp.shape
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("form", ["batch", "varlen"])

@@ -149,6 +149,12 @@ def test_layout_validation():
     xs = [cp.shard(x, lay) for x in _inputs(100, torch.float64)]
     with pytest.raises(RuntimeError, match="initialized"):
         cp.msa_attention(*xs, TOP_K, layout=lay)
+    with pytest.raises(TypeError, match="overlap must be a bool"):
+        cp.msa_attention(*xs, TOP_K, layout=lay, overlap=1)
+    with pytest.raises(TypeError, match="timer must be a flash_msa.distributed.WaitTimer"):
+        cp.msa_attention(*xs, TOP_K, layout=lay, timer=object())
+    with pytest.raises(TypeError, match="timer must be"):
+        cp.gather(xs[0], lay, timer=[])
 
 
 @pytest.mark.parametrize("P, dtype", [(3, torch.float64)])
@@ -229,6 +235,8 @@ def test_q_map_validation():
 
     with backends.forced("torch"):
         call()  # valid
+        with pytest.raises(ValueError, match="key_gather needs q_map"):
+            call(q_map=None, key_gather=object())
         with pytest.raises(ValueError, match="varlen form"):
             flash_msa.msa_attention(qp[None], kp[None], q[None], k[None], v[None], TOP_K, q_map=qm)
         with pytest.raises(TypeError, match="q_map must be int32"):
@@ -346,16 +354,22 @@ def _step_reference():
     return {"x": x, "ws": [w.detach() for w in ws], "cu": cu, "dout": dout, "w": w, "grads": grads}
 
 
-def _run_case(case, group, P, rank):
+def _run_case(case, group, P, rank, compiled=False, **op):
     """One case on one CP group: this rank's out, KL share and five gradients against the
-    single-process ones."""
+    single-process ones. ``compiled``: the op under ``torch.compile(fullgraph=True)`` (the
+    ``aot_eager`` backend: Dynamo and AOTAutograd trace the whole step, collectives included,
+    without Inductor's C++ build; Inductor itself is checked in test_compile_torch.py);
+    ``op``: further keywords of ``cp.msa_attention`` (``overlap``, ``timer``)."""
     lay = cp.layout(P, rank, block_size=BLOCK, **case["form"])
 
     def local(x):  # packed global (T, ...) -> this rank's shard in the layout's form
         return cp.shard(x.view(*lay.global_shape, *x.shape[1:]), lay)
 
     xs = [local(x).requires_grad_() for x in case["xs"]]
-    out, kl = cp.msa_attention(*xs, TOP_K, layout=lay, group=group, warmup=case["warmup"])
+    fn = torch.compile(cp.msa_attention, fullgraph=True, backend="aot_eager") if compiled else None
+    out, kl = (fn or cp.msa_attention)(
+        *xs, TOP_K, layout=lay, group=group, warmup=case["warmup"], **op
+    )
     kl_used = case["grads"][0] is not None
     loss = (out * local(case["dout"])).sum()
     (loss + case["w"] * kl if kl_used else loss).backward()
@@ -384,6 +398,44 @@ def _run_step(case, group, P, rank):
         testing.assert_close(f"dW[{i}]", w.grad, exact)
 
 
+class _LogTimer(cp.WaitTimer):
+    """A WaitTimer that also logs each wait's name in ``log`` (shared with a select spy)."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def wait(self, x, name):
+        self.log.append(name)
+        return super().wait(x, name)
+
+
+def _run_order(case, group, P, rank):
+    """The overlap: with ``overlap=True`` the op waits for the ``k``/``v`` all-gathers after its
+    selection (``k_proxy`` before it), with ``False`` before it; the backward waits for the three
+    reduce-scatters; the timer reports every wait; both give the single-process result."""
+    log = []
+    select = reference.select
+
+    def spy(*a, **kw):
+        log.append("select")
+        return select(*a, **kw)
+
+    reference.select = spy  # the torch backend's module: api calls select_be.select
+    try:
+        for overlap, order in ((True, ["k_proxy", "select", "k", "v"]), (False, None)):
+            log.clear()
+            timer = _LogTimer(log)
+            _run_case(case, group, P, rank, overlap=overlap, timer=timer)
+            order = order or ["k_proxy", "k", "v", "select"]
+            assert log == [*order, "dk_proxy", "dk", "dv"], (overlap, log)
+            times = timer.times_ms()
+            assert sorted(times) == sorted(set(log) - {"select"}), times
+            assert all(t >= 0 for t in times.values()), times
+    finally:
+        reference.select = select
+
+
 def _worker(rank, world, init_file, cases_file):
     """One process of the spawn: every case on the world group (P = 4), then every other case
     on its pair group (P = 2; ranks 0-1 and 2-3 run alternate cases, both forms among each)."""
@@ -403,11 +455,19 @@ def _worker(rank, world, init_file, cases_file):
         cases = torch.load(cases_file, weights_only=False)
         pair = rank // 2
         for group, P, r in ((None, world, rank), (pairs[pair], 2, rank % 2)):
-            for i, (name, case) in enumerate(cases.items()):
-                if P == 2 and i % 2 != pair:
-                    continue
+            runs = [
+                (name, _run_step if name == "step" else _run_case, case, {})
+                for i, (name, case) in enumerate(cases.items())
+                if P == 4 or i % 2 == pair
+            ]
+            if P == 4:  # the overlap's order of waits and selection
+                runs.append(("batch order", _run_order, cases["batch"], {}))
+            else:  # torch.compile(fullgraph=True), one compile per process (~5-10 s each)
+                form = ("varlen", "batch")[pair]
+                runs.append((f"{form} compiled", _run_case, cases[form], {"compiled": True}))
+            for name, run, case, kw in runs:
                 try:
-                    (_run_step if name == "step" else _run_case)(case, group, P, r)
+                    run(case, group, P, r, **kw)
                 except AssertionError as e:
                     raise AssertionError(f"P={P} rank {r}, case {name}: {e}") from e
     finally:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from flash_msa import backends, reference, testing
 from flash_msa.problem import Problem, Saved
+from harness import CUTE_LAYOUTS as CASES
 from harness import GRADS, check, config, incoming, packed_inputs, references, results
 
 pytestmark = [
@@ -84,16 +85,6 @@ def bwd_fits(case, variant) -> bool:
     _, H, Hkv, Hp, Hpk, D, Dp, b, top_k = case
     stages = variant.get("gather_stages", 1)
     return BwdSm90.can_implement(BFloat16, H, Hkv, Hp, Hpk, D, Dp, top_k, b, True, stages) is None
-
-
-CASES = {  # lengths, H, Hkv, Hp, Hpk, D, Dp, block, top_k
-    "anchor": ((3000, 1, 900), 16, 2, 4, 1, 128, 128, 128, 8),
-    "paper": ((1500,), 64, 4, 4, 1, 128, 128, 128, 8),
-    "Hp>Hpk>1-b64": ((700, 0, 1300, 1), 8, 2, 4, 2, 64, 64, 64, 8),
-    "G2=1": ((1000, 333), 4, 4, 4, 2, 128, 128, 128, 5),
-    "Dp>D": ((777, 777), 8, 1, 4, 1, 64, 128, 128, 3),
-    "D=64-b128": ((2049,), 16, 2, 4, 1, 64, 64, 128, 16),
-}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -13,6 +13,7 @@ import math
 import numbers
 import operator
 import os
+from typing import Protocol
 
 import torch
 
@@ -200,10 +201,12 @@ def _block_size_arg(block_size):
     return block_size
 
 
-def _sequences(ref, cu_seqlens, max_seqlen):
+def _sequences(ref, cu_seqlens, max_seqlen, total=None):
     """``(cu_seqlens, max_seqlen)`` for the packed layout; validates the varlen arguments.
 
     Batch form builds ``cu_seqlens = [0, S, 2S, ...]`` on the device (no host sync).
+    ``total``: the tokens ``cu_seqlens`` must end at (default ``ref``'s rows; a key gather's
+    ``total_tokens`` when ``ref`` is a shard).
     """
     if cu_seqlens is None:
         if max_seqlen is not None:
@@ -240,7 +243,7 @@ def _sequences(ref, cu_seqlens, max_seqlen):
         )
     if _value_checks(cu_seqlens.device):
         cu = cu_seqlens.tolist()
-        total = ref.shape[0]
+        total = ref.shape[0] if total is None else total
         if cu[0] != 0:
             raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
         if any(b < a for a, b in zip(cu[:-1], cu[1:])):
@@ -319,9 +322,10 @@ def _problem(ref, H, Hkv, D, Hsel, Hpk, Dp, cu, varlen, cfg, q_map=False) -> Pro
     )
 
 
-def _check_q_map(q_map, q_proxy, k_proxy, q, k, v, varlen):
+def _check_q_map(q_map, q_proxy, k_proxy, q, k, v, varlen, keys=None):
     """A query map: queries (``q``, ``q_proxy``: ``Tq`` rows) that are not the keys' tokens
-    (``k``, ``v``, ``k_proxy``: ``T`` rows), as context parallelism passes them."""
+    (``k``, ``v``, ``k_proxy``: ``T`` rows, or this rank's shards of them with a key gather
+    ``keys``, whose ``total_tokens`` is ``T``), as context parallelism passes them."""
     if not varlen:
         raise ValueError(
             "q_map needs the varlen form: cu_seqlens (of the keys' sequences) and packed "
@@ -344,11 +348,12 @@ def _check_q_map(q_map, q_proxy, k_proxy, q, k, v, varlen):
         )
     if q_map.device != q.device:
         raise ValueError(f"q_map is on {q_map.device} but q is on {q.device}")
+    T = k.shape[0] if keys is None else keys.total_tokens
     if _value_checks(q_map.device) and q_map.numel():
         low, high = int(q_map.min()), int(q_map.max())
-        if low < -1 or high >= k.shape[0]:
+        if low < -1 or high >= T:
             raise ValueError(
-                f"q_map must hold -1 (a padding row) or key token indices in [0, {k.shape[0]}); "
+                f"q_map must hold -1 (a padding row) or key token indices in [0, {T}); "
                 f"got values in [{low}, {high}]"
             )
 
@@ -357,19 +362,79 @@ def _wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+class KeyGather(Protocol):
+    """Keys that live on other ranks: how the op gets them (``msa_attention(key_gather=...)``;
+    :mod:`flash_msa.distributed` passes one).
+
+    With a key gather, the op's ``k_proxy``, ``k``, ``v`` are this rank's shards (``Tl`` rows)
+    and the op gathers them itself, so that it waits for each just before its first use: all
+    three gathers are launched first, ``k_proxy`` is waited for before the selection, ``k`` and
+    ``v`` after it (their transfer overlaps the selection). The op saves the gathered tensors for
+    its backward, whose key gradients go back through :meth:`scatter`.
+
+    The methods return what they make and change no state that the op reads, so that Dynamo can
+    trace them inside the op's autograd Function (``torch.compile(fullgraph=True)``).
+    """
+
+    total_tokens: int  # T: rows of a gathered key tensor (= cu_seqlens[-1])
+    overlap: bool  # False: k, v are waited for before the selection too (measurements)
+
+    def launch(self, x: torch.Tensor, name: str):
+        """Starts gathering the shard ``x (Tl, heads, dim)``; returns a pending handle."""
+
+    def finish(self, pending, name: str) -> torch.Tensor:
+        """Waits for ``pending``: the global ``(T, heads, dim)`` tensor in packed order."""
+
+    def scatter(self, grads: tuple, names: tuple) -> tuple:
+        """Global key gradients ``(T, heads, dim)`` (or ``None``: no collective) -> this rank's
+        ``(Tl, heads, dim)`` gradients, summed over the ranks."""
+
+
+_KEY_NAMES = ("k_proxy", "k", "v")
+_KEY_GRAD_NAMES = ("dk_proxy", "dk", "dv")
+
+
+def _launch_keys(keys, k_proxy, k, v):
+    """Before the selection: launches the gathers of the shards ``k_proxy``, ``k``, ``v`` (in
+    that order); returns the gathered ``k_proxy`` (waited for: the selection reads it) and the
+    pending ``(k, v)`` for :func:`_finish_keys` (already waited for if not ``keys.overlap``)."""
+    pending = [keys.launch(x, n) for x, n in zip((k_proxy, k, v), _KEY_NAMES)]
+    k_proxy = keys.finish(pending[0], _KEY_NAMES[0])
+    kv = tuple(pending[1:])
+    if not keys.overlap:
+        kv = tuple(keys.finish(p, n) for p, n in zip(kv, _KEY_NAMES[1:]))
+    return k_proxy, kv
+
+
+def _finish_keys(keys, kv):
+    """After the selection: the gathered ``(k, v)`` of :func:`_launch_keys`."""
+    if not keys.overlap:
+        return kv
+    return tuple(keys.finish(p, n) for p, n in zip(kv, _KEY_NAMES[1:]))
+
+
 # ---------------------------------------------------------------------------------------------
 # autograd
 # ---------------------------------------------------------------------------------------------
 class _MSAFunction(torch.autograd.Function):
-    """select -> fwd (-> bwd): the fused MSA op on the packed layout."""
+    """select -> fwd (-> bwd): the fused MSA op on the packed layout.
+
+    With a key gather ``keys`` (:class:`KeyGather`), ``k_proxy``, ``k``, ``v`` are shards: the
+    gathers are waited for around the selection (:func:`_launch_keys`), the gathered keys saved,
+    and the backward's key gradients scattered back (``keys.scatter``).
+    """
 
     @staticmethod
-    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, cfg: Config, ops, q_map):
+    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, cfg: Config, ops, q_map, keys):
         ctx.set_materialize_grads(False)
         select_be, fwd_be, bwd_be = ops
+        if keys is not None:
+            k_proxy, kv = _launch_keys(keys, k_proxy, k, v)
         # the query map reaches only backends that declare it (limits.Limits.q_map)
         qm = {} if q_map is None else {"q_map": q_map}
         indices = None if cfg.warmup else select_be.select(q_proxy, k_proxy, cu_seqlens, cfg, **qm)
+        if keys is not None:  # the selection ran while k and v were in flight
+            k, v = _finish_keys(keys, kv)
         # bwd_be is None under torch.no_grad(), where needs_input_grad still says True
         proxy_grad = bwd_be is not None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         use_proxy = cfg.compute_kl or proxy_grad
@@ -402,7 +467,7 @@ class _MSAFunction(torch.autograd.Function):
             q_map,
             *(unit or (None, None)),  # Forward.proxy_grad: made only when asked
         )
-        ctx.cfg, ctx.bwd_be = cfg, bwd_be
+        ctx.cfg, ctx.bwd_be, ctx.keys = cfg, bwd_be, keys
         return out, kl
 
     @staticmethod
@@ -416,13 +481,17 @@ class _MSAFunction(torch.autograd.Function):
         if not any(need[0:2]):
             dkl = None  # the proxy backward is skipped, not multiplied by zero
         if dout is None and dkl is None:
-            return (None,) * 9
+            return (None,) * 10
         unit = None if unit[0] is None else tuple(unit)
         saved = Saved(q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit)
         qm = {} if q_map is None else {"q_map": q_map}
         dout = None if dout is None else dout.contiguous()
         g = ctx.bwd_be.bwd(dout, dkl, saved, cu, ctx.cfg, **qm)
-        return g.dq_proxy, g.dk_proxy, g.dq, g.dk, g.dv, None, None, None, None
+        dk_proxy, dk, dv = g.dk_proxy, g.dk, g.dv
+        if ctx.keys is not None:  # global key gradients -> this rank's, summed over the ranks
+            grads = [x if need[i] else None for x, i in zip((dk_proxy, dk, dv), (1, 3, 4))]
+            dk_proxy, dk, dv = ctx.keys.scatter(tuple(grads), _KEY_GRAD_NAMES)
+        return g.dq_proxy, dk_proxy, g.dq, dk, dv, None, None, None, None, None
 
 
 class _SparseFunction(torch.autograd.Function):
@@ -477,8 +546,11 @@ class _MSAOpFunction(torch.autograd.Function):
     """:class:`_MSAFunction` under ``torch.compile``: the same steps as ``flash_msa::`` custom ops.
 
     ``args`` is :func:`_op_args`; ``wants_grad`` says whether a backward can follow; ``det`` is
-    ``cfg.deterministic`` (the ops' ``deterministic`` keyword). Dynamo traces this Function
-    (forward and backward) into the graph; the ops stay opaque nodes.
+    ``cfg.deterministic`` (the ops' ``deterministic`` keyword); ``q_map`` the query map or
+    ``None`` (the ops' last positional argument, not passed without one: the map-less graph is
+    unchanged); ``keys`` a :class:`KeyGather` or ``None``, as in :class:`_MSAFunction` (its
+    collectives must then be traceable: ``flash_msa.distributed`` uses functional collectives).
+    Dynamo traces this Function (forward and backward) into the graph; the ops stay opaque nodes.
 
     An unused ``kl``: the compiled backward materializes its gradient, so ``dkl`` arrives as a
     0 tensor (not ``None`` as in eager) and the proxy backward runs with ``dkl = 0``. The proxy
@@ -488,10 +560,17 @@ class _MSAOpFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, args, wants_grad, det):
+    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, q_map, args, wants_grad, det, keys):
         warmup, compute_kl = args[5:7]
         kw = {"deterministic": det}
-        indices = None if warmup else custom_ops.select(q_proxy, k_proxy, cu_seqlens, *args, **kw)
+        qm = () if q_map is None else (q_map,)
+        if keys is not None:
+            k_proxy, kv = _launch_keys(keys, k_proxy, k, v)
+        indices = None
+        if not warmup:
+            indices = custom_ops.select(q_proxy, k_proxy, cu_seqlens, *args, *qm, **kw)
+        if keys is not None:  # the selection ran while k and v were in flight
+            k, v = _finish_keys(keys, kv)
         proxy_grad = wants_grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         use_proxy = compute_kl or proxy_grad
         out, lse, proxy_lse, kl, unit_dq, unit_dk = custom_ops.fwd(
@@ -504,23 +583,36 @@ class _MSAOpFunction(torch.autograd.Function):
             k_proxy if use_proxy else None,
             proxy_grad,
             *args,
+            *qm,
             **kw,
         )
         ctx.save_for_backward(
-            q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu_seqlens, unit_dq, unit_dk
+            q,
+            k,
+            v,
+            out,
+            lse,
+            indices,
+            q_proxy,
+            k_proxy,
+            proxy_lse,
+            cu_seqlens,
+            unit_dq,
+            unit_dk,
+            q_map,
         )
-        ctx.args, ctx.proxy_grad, ctx.det = args, proxy_grad, det
+        ctx.args, ctx.proxy_grad, ctx.det, ctx.keys = args, proxy_grad, det, keys
         return out, kl
 
     @staticmethod
     def backward(ctx, dout, dkl):
-        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu, unit_dq, unit_dk = (
+        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu, unit_dq, unit_dk, q_map = (
             ctx.saved_tensors
         )
         main = dout is not None and any(ctx.needs_input_grad[2:5])
         proxy = dkl is not None and ctx.proxy_grad
         if not (main or proxy):
-            return (None,) * 9
+            return (None,) * 11
         dq, dk, dv, dq_proxy, dk_proxy = custom_ops.bwd(
             dout.contiguous() if main else None,
             dkl if proxy else None,
@@ -537,13 +629,18 @@ class _MSAOpFunction(torch.autograd.Function):
             unit_dk if proxy else None,
             cu,
             *ctx.args,
+            *(() if q_map is None else (q_map,)),
             deterministic=ctx.det,
         )
         if not main:
             dq = dk = dv = None
         if not proxy:
             dq_proxy = dk_proxy = None
-        return dq_proxy, dk_proxy, dq, dk, dv, None, None, None, None
+        if ctx.keys is not None:  # global key gradients -> this rank's, summed over the ranks
+            need = ctx.needs_input_grad
+            grads = [x if need[i] else None for x, i in zip((dk_proxy, dk, dv), (1, 3, 4))]
+            dk_proxy, dk, dv = ctx.keys.scatter(tuple(grads), _KEY_GRAD_NAMES)
+        return dq_proxy, dk_proxy, dq, dk, dv, None, None, None, None, None, None
 
 
 class _SparseOpFunction(torch.autograd.Function):
@@ -604,6 +701,7 @@ def msa_attention(
     compute_kl=True,
     q_map=None,
     deterministic=None,
+    key_gather=None,
 ):
     """MiniMax Sparse Attention: proxy top-k block selection, sparse GQA attention, proxy KL.
 
@@ -638,7 +736,7 @@ def msa_attention(
             rows, ``cu_seqlens``/``max_seqlen`` describe the keys' sequences, positions (the
             blocks, the own block, causality) are those of each query's token in its
             sequence, and ``kl`` is a mean over ``Hp * Tq`` rows. The ``torch`` and
-            ``triton`` backends run it (not the Triton warmup, not CuTe yet); not under
+            ``triton`` backends run it (not the Triton warmup, not CuTe yet), eager and under
             ``torch.compile``.
         deterministic: ``True`` makes ``out``, ``kl`` and every gradient bitwise identical
             across runs on the same inputs (ordered reductions instead of fp32 atomics; more
@@ -646,6 +744,11 @@ def msa_attention(
             ``FLASH_MSA_DETERMINISTIC`` (``1`` on, unset or ``0`` off), which the keyword
             overrides. Backends that do not implement it are skipped by ``auto`` and raise
             when forced.
+        key_gather: a :class:`KeyGather` (with ``q_map``), the hook of
+            :func:`flash_msa.distributed.msa_attention`: ``k_proxy``, ``k``, ``v`` are then this
+            rank's shards (as many rows as ``q``) and the op all-gathers them itself, waiting for
+            ``k`` and ``v`` only after the selection; ``cu_seqlens`` ends at
+            ``key_gather.total_tokens``. ``None`` (default): the keys are given whole.
 
     Returns:
         ``(out, kl)``: ``out`` like ``q``; ``kl`` a 0-dim fp32 tensor (fp64 for fp64 inputs),
@@ -654,10 +757,12 @@ def msa_attention(
     """
     varlen = cu_seqlens is not None
     tensors = {"q_proxy": q_proxy, "k_proxy": k_proxy, "q": q, "k": k, "v": v}
+    if key_gather is not None and q_map is None:
+        raise ValueError("key_gather needs q_map (the shards' queries are not the keys' tokens)")
     if q_map is None:
         _check_tensors(tensors, varlen)
     else:
-        _check_q_map(q_map, q_proxy, k_proxy, q, k, v, varlen)
+        _check_q_map(q_map, q_proxy, k_proxy, q, k, v, varlen, key_gather)
     _check_main(q, k, v)
     _check_proxy(q_proxy, k_proxy)
     _check_heads(q.shape[-2], k.shape[-2], q_proxy.shape[-2], "q_proxy")
@@ -668,7 +773,8 @@ def msa_attention(
     warmup = _bool_arg("warmup", warmup)
     compute_kl = _bool_arg("compute_kl", compute_kl)
     deterministic = backends.deterministic(deterministic)
-    cu, max_seqlen = _sequences(q if q_map is None else k, cu_seqlens, max_seqlen)
+    total = None if key_gather is None else key_gather.total_tokens
+    cu, max_seqlen = _sequences(q if q_map is None else k, cu_seqlens, max_seqlen, total)
     _check_finite(tensors)
     cfg = Config(
         block_size=block_size,
@@ -683,19 +789,18 @@ def msa_attention(
     packed = [_packed(x) for x in tensors.values()]
     Hp, Dp = q_proxy.shape[-2:]
     dims = (q.shape[-2], k.shape[-2], q.shape[-1], Hp, k_proxy.shape[-2], Dp)
+    q_map = None if q_map is None else q_map.contiguous()
     if torch.compiler.is_compiling():  # custom ops (ops.py), each resolving its backend
-        if q_map is not None:
-            raise ValueError("q_map is not supported under torch.compile yet (eager only)")
         args = _op_args(cfg, varlen, dims)
         wants = _wants_grad(*tensors.values())
-        out, kl = _MSAOpFunction.apply(*packed, cu, args, wants, deterministic)
+        out, kl = _MSAOpFunction.apply(*packed, cu, q_map, args, wants, deterministic, key_gather)
         return out.view(q.shape), kl
     problem = _problem(q, *dims, cu, varlen, cfg, q_map=q_map is not None)
     select_be = None if warmup else backends.resolve("select", problem)[1]
     fwd_be = backends.resolve("fwd", problem)[1]
     bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(*tensors.values()) else None
-    q_map = None if q_map is None else q_map.contiguous()
-    out, kl = _MSAFunction.apply(*packed, cu, cfg, (select_be, fwd_be, bwd_be), q_map)
+    ops = (select_be, fwd_be, bwd_be)
+    out, kl = _MSAFunction.apply(*packed, cu, cfg, ops, q_map, key_gather)
     return out.view(q.shape), kl
 
 

@@ -2,21 +2,27 @@
 
 A long sequence (or a packed varlen batch) is split over the ``P`` ranks of a CP group; each rank
 holds a shard of every input. :func:`msa_attention` keeps the queries local and all-gathers the
-keys (``k_proxy`` first: the selection needs every block's proxy score; then ``k`` and ``v``);
-its backward reduce-scatters ``dk_proxy``, ``dk``, ``dv`` in fp32. In between, the
-single-process op (:func:`flash_msa.msa_attention`) runs the local queries against the whole
-batch's keys through its query map (``q_map``: the packed key index of each local query's
-token), so blocks, the forced own block and causality use each query's position in its own
-sequence. Outputs and all five gradients equal the single-process op on the whole batch up to
-summation order. docs/distributed.md states the scheme, the bytes moved per step and what each
-backend supports.
+keys: all three gathers are launched at once, ``k_proxy`` first, and the op waits for
+``k_proxy`` before its selection (which needs every block's proxy score) but for ``k`` and ``v``
+only after it, so their transfer overlaps the selection; its backward reduce-scatters
+``dk_proxy``, ``dk``, ``dv`` in fp32. The single-process op (:func:`flash_msa.msa_attention`)
+runs the local queries against the whole batch's keys through its query map (``q_map``: the
+packed key index of each local query's token), so blocks, the forced own block and causality use
+each query's position in its own sequence; the collectives run inside it, through its
+``key_gather`` hook (:class:`flash_msa.api.KeyGather`). They are functional collectives
+(``torch.ops._c10d_functional``): asynchronous (on NCCL, on its own stream; a wait orders the
+current stream after it, no host synchronization) and traceable, so the op also runs under
+``torch.compile(fullgraph=True)``. :class:`WaitTimer` measures the waits (the collective time
+not overlapped with compute). Outputs and all five gradients equal the single-process op on the
+whole batch up to summation order. docs/distributed.md states the scheme, the bytes moved per
+step and what each backend supports.
 
 The layout (:func:`layout`) is causal zigzag per sequence: a sequence of ``L`` tokens is padded
 at its end to ``2P`` chunks of ``c`` tokens, ``c`` the smallest multiple of the block size with
 ``2P * c >= L``, and rank ``r`` holds chunks ``r`` and ``2P-1-r`` of every sequence (sequence by
 sequence, in order). Every rank then holds the same number of tokens and about the same causal
 work. :func:`shard` / :func:`unshard` move any tensor between the global and the sharded
-layout; :func:`gather` is the differentiable all-gather the op uses for the keys.
+layout; :func:`gather` is a differentiable all-gather with the collectives of the op.
 
 Per-rank ``kl``: this rank's share of the single-process KL (its rows' terms over the global
 ``Hp * T`` rows): the SUM over the group is the single-process ``kl``, and per-rank losses
@@ -27,22 +33,13 @@ CP group give the single-process gradients.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import api
-
-# torch >= 2.13 names them *_single (the *_tensor names became deprecated aliases with the same
-# signature); torch 2.6-2.12 has only the *_tensor names; a torch built without distributed
-# support has neither (then _check_group refuses every call).
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or getattr(
-    dist, "all_gather_into_tensor", None
-)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or getattr(
-    dist, "reduce_scatter_tensor", None
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,57 +277,144 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class _GatherFunction(torch.autograd.Function):
-    """All-gather of local shards into the global packed order; backward: reduce-scatter.
+def _functional():
+    """``torch.ops._c10d_functional``: collectives that return their output (asynchronous until
+    ``wait_tensor``) and that Dynamo traces; the same ops in eager and compiled code."""
+    return torch.ops._c10d_functional
 
-    Forward: one all-gather per tensor into a rank-major ``(P * Tl, ...)`` buffer, all launched
-    (``async_op``) before the first wait, in argument order (the op passes ``k_proxy`` first);
-    then ``index_select(gather_index)`` drops the padding and restores the global order.
-    Backward: each incoming ``(T, ...)`` gradient is scattered into a zeroed ``(P * Tl, ...)``
-    buffer in fp32 (fp64 for fp64), reduce-scattered (SUM) back to ``(Tl, ...)`` and cast to the
-    input's dtype; a ``None`` gradient skips its collective (the same on every rank: the
-    condition is the loss's structure, not data). ``work.wait()`` on NCCL only orders the
-    current stream after the collective: no host synchronization.
+
+class WaitTimer:
+    """How long this rank waited for the collectives of :func:`msa_attention` (and
+    :func:`gather`): their time not overlapped with compute.
+
+    Pass one as ``timer=`` (eager only) and read :meth:`times_ms` after the step. Each wait is
+    bracketed on CUDA by two timing events on the current stream (the stream's stall on the
+    collective; no host synchronization), on CPU by the host clock (gloo's wait blocks the
+    host). Names: ``k_proxy``, ``k``, ``v`` (forward all-gathers), ``dk_proxy``, ``dk``, ``dv``
+    (backward reduce-scatters); ``all_gather`` / ``reduce_scatter`` for :func:`gather`.
+
+    A wait also lasts while a slower rank has not yet joined the collective: on one rank the
+    time includes the group's load imbalance (a wait long on one rank and short on the others),
+    so the smallest rank's total is the closer bound on the transfer left unhidden.
     """
 
+    def __init__(self):
+        self.spans = []  # (name, start, end): CUDA events, or perf_counter seconds on CPU
+
+    def wait(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``wait_tensor(x)``, timed as ``name``."""
+        if x.is_cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            x = _functional().wait_tensor(x)
+            end.record()
+        else:
+            start = time.perf_counter()
+            x = _functional().wait_tensor(x)
+            end = time.perf_counter()
+        self.spans.append((name, start, end))
+        return x
+
+    def times_ms(self) -> dict[str, float]:
+        """Milliseconds waited per name, summed over the spans since :meth:`reset` (CUDA: waits
+        for the last event, i.e. call it after the step)."""
+        out = {}
+        for name, start, end in self.spans:
+            if isinstance(start, torch.cuda.Event):
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                ms = 1e3 * (end - start)
+            out[name] = out.get(name, 0.0) + ms
+        return out
+
+    def reset(self):
+        self.spans.clear()
+
+
+@dataclass(frozen=True, eq=False)
+class _KeyGather:
+    """:class:`flash_msa.api.KeyGather` over a CP group (see its protocol).
+
+    ``launch``: an all-gather of the shard into a rank-major ``(P * Tl, ...)`` buffer;
+    ``finish``: its wait, then ``index_select(gather_index)``, which drops the padding and
+    restores the global packed order. ``scatter``: each global ``(T, ...)`` gradient is put into
+    a zeroed ``(P * Tl, ...)`` buffer in fp32 (fp64 for fp64), reduce-scattered (SUM) back to
+    ``(Tl, ...)`` and cast to its dtype; all launched before the first wait; a ``None`` gradient
+    skips its collective (the same on every rank: the condition is the loss's structure, not
+    data). Frozen: Dynamo traces the methods (they change nothing but ``timer``, eager only).
+    """
+
+    gather_index: torch.Tensor  # layout.gather_index
+    world_size: int  # P
+    local_tokens: int  # Tl
+    total_tokens: int  # T
+    group_name: str
+    overlap: bool = True
+    timer: WaitTimer | None = None
+
+    def _wait(self, x, name):
+        if self.timer is not None:
+            return self.timer.wait(x, name)
+        return _functional().wait_tensor(x)
+
+    def launch(self, x, name):
+        return _functional().all_gather_into_tensor(
+            x.contiguous(), self.world_size, self.group_name
+        )
+
+    def finish(self, pending, name):
+        return self._wait(pending, name).index_select(0, self.gather_index)
+
+    def scatter(self, grads, names):
+        P, Tl = self.world_size, self.local_tokens
+        pending = []
+        for g in grads:
+            if g is None:
+                pending.append(None)
+                continue
+            full = g.new_zeros((P * Tl, *g.shape[1:]), dtype=_acc_dtype(g.dtype))
+            full = full.index_copy(0, self.gather_index, g.to(full.dtype))
+            pending.append(_functional().reduce_scatter_tensor(full, "sum", P, self.group_name))
+        return tuple(
+            None if p is None else self._wait(p, n).to(g.dtype)
+            for p, n, g in zip(pending, names, grads)
+        )
+
+
+def _group_name(group) -> str:
+    return (dist.group.WORLD if group is None else group).group_name
+
+
+def _key_gather(lay, group, overlap=True, timer=None) -> _KeyGather:
+    return _KeyGather(
+        gather_index=lay.gather_index,
+        world_size=lay.world_size,
+        local_tokens=lay.local_tokens,
+        total_tokens=lay.total_tokens,
+        group_name=_group_name(group),
+        overlap=overlap,
+        timer=timer,
+    )
+
+
+class _GatherFunction(torch.autograd.Function):
+    """All-gather of local shards into the global packed order (:func:`gather`); backward:
+    reduce-scatter, both through a :class:`_KeyGather` ``keys`` (all gathers launched before the
+    first wait)."""
+
     @staticmethod
-    def forward(ctx, lay, group, *xs):
+    def forward(ctx, keys, *xs):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no collective
-        ctx.lay, ctx.group = lay, group
-        ctx.dtypes = [x.dtype for x in xs]
-        P, Tl = lay.world_size, lay.local_tokens
-        bufs, works = [], []
-        for x in xs:
-            buf = x.new_empty((P * Tl, *x.shape[1:]))
-            works.append(_ALL_GATHER(buf, x.contiguous(), group=group, async_op=True))
-            bufs.append(buf)
-        outs = []
-        for buf, work in zip(bufs, works):
-            work.wait()
-            outs.append(buf.index_select(0, lay.gather_index))
-        return tuple(outs)
+        ctx.keys, ctx.n = keys, len(xs)
+        pending = [keys.launch(x, "all_gather") for x in xs]
+        return tuple(keys.finish(p, "all_gather") for p in pending)
 
     @staticmethod
     def backward(ctx, *grads):
-        lay, group = ctx.lay, ctx.group
-        P, Tl = lay.world_size, lay.local_tokens
-        outs, works = [], []
-        for g, dtype, need in zip(grads, ctx.dtypes, ctx.needs_input_grad[2:]):
-            if g is None or not need:
-                outs.append(None)
-                works.append(None)
-                continue
-            acc = _acc_dtype(dtype)
-            full = g.new_zeros((P * Tl, *g.shape[1:]), dtype=acc)
-            full.index_copy_(0, lay.gather_index, g.to(acc))
-            local = g.new_empty((Tl, *g.shape[1:]), dtype=acc)
-            works.append(_REDUCE_SCATTER(local, full, group=group, async_op=True))
-            outs.append(local)
-        for work in works:
-            if work is not None:
-                work.wait()
-        grads_in = [None if o is None else o.to(d) for o, d in zip(outs, ctx.dtypes)]
-        return (None, None, *grads_in)
+        need = ctx.needs_input_grad[1:]
+        grads = tuple(g if n else None for g, n in zip(grads, need))
+        return (None, *ctx.keys.scatter(grads, ("reduce_scatter",) * ctx.n))
 
 
 def _check_group(group, lay):
@@ -344,21 +428,36 @@ def _check_group(group, lay):
         )
 
 
-def gather(x: torch.Tensor, layout: Layout, group=None) -> torch.Tensor:
+def _check_timer(timer):
+    if timer is None:
+        return
+    if not isinstance(timer, WaitTimer):
+        raise TypeError(
+            f"timer must be a flash_msa.distributed.WaitTimer, got {type(timer).__name__}"
+        )
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            "timer is eager only (it records events at each wait): pass None under torch.compile"
+        )
+
+
+def gather(x: torch.Tensor, layout: Layout, group=None, *, timer=None) -> torch.Tensor:
     """The global tensor from every rank's shard: a differentiable all-gather over ``group``.
 
     Args:
         x: this rank's shard, ``(Tl, ...)`` or ``(B, Tl // B, ...)``.
         layout: this rank's :class:`Layout`; group: the CP process group (default: the world).
+        timer: a :class:`WaitTimer` that times the waits (eager only), or ``None``.
     Returns:
         ``(T, ...)`` or ``(B, S, ...)`` in the global order, padding dropped. Its gradient is
         reduce-scattered back (summed over the ranks in fp32), so every rank gets the gradient
         of its own tokens with every rank's contribution.
     """
     _check_layout(layout)
+    _check_timer(timer)
     _check_group(group, layout)
     flat = _flat(x, layout.local_shape, "x", "this rank's shard")
-    (out,) = _GatherFunction.apply(layout, group, flat)
+    (out,) = _GatherFunction.apply(_key_gather(layout, group, timer=timer), flat)
     return out.view(*layout.global_shape, *out.shape[1:])
 
 
@@ -380,6 +479,8 @@ def msa_attention(
     warmup=False,
     compute_kl=True,
     deterministic=None,
+    overlap=True,
+    timer=None,
 ):
     """:func:`flash_msa.msa_attention` over a context-parallel group, on this rank's shards.
 
@@ -396,6 +497,14 @@ def msa_attention(
             ``deterministic`` covers this rank's op; the sums inside the collectives (the fp32
             reduce-scatter of the key gradients) are ordered by the process group's backend.
         layout: this rank's :class:`Layout`; group: the CP process group (default: the world).
+        overlap: ``True`` (default) waits for the ``k``/``v`` all-gathers after the selection
+            (they overlap it); ``False`` waits for them before it, as a baseline for
+            measurements (the same result).
+        timer: a :class:`WaitTimer` that times each wait for a collective (the time not
+            overlapped), or ``None``; eager only.
+
+    Works under ``torch.compile(fullgraph=True)`` (the collectives are functional ones, the
+    backends' ops the ``flash_msa::`` custom ops with the query map).
 
     Returns:
         ``(out, kl)``: ``out`` like ``q``, this rank's rows of the single-process output (0 on
@@ -404,6 +513,9 @@ def msa_attention(
         over the group is the single-process ``kl``; gradients: docs/distributed.md.
     """
     _check_layout(layout)
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be a bool, got {type(overlap).__name__} {overlap!r}")
+    _check_timer(timer)
     _check_group(group, layout)
     shape = layout.local_shape
     where = "this rank's shard of the layout"
@@ -415,13 +527,14 @@ def msa_attention(
             f"the layout's tensors are on {layout.q_map.device} but q is on {qq.device}; build "
             "the layout with device=q.device"
         )
-    kp_all, k_all, v_all = _GatherFunction.apply(layout, group, kp, kk, vv)
+    # the op gathers the keys itself (its key_gather hook), so that it can wait for k and v only
+    # after its selection
     out, kl = api.msa_attention(
         qp,
-        kp_all,
+        kp,
         qq,
-        k_all,
-        v_all,
+        kk,
+        vv,
         top_k,
         block_size=layout.block_size,
         softmax_scale=softmax_scale,
@@ -432,6 +545,7 @@ def msa_attention(
         compute_kl=compute_kl,
         q_map=layout.q_map,
         deterministic=deterministic,
+        key_gather=_key_gather(layout, group, overlap, timer),
     )
     # the op's kl is a mean over this rank's Hp * Tl rows (padding rows add 0): rescale to the
     # share of the global Hp * T rows (a host constant: no sync)

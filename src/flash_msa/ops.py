@@ -5,11 +5,19 @@ Dynamo and AOTAutograd treat a backend call as one opaque node and never trace i
 launcher (CuTe DSL reads data pointers, which fake tensors do not have):
 
 - ``flash_msa::select(q_proxy, k_proxy, cu_seqlens, max_seqlen, block_size, proxy_scale, top_k,
-  backend, *, deterministic) -> indices``
+  backend, q_map?, *, deterministic) -> indices``
 - ``flash_msa::fwd(q, k, v, indices?, cu_seqlens, q_proxy?, k_proxy?, max_seqlen, ...,
-  backend) -> (out, lse, proxy_lse, kl, unit_dq_proxy, unit_dk_proxy)``
-- ``flash_msa::bwd(dout?, dkl?, <the saved tensors>, cu_seqlens, max_seqlen, ..., backend)
-  -> (dq, dk, dv, dq_proxy, dk_proxy)``
+  backend, q_map?) -> (out, lse, proxy_lse, kl, unit_dq_proxy, unit_dk_proxy)``
+- ``flash_msa::bwd(dout?, dkl?, <the saved tensors>, cu_seqlens, max_seqlen, ..., backend,
+  q_map?) -> (dq, dk, dv, dq_proxy, dk_proxy)``
+
+The last positional argument, ``q_map: Tensor? = None``, is the optional query map (int32
+``(Tq,)``, docs/distributed.md): with one, ``q``/``q_proxy`` (and the query-side outputs) have
+``Tq`` rows while ``k``/``v``/``k_proxy`` and ``cu_seqlens`` describe the keys; it reaches
+``backends.resolve`` (``Problem.q_map``: a backend whose ``Limits`` do not declare it is not
+chosen) and the backend's ``select``/``fwd``/``bwd`` as their keyword ``q_map``. It is
+positional because ``torch.library`` refuses keyword-only tensors; a call without a map does not
+pass it, so a map-less graph holds the same nodes as before the argument existed.
 
 Each also takes the keyword-only ``deterministic: bool = False`` (``Config.deterministic``, the
 value ``api.py`` resolved when the graph was traced): it reaches ``backends.resolve`` (a backend
@@ -46,6 +54,11 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _mapped(q_map) -> dict:
+    """The backends' keyword for a query map: ``{}`` without one (the map-less call unchanged)."""
+    return {} if q_map is None else {"q_map": q_map}
+
+
 def _module(name: str):
     module, why = backends.load(name)
     if module is None:  # resolve() has checked it; kept for a direct call of the op
@@ -77,9 +90,11 @@ def _call(
     varlen,
     dims,
     deterministic=False,
+    q_map=None,
 ):
     """``(Config, Problem)`` of one call from the ops' scalar arguments (as api.py builds them;
-    ``dims`` is ``(H, Hkv, D, Hsel, Hpk, Dp)``, 0 for what the call does not have)."""
+    ``dims`` is ``(H, Hkv, D, Hsel, Hpk, Dp)``, 0 for what the call does not have; ``q_map``
+    the call's query map or ``None``)."""
     cfg = Config(
         block_size=block_size,
         softmax_scale=softmax_scale,
@@ -90,7 +105,9 @@ def _call(
         compute_kl=compute_kl,
         deterministic=deterministic,
     )
-    problem = problem_of(ref.device, ref.dtype, dims, cu_seqlens.numel() - 1, varlen, cfg)
+    problem = problem_of(
+        ref.device, ref.dtype, dims, cu_seqlens.numel() - 1, varlen, cfg, q_map=q_map is not None
+    )
     return cfg, problem
 
 
@@ -140,10 +157,12 @@ def select(
     varlen: bool,
     dims: list[int],
     backend: str,
+    q_map: torch.Tensor | None = None,
     *,
     deterministic: bool = False,
 ) -> torch.Tensor:
-    """Backend op ``select``: int32 ``indices (T, Hp, top_k)`` (``top_k`` already clamped)."""
+    """Backend op ``select``: int32 ``indices (T, Hp, top_k)`` (``top_k`` already clamped;
+    ``Tq`` rows with a query map)."""
     cfg, problem = _call(
         q_proxy,
         cu_seqlens,
@@ -157,9 +176,10 @@ def select(
         varlen,
         dims,
         deterministic,
+        q_map,
     )
     name = resolve(backend, "select", problem)
-    return _module(name).select(q_proxy, k_proxy, cu_seqlens, cfg)
+    return _module(name).select(q_proxy, k_proxy, cu_seqlens, cfg, **_mapped(q_map))
 
 
 @select.register_fake
@@ -177,6 +197,7 @@ def _select_fake(
     varlen,
     dims,
     backend,
+    q_map=None,
     *,
     deterministic=False,
 ):
@@ -193,6 +214,7 @@ def _select_fake(
         varlen,
         dims,
         deterministic,
+        q_map,
     )[1]
     resolve(backend, "select", problem)  # a BackendError surfaces when the graph is traced
     T, Hp = q_proxy.shape[:2]
@@ -222,6 +244,7 @@ def fwd(
     varlen: bool,
     dims: list[int],
     backend: str,
+    q_map: torch.Tensor | None = None,
     *,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -239,12 +262,13 @@ def fwd(
         varlen,
         dims,
         deterministic,
+        q_map,
     )
     name = resolve(backend, "fwd", problem)
     # a backward that fuses the proxy gradient (CuTe) makes it itself: not the forward
     proxy_grad = proxy_grad and not bwd_fuses_proxy_grad(problem, backend)
     f = _module(name).fwd(
-        q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad=proxy_grad
+        q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad=proxy_grad, **_mapped(q_map)
     )
     made = f.proxy_grad is not None
     sparse, proxy = indices is not None, q_proxy is not None
@@ -260,14 +284,36 @@ def fwd(
     return f.out, f.lse, proxy_lse, kl, *unit
 
 
+# the ops' scalar arguments after their tensors, in order (then ``backend``, then ``q_map``)
+_SCALARS = (
+    "max_seqlen",
+    "block_size",
+    "softmax_scale",
+    "proxy_scale",
+    "top_k",
+    "warmup",
+    "compute_kl",
+    "varlen",
+    "dims",
+)
+
+
+def _split(call: tuple):
+    """``(scalars, backend, q_map)`` of an op's trailing positional arguments (``max_seqlen``
+    ... ``dims``, ``backend``, then ``q_map`` when the call passes one)."""
+    n = len(_SCALARS)
+    return call[:n], call[n], (call[n + 1] if len(call) > n + 1 else None)
+
+
 @fwd.register_fake
 def _fwd_fake(
     q, k, v, indices, cu_seqlens, q_proxy, k_proxy, proxy_grad, *call, deterministic=False
 ):
-    problem = _call(q, cu_seqlens, *call[:-1], deterministic)[1]
-    name = resolve(call[-1], "fwd", problem)
-    proxy_grad = proxy_grad and not bwd_fuses_proxy_grad(problem, call[-1])
-    compute_kl = call[6]
+    scalars, backend, q_map = _split(call)
+    problem = _call(q, cu_seqlens, *scalars, deterministic, q_map)[1]
+    name = resolve(backend, "fwd", problem)
+    proxy_grad = proxy_grad and not bwd_fuses_proxy_grad(problem, backend)
+    compute_kl = scalars[_SCALARS.index("compute_kl")]
     T, H = q.shape[:2]
     sdt = _stat_dtype(q.dtype)
     proxy = q_proxy is not None
@@ -317,6 +363,7 @@ def bwd(
     varlen: bool,
     dims: list[int],
     backend: str,
+    q_map: torch.Tensor | None = None,
     *,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -338,13 +385,14 @@ def bwd(
         varlen,
         dims,
         deterministic,
+        q_map,
     )
     name = resolve(backend, "bwd", problem)
     unit = None
     if unit_dq_proxy is not None and unit_dq_proxy.dim() == 3:
         unit = (unit_dq_proxy, unit_dk_proxy)
     saved = Saved(q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit)
-    g = _module(name).bwd(dout, dkl, saved, cu_seqlens, cfg)
+    g = _module(name).bwd(dout, dkl, saved, cu_seqlens, cfg, **_mapped(q_map))
     return tuple(
         x if x is not None else q.new_empty(_EMPTY)
         for x in (g.dq, g.dk, g.dv, g.dq_proxy, g.dk_proxy)
@@ -353,8 +401,8 @@ def bwd(
 
 @bwd.register_fake
 def _bwd_fake(dout, dkl, q, k, v, out, lse, indices, q_proxy, k_proxy, *rest, deterministic=False):
-    cu_seqlens, call = rest[3], rest[4:]
-    resolve(call[-1], "bwd", _call(q, cu_seqlens, *call[:-1], deterministic)[1])
+    cu_seqlens, (scalars, backend, q_map) = rest[3], _split(rest[4:])
+    resolve(backend, "bwd", _call(q, cu_seqlens, *scalars, deterministic, q_map)[1])
 
     def like(x, wanted):
         if not wanted or x is None:

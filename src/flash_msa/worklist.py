@@ -129,6 +129,27 @@ def build(
     )  # fmt: skip
 
 
+def split_items(wl: WorkList, TW: int, size: int) -> WorkList:
+    """``wl`` (built with items of at most ``TW`` entries) with each item cut into
+    ``ceil(TW / size)`` items of at most ``size`` entries, in order (empty ones where an item
+    was shorter): for a kernel whose items hold fewer tokens than the driver's (the CuTe KL
+    stage: 128 per item). On the device, no host sync."""
+    f = -(-TW // size)
+    if f == 1:
+        return wl
+    dev = wl.item_start.device
+    part = torch.arange(f, device=dev).repeat(wl.num_items) * size
+    start = wl.item_start.repeat_interleave(f)
+    end = wl.item_end.repeat_interleave(f)
+    first = torch.minimum(start + part, end)
+    return wl._replace(
+        item_list=wl.item_list.repeat_interleave(f),
+        item_start=first,
+        item_end=torch.minimum(first + size, end),
+        num_items=wl.num_items * f,
+    )
+
+
 def drop_padding_rows(indices: torch.Tensor, q_map: torch.Tensor | None) -> torch.Tensor:
     """``indices`` ``(C, Hs, K)`` with every slot of a padding row (``q_map == -1``, ``q_map``
     the same ``C`` rows' map) set to ``-1`` (unused), as the contract reads them: such a row has

@@ -93,14 +93,44 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
     return _select_reason(problem)
 
 
+# The forward's KL value on CuTe (``bwd_sm90.kl``: the fused backward's kernel in its KL mode,
+# one S product for the teacher and one proxy product per kept block, no gradient), written in
+# the sixth session and compile-checked; off until its first H200 run
+# (tests/test_gpu_cute_kl.py, benchmarks/kl_ab.py) shows it exact and faster than the Triton
+# stage it replaces: the driver borrows Triton's meanwhile.
+KL_ON_CUTE = False
+
+
 def forward_stages():
     """This backend's stages of the sparse-forward driver (:mod:`flash_msa.sparse_forward`):
-    the per-block attention partials; the proxy LSE partials, the combine and the KL stage are
-    ``None`` (the driver borrows the Triton backend's until CuTe has its own)."""
+    the per-block attention partials, and the KL value when :data:`KL_ON_CUTE`; the proxy LSE
+    partials and the combine are ``None`` (the driver borrows the Triton backend's until CuTe
+    has its own)."""
     from ..sparse_forward import Stages
     from .fwd_partials_sm90 import partials
 
+    if KL_ON_CUTE:
+        from .bwd_sm90 import kl
+
+        return Stages(partials=partials, kl=kl)
     return Stages(partials=partials)
+
+
+def kl_kernel_reason(problem: Problem) -> str | None:
+    """Why the KL stage's kernel (``BwdSm90`` in its KL mode) cannot run ``problem``'s KL
+    (``None``: it can, or no KL is asked)."""
+    from .bwd_sm90 import BwdSm90
+    from .common import cutlass_dtype
+
+    Hs = problem.num_sel_heads
+    if not (KL_ON_CUTE and problem.cfg.compute_kl and problem.proxy_head_dim):
+        return None
+    why = BwdSm90.can_implement(
+        cutlass_dtype(problem.dtype), problem.num_heads, problem.num_kv_heads, Hs,
+        problem.num_proxy_k_heads or Hs, problem.head_dim, problem.proxy_head_dim,
+        problem.cfg.top_k, problem.cfg.block_size,
+    )  # fmt: skip
+    return None if why is None else f"its KL stage cannot run: {why}"
 
 
 def _select_reason(problem: Problem) -> str | None:
@@ -135,6 +165,9 @@ def _fwd_reason(problem: Problem) -> str | None:
         cutlass_dtype(problem.dtype), problem.num_heads, problem.num_kv_heads,
         problem.num_sel_heads, problem.head_dim, problem.cfg.top_k, problem.cfg.block_size,
     )  # fmt: skip
+    if why is not None:
+        return why
+    why = kl_kernel_reason(problem)
     if why is not None:
         return why
     return borrowed_reason(forward_stages(), problem)

@@ -75,6 +75,7 @@ from .common import (
 )
 
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,12 @@ class BwdSm90:
     # ``item * block + key``), which flash_msa.ordered adds in a fixed order (bwd(): chunks of
     # tokens, ranges of items)
     deterministic: bool = False
+    # the KL value (the forward's KL stage, :func:`kl`): phase A builds the teacher, phase B
+    # adds ``t (ln t - ln p)`` over the item's visible (row, key) pairs and stores the item's
+    # sum (fixed order: a thread's pairs, then the warp's lanes, then the CTA's warps) into
+    # ``mKL[item]``; with ``proxy`` False no gradient is made. One launch's items partition
+    # the rows' kept keys, so the buffer's sum is the KL sum of the work list's rows.
+    kl: bool = False
 
     # the A/B switches' combinations (tests/test_gpu_cute_bwd.py checks each by the rule,
     # benchmarks/bwd_ab.py times them as "cute <name>")
@@ -208,15 +215,15 @@ class BwdSm90:
     def __post_init__(self):
         why = self.can_implement(
             self.dtype, self.heads, self.kv_heads, self.sel_heads, self.proxy_k_heads,
-            self.head_dim, self.proxy_head_dim, self.top_k, self.block_size, self.proxy,
+            self.head_dim, self.proxy_head_dim, self.top_k, self.block_size, self.teacher,
             self.gather_stages, self.deterministic,
         )  # fmt: skip
         if self.probe not in ("", "no_dq_red", "dq_store"):
             raise ValueError(f"CuTe backward: unknown probe {self.probe!r}")
         if why is not None:
             raise ValueError(f"CuTe backward: {why}")
-        if not (self.main or self.proxy):
-            raise ValueError("CuTe backward: nothing to make (main and proxy both False)")
+        if not (self.main or self.proxy or self.kl):
+            raise ValueError("CuTe backward: nothing to make (main, proxy and kl all False)")
 
     @classmethod
     def make(cls, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main=True, proxy=True, **variant):
@@ -225,12 +232,12 @@ class BwdSm90:
         1.16x / 1.14x this class's at anchor 16K / anchor 32K / paper 32K / paper 128K,
         docs/perf-notes.md "CuTe backward v3"), else this class's, with two gather buffers
         where they fit the shared memory (measured faster). ``ws=True`` / ``ws=False`` forces
-        one (the A/B); an explicit ``gather_stages`` means this class's."""
+        one (the A/B); an explicit ``gather_stages`` or ``kl`` means this class's."""
         from .bwd_ws_sm90 import BwdWsSm90
 
         ws = variant.pop("ws", None)
         if ws is None:
-            ws = "gather_stages" not in variant and BwdWsSm90.can_implement(
+            ws = not ({"gather_stages", "kl"} & variant.keys()) and BwdWsSm90.can_implement(
                 dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, proxy, 2,
                 variant.get("deterministic", False),
             ) is None  # fmt: skip
@@ -240,6 +247,11 @@ class BwdSm90:
             two = cls.can_implement(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, proxy, 2) is None
             variant = dict(variant, gather_stages=2 if two else 1)
         return BwdSm90(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
+
+    @property
+    def teacher(self) -> bool:
+        """Whether phase A builds the teacher slab and phase B runs (proxy gradient or KL)."""
+        return self.proxy or self.kl
 
     @property
     def geometry(self) -> tuple[int, int, int]:
@@ -310,6 +322,7 @@ class BwdSm90:
         mDV: cute.Tensor,
         mDQp: cute.Tensor,
         mDKp: cute.Tensor,
+        mKL: cute.Tensor,
         scale: Float32,
         scale_log2: Float32,
         pscale_log2: Float32,
@@ -323,9 +336,11 @@ class BwdSm90:
         rowsum(out * dout)); ``mQp (T*Hs, Dp)``, ``mKp`` the ``(T, Dp, Hpk)`` view of k_proxy,
         ``mPLSE (T*Hs,)``; fp32 outputs, zero-filled, as rows (2-D: more than 2**31 elements
         at 1M tokens; the kernel adds by 64-bit offsets from the base): ``mDQ (T*H, D)``,
-        ``mDK``, ``mDV (T*Hkv, D)``, ``mDQp (T*Hs, Dp)``, ``mDKp (T*Hpk, Dp)``; the scales: softmax
-        scale, its * log2 e, proxy scale * log2 e, coef * proxy scale (coef = 1 / (Hs T)); ``NB``
-        the block count; ``tok0`` the first token of the work list's chunk (deterministic)."""
+        ``mDK``, ``mDV (T*Hkv, D)``, ``mDQp (T*Hs, Dp)``, ``mDKp (T*Hpk, Dp)``; ``mKL
+        (items,)`` fp32, each item's KL sum (:attr:`kl`; zero-filled: empty items write
+        nothing); the scales: softmax scale, its * log2 e, proxy scale * log2 e, coef * proxy
+        scale (coef = 1 / (Hs T)); ``NB`` the block count; ``tok0`` the first token of the work
+        list's chunk (deterministic)."""
         ROWS, D, DP, BLOCK = self.ROWS, self.head_dim, self.proxy_head_dim, self.block_size
         dtype = self.dtype
         mmas = self._mmas(D)
@@ -369,7 +384,7 @@ class BwdSm90:
 
         smem_q = max(cute.cosize(sQ_layout), cute.cosize(sQp_layout))
         smem_v = max(cute.cosize(sK_layout), cute.cosize(sKp_layout))
-        SLAB = self.ITEM_TOKENS * BLOCK if self.proxy else 1
+        SLAB = self.ITEM_TOKENS * BLOCK if self.teacher else 1
 
         @cute.struct
         class Storage:  # sizes: shared_bytes
@@ -384,12 +399,12 @@ class BwdSm90:
             slab: cute.struct.Align[cute.struct.MemRange[Float32, SLAB], 1024]
 
         smem = self.shared_bytes(
-            dtype.width // 8, D, DP, BLOCK, self.proxy, STAGES, self.deterministic
+            dtype.width // 8, D, DP, BLOCK, self.teacher, STAGES, self.deterministic
         )["total"]  # fmt: skip
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
         self.kernel(
             mQ, mDO, tma_k, tma_mK, tma_v, tma_mV, mLSE, mDelta, mQp, tma_kp, tma_mKp, mPLSE,
-            work, mDQ, mDK, mDV, mDQp, mDKp, (scale, scale_log2, pscale_log2, pcoef, tok0), NB,
+            work, mDQ, mDK, mDV, mDQp, mDKp, mKL, (scale, scale_log2, pscale_log2, pcoef, tok0), NB,
             mmas, mmas_p,
             (sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout),
             (gather_copy(D), gather_copy(DP)), Storage,
@@ -424,6 +439,7 @@ class BwdSm90:
         mDV: cute.Tensor,
         mDQp: cute.Tensor,
         mDKp: cute.Tensor,
+        mKL: cute.Tensor,
         scales: tuple,
         NB: Int32,
         mmas: tuple,
@@ -477,14 +493,14 @@ class BwdSm90:
             else:
                 self.load_tile(tma_k, mK, sK, D, ks, kvh, bars, warp_idx, 1)
             slab = None
-            if cutlass.const_expr(self.proxy):
+            if cutlass.const_expr(self.teacher):
                 slab = st.slab.get_tensor(cute.make_layout(self.ITEM_TOKENS * BLOCK))
             cute.arch.mbarrier_wait(bars, 0)
             self.phase_a(
                 mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, work.perm, mDQ,
                 mDK, mDV, mmas, gathers[0], scales, e0, e1, p, ks, ke, kvh, t_all,
             )  # fmt: skip
-            if cutlass.const_expr(self.proxy):
+            if cutlass.const_expr(self.teacher):
                 # phase A's MMAs are done (waited, then the CTA barrier closing its last chunk):
                 # sV may take K_proxy, sQ the proxy rows
                 sKp = st.sV.get_tensor(sKp_layout.outer, swizzle=sKp_layout.inner)
@@ -494,7 +510,7 @@ class BwdSm90:
                 cute.arch.mbarrier_wait(bars + 1, 0)
                 self.phase_b(
                     mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, work.perm, mDQp, mDKp,
-                    mmas_p, gathers[1], scales, e0, e1, p, ks, ke, pk, t_all,
+                    mmas_p, gathers[1], scales, e0, e1, p, ks, ke, pk, t_all, mKL,
                 )  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
@@ -691,7 +707,7 @@ class BwdSm90:
                         S_rc[i, j] = pv
                         if cutlass.const_expr(self.main):
                             dP_rc[i, j] = pv * (dP_rc[i, j] - delta)
-                if cutlass.const_expr(self.proxy):
+                if cutlass.const_expr(self.teacher):
                     self.add_teacher(S_rc, cS, slab, ch * BT, r)
                 if cutlass.const_expr(self.main):
                     # 4. dV += P^T dO, dK += dS^T q (A from registers)
@@ -843,9 +859,10 @@ class BwdSm90:
     @cute.jit
     def phase_b(
         self, mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, mPerm, mDQp, mDKp, mmas, gather,
-        scales, e0, e1, p, ks, ke, pk, t_all,
+        scales, e0, e1, p, ks, ke, pk, t_all, mKL,
     ):  # fmt: skip
-        """The unit proxy gradient over the item's tokens, against the slab's teacher."""
+        """The unit proxy gradient over the item's tokens, against the slab's teacher
+        (:attr:`proxy`), and / or the item's KL sum (:attr:`kl`)."""
         ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.block_size
         G = self.geometry[0]
         pscale_log2, pcoef, tok0 = scales[2], scales[3], scales[4]
@@ -865,6 +882,7 @@ class BwdSm90:
         rD = cute.make_rmem_tensor_like(acc_S, self.dtype)
         wg = cute.arch.make_warp_uniform(t_all // self.THREADS)
         inv_g = Float32(1.0 / G)
+        kl2 = Float32(0.0)  # this thread's sum of t (log2 t - log2 p) (:attr:`kl`)
         n_chunks = (e1 - e0 + ROWS - 1) // ROWS
         for ch in cutlass.range(n_chunks, unroll=1):
             c = e0 + ch * ROWS
@@ -881,7 +899,8 @@ class BwdSm90:
                 mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            # d = pr - teacher / G on the visible keys of real tokens, 0 elsewhere
+            # d = pr - teacher / G on the visible keys of real tokens, 0 elsewhere; the KL
+            # terms t (log2 t - log2 pr) there (0 log 0 = 0: a teacher that underflowed)
             for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
                 tl = cS[0, j][1]
                 tok = sRowI[tl, 0, 0]
@@ -891,25 +910,56 @@ class BwdSm90:
                     kpos = ks + key
                     d = Float32(0.0)
                     if kpos < ke and kpos <= tok:
-                        pr = cute.math.exp2(S_rc[i, j] * pscale_log2 - plse2, fastmath=True)
-                        d = pr - slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
+                        lp2 = S_rc[i, j] * pscale_log2 - plse2
+                        tv = slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
+                        if cutlass.const_expr(self.proxy):
+                            d = cute.math.exp2(lp2, fastmath=True) - tv
+                        if cutlass.const_expr(self.kl):  # noqa: SIM102 (static, then dynamic)
+                            # (lg2.approx.ftz takes a subnormal t for 0: -inf; t log t
+                            # there is below 1e-36, so such t count as 0)
+                            if tv >= Float32(1.1754944e-38):
+                                kl2 += tv * (cute.math.log2(tv, fastmath=True) - lp2)
                     S_rc[i, j] = d
-            rD.store(acc_S.load().to(self.dtype))
-            tKrD = acc_as_a(rD)
-            warpgroup.fence()
-            mma_dkv.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(cute.size(tKrD, mode=[2])):
-                cute.gemm(mma_dkv, acc_dKp, tKrD[None, None, kb], tKrQp[None, None, kb, 0], acc_dKp)
-            warpgroup.commit_group()
-            for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
-                for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
-                    sdS[cS[i, j][1], cS[i, j][0], 0] = S_rc[i, j].to(self.dtype)
-            warpgroup.wait_group(0)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            self.dq_product(mma_dq, sdS, sKpt, sRowI, 0, mDQp, DP, pcoef, t_all, wg)
-            cute.arch.sync_threads()
-        self.store_dkv(thr_dkv, acc_dKp, mDKp, ks, ke, pk, self.proxy_k_heads, DP, pcoef)
+            if cutlass.const_expr(self.proxy):
+                rD.store(acc_S.load().to(self.dtype))
+                tKrD = acc_as_a(rD)
+                warpgroup.fence()
+                mma_dkv.set(warpgroup.Field.ACCUMULATE, True)
+                for kb in cutlass.range_constexpr(cute.size(tKrD, mode=[2])):
+                    cute.gemm(
+                        mma_dkv, acc_dKp, tKrD[None, None, kb], tKrQp[None, None, kb, 0], acc_dKp
+                    )
+                warpgroup.commit_group()
+                for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
+                    for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
+                        sdS[cS[i, j][1], cS[i, j][0], 0] = S_rc[i, j].to(self.dtype)
+                warpgroup.wait_group(0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
+                self.dq_product(mma_dq, sdS, sKpt, sRowI, 0, mDQp, DP, pcoef, t_all, wg)
+            cute.arch.sync_threads()  # sQp, sdS and the row data are rewritten next
+        if cutlass.const_expr(self.proxy):
+            self.store_dkv(thr_dkv, acc_dKp, mDKp, ks, ke, pk, self.proxy_k_heads, DP, pcoef)
+        if cutlass.const_expr(self.kl):
+            self.store_item_sum(kl2 * Float32(LN2), sRowF, mKL, t_all)
+
+    @cute.jit
+    def store_item_sum(self, val, sRowF, mOut, t_all):
+        """``mOut[item] = `` the sum of every thread's ``val``, in a fixed order: the warp's
+        lanes by butterfly shuffles, then the CTA's warps in order (thread 0). Uses ``sRowF``
+        as scratch: called after the item's last barrier, when no row data is read any more."""
+        for k in cutlass.range_constexpr(5):
+            val = val + cute.arch.shuffle_sync_bfly(val, offset=16 >> k)
+        warp = t_all // 32
+        if t_all % 32 == 0:
+            sRowF[warp, 0, 0] = val
+        cute.arch.sync_threads()
+        if t_all == 0:
+            total = Float32(0.0)
+            for wi in cutlass.range_constexpr(self.cta_threads // 32):
+                total = total + sRowF[wi, 0, 0]
+            w, _, _ = cute.arch.block_idx()
+            mOut[w] = total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -948,7 +998,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
         **variant,
     )  # raises ValueError with the reason if the kernel cannot run this configuration
     f32 = dict(dtype=torch.float32, device=q.device)
-    dummy = torch.zeros((1, 64), **f32)  # fp32 outputs / inputs of a part not made
+    dummy = torch.zeros((1, 64), **f32)  # fp32 inputs of a part not made
     qv = cute_tensor(aligned(q).view(T * H, D))
     kv = cute_tensor(aligned(k).permute(0, 2, 1))  # (T, D, Hkv): a TMA box = one head's block
     lse_t = cute_tensor(aligned(lse.contiguous()).view(-1))
@@ -979,15 +1029,9 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
     def launch(wl, outs, tok0=0, w0=0, w1=None):
         """One launch over items ``w0 .. w1`` of ``wl`` into ``outs`` (dq, dk, dv, dqp, dkp
         buffers; ``None``: a part not made)."""
-        w1 = wl.num_items if w1 is None else w1
-        items = (wl.item_list[w0:w1], wl.item_start[w0:w1], wl.item_end[w0:w1])
-        items = (aligned(x) for x in items)  # (a range's slice: copied unless 16-byte aligned)
-        work = WorkItems(*(cute_tensor(x) for x in (wl.perm, *items, wl.block_start, wl.block_end)))
-        views = [cute_tensor(dummy) if x is None else cute_tensor(x) for x in outs]
-        run(
-            kernel, q.device, qv, *main_args, *proxy_args, work, *views, *scalars,
-            Int32(wl.num_blocks), Int32(tok0), stream(q.device),
-        )  # fmt: skip
+        launch_items(
+            kernel, (qv, *main_args, *proxy_args), scalars, wl, (*outs, None), tok0, w0, w1
+        )
 
     if det:
         dq, dk, dv, dqp, dkp = _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg,
@@ -1009,6 +1053,67 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
         dqp, dkp = dqp * dkl, dkp * dkl
 
     return Grads.cast((dq, dk, dv, dqp, dkp), (q, k, v, q_proxy, k_proxy))
+
+
+def launch_items(kernel, inputs, scalars, wl, outs, tok0=0, w0=0, w1=None):
+    """One launch of ``kernel`` (a :class:`BwdSm90`) over items ``w0 .. w1`` of work list
+    ``wl``: ``inputs`` its tensor views up to ``mPLSE``, ``outs`` the dq, dk, dv, dqp, dkp
+    buffers and the per-item KL buffer (``None``: a part not made), ``scalars`` the four
+    scales."""
+    dev = wl.perm.device
+    w1 = wl.num_items if w1 is None else w1
+    items = (wl.item_list[w0:w1], wl.item_start[w0:w1], wl.item_end[w0:w1])
+    items = (aligned(x) for x in items)  # (a range's slice: copied unless 16-byte aligned)
+    work = WorkItems(*(cute_tensor(x) for x in (wl.perm, *items, wl.block_start, wl.block_end)))
+    dummy = torch.zeros((1, 64), dtype=torch.float32, device=dev)  # a part not made
+    views = [cute_tensor(dummy) if x is None else cute_tensor(x) for x in outs[:5]]
+    views.append(cute_tensor(dummy.view(-1) if outs[5] is None else outs[5]))  # (items,)
+    run(
+        kernel, dev, *inputs, work, *views, *scalars, Int32(wl.num_blocks), Int32(tok0),
+        stream(dev),
+    )  # fmt: skip
+
+
+def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
+    """Driver stage ``kl`` (:mod:`flash_msa.sparse_forward`): the fp32 0-dim sum of the per-row
+    KL terms ``sum_keys t (ln t - ln p)`` of work list ``wl``'s rows (t: the group mean of the
+    main probabilities, p: the proxy's, both over the row's kept keys, from the final ``lse``
+    and ``proxy_lse``), by :class:`BwdSm90` in its KL mode (``main`` and ``proxy`` False:
+    phase A builds the teacher from S alone, phase B the proxy scores and the terms; no
+    gradient), one fp32 sum per work item added by ``torch.sum`` (the same order every run).
+    ``unit`` must be ``None``: this backend's backward makes the proxy gradient
+    (``FUSED_PROXY_GRAD``). ``wl``'s items may hold up to ``worklist.ITEM_TOKENS`` tokens; they
+    are split into the kernel's ``ITEM_TOKENS`` (:func:`flash_msa.worklist.split_items`)."""
+    if unit is not None:
+        raise ValueError("unit: the CuTe KL stage does not make the proxy gradient")
+    T, H, D = q.shape
+    Hs, Dp = q_proxy.shape[1:]
+    Hkv, Hpk = k.shape[1], k_proxy.shape[1]
+    kernel = BwdSm90.make(
+        cutlass_dtype(q.dtype), H, Hkv, Hs, Hpk, D, Dp, wl.slots, cfg.block_size, False, False,
+        kl=True,
+    )  # fmt: skip
+    wl = worklist.split_items(wl, worklist.ITEM_TOKENS, BwdSm90.ITEM_TOKENS)
+    sums = torch.zeros((max(wl.num_items, 1),), dtype=torch.float32, device=q.device)
+    if wl.num_items == 0:
+        return sums.sum()
+    qv = cute_tensor(aligned(q).view(T * H, D))
+    kv = cute_tensor(aligned(k).permute(0, 2, 1))
+    lse_t = cute_tensor(aligned(lse.contiguous()).view(-1))
+    dummy = cute_tensor(torch.zeros((64,), dtype=torch.float32, device=q.device))
+    inputs = (
+        qv, qv, kv, kv, lse_t, dummy,
+        cute_tensor(aligned(q_proxy).view(-1, Dp)),
+        cute_tensor(aligned(k_proxy).permute(0, 2, 1)),
+        cute_tensor(aligned(proxy_lse.contiguous()).view(-1)),
+    )  # fmt: skip
+    pscale = cfg.proxy_scale
+    scalars = (
+        Float32(cfg.softmax_scale), Float32(cfg.softmax_scale * LOG2E), Float32(pscale * LOG2E),
+        Float32(0.0),
+    )  # fmt: skip
+    launch_items(kernel, inputs, scalars, wl, (None,) * 5 + (sums,))
+    return sums.sum()
 
 
 def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, proxy):

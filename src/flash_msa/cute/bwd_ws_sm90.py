@@ -38,10 +38,10 @@ paper, fp16), 40 / 224 8-56 bytes (anchor, G2 = 1, main-only, fp16); 32 / 232 no
 ``deterministic`` it spilled 8 bytes at every split tried: refused for now (``can_implement``;
 the deterministic backward runs on BwdSm90). The consumers' thread index is masked to 0..255
 (the compilers then know it is not negative; without it, with 256 ``empty`` arrivals, a
-derived value was held across phase A and spilled 4 bytes). The dS tile is stored by one vectorized copy of the
-thread's partition (per-element indices held 32 registers and spilled at 240), before the dK
-MMA takes the same registers as its A operand (a wgmma's register operands may not be read
-until it is waited).
+derived value was held across phase A and spilled 4 bytes). The dS tile is stored by one
+vectorized copy of the thread's partition (per-element indices held 32 registers and spilled
+at 240), before the dK MMA takes the same registers as its A operand (a wgmma's register
+operands may not be read until it is waited).
 """
 
 from __future__ import annotations
@@ -102,6 +102,11 @@ class BwdWsSm90(BwdSm90):
             )
         return None
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kl:
+            raise ValueError("CuTe backward: the KL value mode runs on BwdSm90, not BwdWsSm90")
+
     @property
     def cta_threads(self) -> int:
         return self.THREADS * (1 + self.warpgroups)
@@ -134,6 +139,7 @@ class BwdWsSm90(BwdSm90):
         mDV: cute.Tensor,
         mDQp: cute.Tensor,
         mDKp: cute.Tensor,
+        mKL: cute.Tensor,  # (unused: no KL mode here, __post_init__)
         scales: tuple,
         NB: Int32,
         mmas: tuple,

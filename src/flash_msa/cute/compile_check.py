@@ -107,6 +107,12 @@ def bwd_configurations():
     ):  # fmt: skip
         yield f"bwd bf16 {name} v2", "bf16", H, Hkv, Hs, Hpk, D, D, K, 128, main, proxy, v2
     yield "bwd fp16 anchor v2", "fp16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, v2
+    kl = dict(kl=True)  # the forward's KL stage (bwd_sm90.kl): the KL value, no gradient
+    yield "bwd bf16 anchor kl", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 0, 0, kl
+    yield "bwd bf16 paper kl", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 0, 0, kl
+    yield "bwd fp16 anchor D=64 b=64 kl", "fp16", 16, 2, 4, 1, 64, 64, 16, 64, 0, 0, kl
+    yield "bwd bf16 Hp>Hpk>1 G2=2 D=64 b=64 kl", "bf16", 8, 2, 4, 2, 64, 64, 8, 64, 0, 0, kl
+    yield "bwd bf16 G2=1 Dp>D kl", "bf16", 4, 4, 4, 2, 64, 128, 8, 128, 0, 0, kl
 
 
 def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=None, **dump) -> dict:
@@ -148,6 +154,7 @@ def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=No
         flat(Float32, "TH"), flat(Float32, "TH"),
         rows("TS", Dp), heads(Hpk, Dp), flat(Float32, "TS"), work,
         rows32("TH", D), rows32("TK", D), rows32("TK", D), rows32("TS", Dp), rows32("TP", Dp),
+        flat(Float32, "W"),
         Float32(1.0), Float32(1.0), Float32(1.0), Float32(1.0), Int32(1), Int32(0),
         make_fake_stream(),
     )  # fmt: skip
