@@ -41,7 +41,7 @@ PY
         > "$out/test_deterministic.log" 2>&1
       grep -E "PASSED|FAILED|ratio" "$out/test_deterministic.log" | tail -6 ;;
     ab)  # the backward op, same run: Triton, v2, ws, deterministic
-      (cd benchmarks && t timeout 420 python3 bwd_ab.py --variants cute "cute v2" "cute deterministic" \
+      (cd benchmarks && t timeout 420 python3 bwd_ab.py --variants cute "cute bar_release" "cute v2" "cute deterministic" \
         --cases anchor:16384 anchor:32768 paper:32768 paper:131072 --out "$out/bwd_ab.json" \
         > "$out/bwd_ab.log" 2>&1)
       python3 - "$out/bwd_ab.json" <<'PY'

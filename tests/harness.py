@@ -20,6 +20,11 @@ would leave only one fp32 rounding of slack for the kernel's own fp32 reductions
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import torch
 
 from flash_msa import reference, testing
@@ -109,3 +114,23 @@ CUTE_LAYOUTS = {
     "Dp>D": ((777, 777), 8, 1, 4, 1, 64, 128, 128, 3),
     "D=64-b128": ((2049,), 16, 2, 4, 1, 64, 64, 128, 16),
 }
+
+
+def spawn_script(script: str, args, **env) -> subprocess.Popen:
+    """Start ``python script *args`` with ``env`` added to this process's environment (a fresh
+    process: the compile-cache tests); read its result with :func:`script_result`."""
+    return subprocess.Popen(
+        [sys.executable, script, *map(str, args)],
+        env=dict(os.environ, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def script_result(p: subprocess.Popen, timeout: float) -> dict:
+    """The JSON object on the last line of a :func:`spawn_script` process's output (it must
+    exit 0)."""
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])

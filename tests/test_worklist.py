@@ -35,11 +35,12 @@ def test_split_items_keeps_every_entry_in_order(lengths, TW, size):
     entries = [e for _, es in _items(wl) for e in es]
     assert sorted(entries) == used  # every used entry once
     assert all(len(es) <= TW for _, es in _items(wl))
-    split = worklist.split_items(wl, TW, size)
+    split = worklist.split_items(wl, size)
     assert split.num_items == wl.num_items * -(-TW // size) == split.item_list.numel()
     cut = _items(split)
     assert [e for _, es in cut for e in es] == entries  # same entries, same order
     assert all(len(es) <= size for _, es in cut)
+    assert wl.item_tokens == TW and split.item_tokens == min(TW, size)
     # each piece stays in its item's list
     lists = {e: lst for lst, es in _items(wl) for e in es}
     assert all(lists[e] == lst for lst, es in cut for e in es)

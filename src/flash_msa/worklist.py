@@ -55,6 +55,7 @@ class WorkList(NamedTuple):
     # (Tq,) int32 or None: the query map of the call (query row -> packed key token, -1 for a
     # padding row); entries (``perm``) count query rows, blocks (``block_*``) key tokens
     q_map: torch.Tensor | None = None
+    item_tokens: int = 0  # TW: the most entries an item holds (build's argument)
 
 
 def build(
@@ -125,16 +126,16 @@ def build(
     item_end = torch.where(ok, last, 0)
     return WorkList(
         perm, lst_c.to(torch.int32), item_start, item_end, block_start, block_end, NB, W, K, Hs,
-        q_map,
+        q_map, TW,
     )  # fmt: skip
 
 
-def split_items(wl: WorkList, TW: int, size: int) -> WorkList:
-    """``wl`` (built with items of at most ``TW`` entries) with each item cut into
-    ``ceil(TW / size)`` items of at most ``size`` entries, in order (empty ones where an item
-    was shorter): for a kernel whose items hold fewer tokens than the driver's (the CuTe KL
-    stage: 128 per item). On the device, no host sync."""
-    f = -(-TW // size)
+def split_items(wl: WorkList, size: int) -> WorkList:
+    """``wl`` with each item (at most ``wl.item_tokens`` entries) cut into ``ceil(item_tokens /
+    size)`` items of at most ``size`` entries, in order (empty ones where an item was shorter):
+    for a kernel whose items hold fewer tokens than the driver's (the CuTe KL stage: 128 per
+    item). On the device, no host sync."""
+    f = -(-wl.item_tokens // size)
     if f == 1:
         return wl
     dev = wl.item_start.device
@@ -147,6 +148,7 @@ def split_items(wl: WorkList, TW: int, size: int) -> WorkList:
         item_start=first,
         item_end=torch.minimum(first + size, end),
         num_items=wl.num_items * f,
+        item_tokens=min(size, wl.item_tokens),
     )
 
 

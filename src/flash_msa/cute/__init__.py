@@ -27,7 +27,8 @@ on the Triton backend (the ops share one tensor contract, see docs/design.md), a
 its limits (``auto`` runs it on Triton within the same autograd step). Blackwell (sm_100)
 kernels are not written yet.
 
-Kernels are compiled on first use and cached in-process (``common.run``) per kernel object
+Kernels are compiled on first use and cached in-process (``common.run``; on disk too with
+``FLASH_MSA_CACHE=1``: ``disk_cache.py``, off until its first GPU run) per kernel object
 (every field of its configuration: dtype, head dims, head counts, top_k, block size, tuning),
 static layout of its arguments and device; sequence lengths, token counts and the number of
 sequences are run-time values (no recompilation).
@@ -101,36 +102,20 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
 KL_ON_CUTE = False
 
 
-def forward_stages():
+def forward_stages(kl_fits: bool = True):
     """This backend's stages of the sparse-forward driver (:mod:`flash_msa.sparse_forward`):
-    the per-block attention partials, and the KL value when :data:`KL_ON_CUTE`; the proxy LSE
-    partials and the combine are ``None`` (the driver borrows the Triton backend's until CuTe
-    has its own)."""
+    the per-block attention partials, and the KL value when :data:`KL_ON_CUTE` and its kernel
+    can run the call (``kl_fits``: :func:`~flash_msa.cute.bwd_sm90.kl_fits`; else the driver
+    borrows Triton's KL stage, as it does the proxy LSE partials and the combine until CuTe has
+    its own)."""
     from ..sparse_forward import Stages
     from .fwd_partials_sm90 import partials
 
-    if KL_ON_CUTE:
+    if KL_ON_CUTE and kl_fits:
         from .bwd_sm90 import kl
 
         return Stages(partials=partials, kl=kl)
     return Stages(partials=partials)
-
-
-def kl_kernel_reason(problem: Problem) -> str | None:
-    """Why the KL stage's kernel (``BwdSm90`` in its KL mode) cannot run ``problem``'s KL
-    (``None``: it can, or no KL is asked)."""
-    from .bwd_sm90 import BwdSm90
-    from .common import cutlass_dtype
-
-    Hs = problem.num_sel_heads
-    if not (KL_ON_CUTE and problem.cfg.compute_kl and problem.proxy_head_dim):
-        return None
-    why = BwdSm90.can_implement(
-        cutlass_dtype(problem.dtype), problem.num_heads, problem.num_kv_heads, Hs,
-        problem.num_proxy_k_heads or Hs, problem.head_dim, problem.proxy_head_dim,
-        problem.cfg.top_k, problem.cfg.block_size,
-    )  # fmt: skip
-    return None if why is None else f"its KL stage cannot run: {why}"
 
 
 def _select_reason(problem: Problem) -> str | None:
@@ -165,9 +150,6 @@ def _fwd_reason(problem: Problem) -> str | None:
         cutlass_dtype(problem.dtype), problem.num_heads, problem.num_kv_heads,
         problem.num_sel_heads, problem.head_dim, problem.cfg.top_k, problem.cfg.block_size,
     )  # fmt: skip
-    if why is not None:
-        return why
-    why = kl_kernel_reason(problem)
     if why is not None:
         return why
     return borrowed_reason(forward_stages(), problem)

@@ -123,6 +123,10 @@ class BwdSm90:
     VARIANTS: ClassVar[dict] = {
         "default": {},
         "v2": dict(ws=False),  # one MMA warpgroup per 64 keys, no producer (the fallback)
+        # the warp-specialized kernel's faster stage release (racecheck reports it: see
+        # BwdWsSm90.release); its first version ran 1.10 / 1.23 / 1.04 / 1.03x faster than the
+        # default at anchor 16K / 32K, paper 32K / 128K, in two runs (not side by side yet)
+        "bar_release": dict(ws=True, release_mode="barrier"),
         "stages1": dict(gather_stages=1),
         # deterministic mode (not an A/B switch: checked and timed beside the others)
         "deterministic": dict(deterministic=True),
@@ -244,7 +248,8 @@ class BwdSm90:
         if ws:
             return BwdWsSm90(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
         if "gather_stages" not in variant:
-            two = cls.can_implement(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, proxy, 2) is None
+            slab = proxy or variant.get("kl", False)  # the teacher slab's shared memory
+            two = cls.can_implement(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, slab, 2) is None
             variant = dict(variant, gather_stages=2 if two else 1)
         return BwdSm90(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
 
@@ -675,38 +680,10 @@ class BwdSm90:
                 cute.arch.sync_threads()
 
                 # 1. S^T = K q^T, dP^T = V dO^T
-                warpgroup.fence()
-                mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
-                    cute.gemm(
-                        mma_sdp, acc_S, tSrK[None, None, kb, 0], tSrQ[None, None, kb, b], acc_S
-                    )
-                    mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
-                if cutlass.const_expr(self.main):
-                    mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
-                    for kb in cutlass.range_constexpr(cute.size(tSrV, mode=[2])):
-                        cute.gemm(
-                            mma_sdp, acc_dP, tSrV[None, None, kb, 0], tSrdO[None, None, kb, b],
-                            acc_dP,
-                        )  # fmt: skip
-                        mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                self.s_dp_products(mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tSrV, tSrdO, b)
 
                 # 2. P^T and dS^T (in place), 3. the teacher
-                for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
-                    row = cS[0, j][1]
-                    tok = sRowI[row, 0, b]
-                    lse2 = sRowF[row, 0, b]
-                    delta = sRowF[row, 1, b]
-                    for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
-                        kpos = ks + cS[i, j][0]
-                        pv = cute.math.exp2(S_rc[i, j] * scale_log2 - lse2, fastmath=True)
-                        if kpos >= ke or kpos > tok:
-                            pv = Float32(0.0)
-                        S_rc[i, j] = pv
-                        if cutlass.const_expr(self.main):
-                            dP_rc[i, j] = pv * (dP_rc[i, j] - delta)
+                self.probs_and_ds(S_rc, dP_rc, cS, sRowI, sRowF, b, ks, ke, scale_log2)
                 if cutlass.const_expr(self.teacher):
                     self.add_teacher(S_rc, cS, slab, ch * BT, r)
                 if cutlass.const_expr(self.main):
@@ -738,6 +715,45 @@ class BwdSm90:
         if cutlass.const_expr(self.main):
             self.store_dkv(thr_dkv, acc_dK, mDK, ks, ke, kvh, self.kv_heads, D, scale)
             self.store_dkv(thr_dkv, acc_dV, mDV, ks, ke, kvh, self.kv_heads, D, Float32(1.0))
+
+    @cute.jit
+    def s_dp_products(self, mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tSrV, tSrdO, b):
+        """A chunk's step 1: ``S^T = K q^T`` (and ``dP^T = V dO^T`` when :attr:`main`) from
+        the q / dO tiles of buffer ``b``, issued and waited."""
+        warpgroup.fence()
+        mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
+            cute.gemm(mma_sdp, acc_S, tSrK[None, None, kb, 0], tSrQ[None, None, kb, b], acc_S)
+            mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
+        if cutlass.const_expr(self.main):
+            mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(cute.size(tSrV, mode=[2])):
+                cute.gemm(
+                    mma_sdp, acc_dP, tSrV[None, None, kb, 0], tSrdO[None, None, kb, b],
+                    acc_dP,
+                )  # fmt: skip
+                mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def probs_and_ds(self, S_rc, dP_rc, cS, sRowI, sRowF, b, ks, ke, scale_log2):
+        """A chunk's step 2: ``P^T`` in place of ``S^T`` (0 past the block's end, after the
+        row's token, and for pad rows: token -1) and, when :attr:`main`, ``dS^T = P^T (dP^T -
+        Delta)`` in place of ``dP^T``; rows' data from buffer ``b``."""
+        for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
+            row = cS[0, j][1]
+            tok = sRowI[row, 0, b]
+            lse2 = sRowF[row, 0, b]
+            delta = sRowF[row, 1, b]
+            for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
+                kpos = ks + cS[i, j][0]
+                pv = cute.math.exp2(S_rc[i, j] * scale_log2 - lse2, fastmath=True)
+                if kpos >= ke or kpos > tok:
+                    pv = Float32(0.0)
+                S_rc[i, j] = pv
+                if cutlass.const_expr(self.main):
+                    dP_rc[i, j] = pv * (dP_rc[i, j] - delta)
 
     @cute.jit
     def add_teacher(self, S_rc, cS, slab, tok0, r):
@@ -865,7 +881,7 @@ class BwdSm90:
         (:attr:`proxy`), and / or the item's KL sum (:attr:`kl`)."""
         ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.block_size
         G = self.geometry[0]
-        pscale_log2, pcoef, tok0 = scales[2], scales[3], scales[4]
+        pcoef, tok0 = scales[3], scales[4]
         mma_sdp, mma_dkv, mma_dq = mmas
         thr_sdp = mma_sdp.get_slice(t_all)
         thr_dkv = mma_dkv.get_slice(t_all)
@@ -892,34 +908,9 @@ class BwdSm90:
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            warpgroup.fence()
-            mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
-            for kb in cutlass.range_constexpr(cute.size(tSrKp, mode=[2])):
-                cute.gemm(mma_sdp, acc_S, tSrKp[None, None, kb, 0], tSrQp[None, None, kb, 0], acc_S)
-                mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            # d = pr - teacher / G on the visible keys of real tokens, 0 elsewhere; the KL
-            # terms t (log2 t - log2 pr) there (0 log 0 = 0: a teacher that underflowed)
-            for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
-                tl = cS[0, j][1]
-                tok = sRowI[tl, 0, 0]
-                plse2 = sRowF[tl, 0, 0]
-                for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
-                    key = cS[i, j][0]
-                    kpos = ks + key
-                    d = Float32(0.0)
-                    if kpos < ke and kpos <= tok:
-                        lp2 = S_rc[i, j] * pscale_log2 - plse2
-                        tv = slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
-                        if cutlass.const_expr(self.proxy):
-                            d = cute.math.exp2(lp2, fastmath=True) - tv
-                        if cutlass.const_expr(self.kl):  # noqa: SIM102 (static, then dynamic)
-                            # (lg2.approx.ftz takes a subnormal t for 0: -inf; t log t
-                            # there is below 1e-36, so such t count as 0)
-                            if tv >= Float32(1.1754944e-38):
-                                kl2 += tv * (cute.math.log2(tv, fastmath=True) - lp2)
-                    S_rc[i, j] = d
+            self.proxy_products(mma_sdp, acc_S, tSrKp, tSrQp, 0)
+            # d = pr - teacher / G (the gradient's), and the KL terms
+            kl2 = self.proxy_terms(S_rc, cS, sRowI, sRowF, slab, 0, ch, ks, ke, scales, inv_g, kl2)
             if cutlass.const_expr(self.proxy):
                 rD.store(acc_S.load().to(self.dtype))
                 tKrD = acc_as_a(rD)
@@ -942,6 +933,48 @@ class BwdSm90:
             self.store_dkv(thr_dkv, acc_dKp, mDKp, ks, ke, pk, self.proxy_k_heads, DP, pcoef)
         if cutlass.const_expr(self.kl):
             self.store_item_sum(kl2 * Float32(LN2), sRowF, mKL, t_all)
+
+    @cute.jit
+    def proxy_products(self, mma_sdp, acc_S, tSrKp, tSrQp, b):
+        """Phase B's ``Sp^T = Kp qp^T`` from the q_proxy tile of buffer ``b``, issued and
+        waited."""
+        warpgroup.fence()
+        mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(tSrKp, mode=[2])):
+            cute.gemm(mma_sdp, acc_S, tSrKp[None, None, kb, 0], tSrQp[None, None, kb, b], acc_S)
+            mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def proxy_terms(self, S_rc, cS, sRowI, sRowF, slab, b, ch, ks, ke, scales, inv_g, kl2):
+        """Phase B's elementwise step on the chunk ``ch`` of ``Sp^T`` (rows' data in buffer
+        ``b``): on the visible keys of real tokens (0 elsewhere), ``d = p - t`` in place when
+        :attr:`proxy` (p the proxy probability, t = teacher / G), and ``kl2 + sum t (log2 t -
+        log2 p)`` returned when :attr:`kl` (0 log 0 = 0: a teacher that underflowed)."""
+        ROWS, BLOCK = self.ROWS, self.block_size
+        pscale_log2 = scales[2]
+        for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
+            tl = cS[0, j][1]
+            tok = sRowI[tl, 0, b]
+            plse2 = sRowF[tl, 0, b]
+            for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
+                key = cS[i, j][0]
+                kpos = ks + key
+                d = Float32(0.0)
+                if kpos < ke and kpos <= tok:
+                    lp2 = S_rc[i, j] * pscale_log2 - plse2
+                    if cutlass.const_expr(self.proxy):
+                        pr = cute.math.exp2(lp2, fastmath=True)
+                        d = pr - slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
+                    if cutlass.const_expr(self.kl):
+                        tv = slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
+                        # (lg2.approx.ftz takes a subnormal t for 0: -inf; t log t there is
+                        # below 1e-36, so such t count as 0)
+                        if tv >= Float32(1.1754944e-38):
+                            kl2 += tv * (cute.math.log2(tv, fastmath=True) - lp2)
+                S_rc[i, j] = d
+        return kl2
 
     @cute.jit
     def store_item_sum(self, val, sRowF, mOut, t_all):
@@ -1074,6 +1107,29 @@ def launch_items(kernel, inputs, scalars, wl, outs, tok0=0, w0=0, w1=None):
     )  # fmt: skip
 
 
+def kl_fits(q, k, q_proxy, k_proxy, indices, cfg) -> bool:
+    """Whether :func:`kl`'s kernel can run this call's KL (a proxy, and the head layout, dims,
+    block and shared memory that ``BwdSm90.can_implement`` accepts)."""
+    if q_proxy is None or not cfg.compute_kl:
+        return False
+    return (
+        BwdSm90.can_implement(
+            cutlass_dtype(q.dtype),
+            q.shape[1],
+            k.shape[1],
+            q_proxy.shape[1],
+            k_proxy.shape[1],
+            q.shape[2],
+            q_proxy.shape[2],
+            indices.shape[2],
+            cfg.block_size,
+            True,
+            1,
+        )  # fmt: skip
+        is None
+    )
+
+
 def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
     """Driver stage ``kl`` (:mod:`flash_msa.sparse_forward`): the fp32 0-dim sum of the per-row
     KL terms ``sum_keys t (ln t - ln p)`` of work list ``wl``'s rows (t: the group mean of the
@@ -1082,8 +1138,8 @@ def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
     phase A builds the teacher from S alone, phase B the proxy scores and the terms; no
     gradient), one fp32 sum per work item added by ``torch.sum`` (the same order every run).
     ``unit`` must be ``None``: this backend's backward makes the proxy gradient
-    (``FUSED_PROXY_GRAD``). ``wl``'s items may hold up to ``worklist.ITEM_TOKENS`` tokens; they
-    are split into the kernel's ``ITEM_TOKENS`` (:func:`flash_msa.worklist.split_items`)."""
+    (``FUSED_PROXY_GRAD``). ``wl``'s items (``wl.item_tokens`` entries at most) are cut to the
+    kernel's ``ITEM_TOKENS`` (:func:`flash_msa.worklist.split_items`)."""
     if unit is not None:
         raise ValueError("unit: the CuTe KL stage does not make the proxy gradient")
     T, H, D = q.shape
@@ -1093,7 +1149,7 @@ def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
         cutlass_dtype(q.dtype), H, Hkv, Hs, Hpk, D, Dp, wl.slots, cfg.block_size, False, False,
         kl=True,
     )  # fmt: skip
-    wl = worklist.split_items(wl, worklist.ITEM_TOKENS, BwdSm90.ITEM_TOKENS)
+    wl = worklist.split_items(wl, BwdSm90.ITEM_TOKENS)
     sums = torch.zeros((max(wl.num_items, 1),), dtype=torch.float32, device=q.device)
     if wl.num_items == 0:
         return sums.sum()

@@ -64,6 +64,10 @@ class BwdWsSm90(BwdSm90):
     """:class:`BwdSm90` with a producer warpgroup and two consumer warpgroups (module
     docstring). Same constructor, limits (and ``gather_stages == 2``), launch and results."""
 
+    # how the consumers release a ring stage (release()): "threads" (every consumer thread
+    # arrives) or "barrier" (a named barrier per warpgroup, then one arrival each; the A/B)
+    release_mode: str = "threads"
+
     MBARS: ClassVar[int] = 6  # K/V, K_proxy, full[2], empty[2]
     QP_STAGES: ClassVar[int] = 2  # phase B's q_proxy tiles ride the ring too
     MIN_BLOCKS: ClassVar[int] = 1  # pins the launch register count (168) for setmaxnreg
@@ -73,6 +77,7 @@ class BwdWsSm90(BwdSm90):
     DS_READY: ClassVar[int] = 1
     DS_FREE: ClassVar[int] = 2
     PRODUCER_BAR: ClassVar[int] = 3  # the producer warpgroup: row data written, then gathers
+    RELEASE_BAR: ClassVar[int] = 4  # + consumer warpgroup (0, 1): release_mode "barrier"
 
     @classmethod
     def can_implement(
@@ -106,6 +111,8 @@ class BwdWsSm90(BwdSm90):
         super().__post_init__()
         if self.kl:
             raise ValueError("CuTe backward: the KL value mode runs on BwdSm90, not BwdWsSm90")
+        if self.release_mode not in ("threads", "barrier"):
+            raise ValueError(f"CuTe backward: unknown release_mode {self.release_mode!r}")
 
     @property
     def cta_threads(self) -> int:
@@ -175,7 +182,10 @@ class BwdWsSm90(BwdSm90):
                 cute.arch.mbarrier_init(bars + 1, 1)
                 for s in cutlass.range_constexpr(2):
                     cute.arch.mbarrier_init(bars + 2 + s, self.THREADS)  # producer threads
-                    cute.arch.mbarrier_init(bars + 4 + s, self.THREADS * self.warpgroups)
+                    n = self.warpgroups  # release(): one arrival per consumer warpgroup, or
+                    if cutlass.const_expr(self.release_mode == "threads"):
+                        n = self.THREADS * self.warpgroups  # one per consumer thread
+                    cute.arch.mbarrier_init(bars + 4 + s, n)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -293,14 +303,25 @@ class BwdWsSm90(BwdSm90):
         cute.arch.mbarrier_arrive(full)
 
     @cute.jit
-    def release(self, empty):
-        """Every consumer thread, once done with the stage (its MMAs waited, its row-data reads
-        issued and used): arrive on ``empty`` (256 arrivals). An arrive releases only its own
-        thread's earlier accesses: one elected lane per warp after ``bar.warp.sync`` (the first
-        version) and one thread per warpgroup after a named barrier (the second) were both
-        flagged by compute-sanitizer racecheck (12 hazards each, H200, sixth session: the other
-        threads' row-data reads against the producer's next writes)."""
-        cute.arch.mbarrier_arrive(empty)
+    def release(self, empty, wg):
+        """The consumers are done with the stage (MMAs waited, row-data reads issued and used).
+        ``release == "threads"`` (the default): every consumer thread arrives on ``empty`` (256
+        arrivals). ``"barrier"`` (A/B): each consumer warpgroup meets at its own named barrier
+        (128 threads), then one of its threads arrives (2 arrivals): correct by the PTX memory
+        model (``bar.sync`` synchronizes its threads, the arrive releases what is ordered before
+        it), faster on the H200 (docs/perf-notes.md "CuTe backward v3"), but compute-sanitizer
+        racecheck credits an arrive with its own thread's accesses only and reports the other
+        threads' row-data reads against the producer's next writes (12 hazards): the default
+        keeps racecheck a usable gate. (One elected lane per warp after ``bar.warp.sync``, the
+        first version, is not covered by the model's synchronizing operations.)"""
+        if cutlass.const_expr(self.release_mode == "barrier"):
+            cute.arch.barrier(barrier_id=self.RELEASE_BAR + wg, number_of_threads=self.THREADS)
+            # (nested: a thread-index test here spilled 4 bytes; warp, then lane, did not)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:  # noqa: SIM102
+                if cute.arch.lane_idx() == 0:
+                    cute.arch.mbarrier_arrive(empty)
+        else:
+            cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
     def consumer_a(
@@ -345,38 +366,10 @@ class BwdWsSm90(BwdSm90):
                 b = it % 2
                 cute.arch.mbarrier_wait(bars + 2 + b, (it // 2) % 2)
                 # 1. S^T = K q^T, dP^T = V dO^T
-                warpgroup.fence()
-                mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
-                    cute.gemm(
-                        mma_sdp, acc_S, tSrK[None, None, kb, 0], tSrQ[None, None, kb, b], acc_S
-                    )
-                    mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
-                if cutlass.const_expr(self.main):
-                    mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
-                    for kb in cutlass.range_constexpr(cute.size(tSrV, mode=[2])):
-                        cute.gemm(
-                            mma_sdp, acc_dP, tSrV[None, None, kb, 0], tSrdO[None, None, kb, b],
-                            acc_dP,
-                        )  # fmt: skip
-                        mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                self.s_dp_products(mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tSrV, tSrdO, b)
 
                 # 2. P^T and dS^T (in place), 3. the teacher
-                for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
-                    row = cS[0, j][1]
-                    tok = sRowI[row, 0, b]
-                    lse2 = sRowF[row, 0, b]
-                    delta = sRowF[row, 1, b]
-                    for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
-                        kpos = ks + cS[i, j][0]
-                        pv = cute.math.exp2(S_rc[i, j] * scale_log2 - lse2, fastmath=True)
-                        if kpos >= ke or kpos > tok:
-                            pv = Float32(0.0)
-                        S_rc[i, j] = pv
-                        if cutlass.const_expr(self.main):
-                            dP_rc[i, j] = pv * (dP_rc[i, j] - delta)
+                self.probs_and_ds(S_rc, dP_rc, cS, sRowI, sRowF, b, ks, ke, scale_log2)
                 if cutlass.const_expr(self.proxy):
                     self.add_teacher(S_rc, cS, slab, ch * BT, r)
                 if cutlass.const_expr(self.main):
@@ -409,7 +402,7 @@ class BwdWsSm90(BwdSm90):
                     # dQ = dS K (its wait also waits the dV / dK MMAs)
                     self.dq_product(mma_dq, sdS, sKt, sRowI, b, mDQ, D, scale, tc, wg)
                 warpgroup.wait_group(0)  # (waited in dq_part, but not by warpgroup 1 at D = 64)
-                self.release(bars + 4 + b)
+                self.release(bars + 4 + b, wg)
                 it += 1
         if cutlass.const_expr(self.main):
             self.store_dkv(thr_dkv, acc_dK, mDK, ks, ke, kvh, self.kv_heads, D, scale)
@@ -425,7 +418,7 @@ class BwdWsSm90(BwdSm90):
         ``it0``."""
         ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.block_size
         G = self.geometry[0]
-        pscale_log2, pcoef = scales[2], scales[3]
+        pcoef = scales[3]
         mma_sdp, mma_dkv, mma_dq = mmas
         thr_sdp = mma_sdp.get_slice(tc)
         thr_dkv = mma_dkv.get_slice(tc)
@@ -448,26 +441,9 @@ class BwdWsSm90(BwdSm90):
         for ch in cutlass.range(n_b, unroll=1):
             b = it % 2
             cute.arch.mbarrier_wait(bars + 2 + b, (it // 2) % 2)
-            warpgroup.fence()
-            mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
-            for kb in cutlass.range_constexpr(cute.size(tSrKp, mode=[2])):
-                cute.gemm(mma_sdp, acc_S, tSrKp[None, None, kb, 0], tSrQp[None, None, kb, b], acc_S)
-                mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            self.proxy_products(mma_sdp, acc_S, tSrKp, tSrQp, b)
             # d = pr - teacher / G on the visible keys of real tokens, 0 elsewhere
-            for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
-                tl = cS[0, j][1]
-                tok = sRowI[tl, 0, b]
-                plse2 = sRowF[tl, 0, b]
-                for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
-                    key = cS[i, j][0]
-                    kpos = ks + key
-                    d = Float32(0.0)
-                    if kpos < ke and kpos <= tok:
-                        pr = cute.math.exp2(S_rc[i, j] * pscale_log2 - plse2, fastmath=True)
-                        d = pr - slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
-                    S_rc[i, j] = d
+            self.proxy_terms(S_rc, cS, sRowI, sRowF, slab, b, ch, ks, ke, scales, inv_g, None)
             rD.store(acc_S.load().to(self.dtype))
             tKrD = acc_as_a(rD)
             # d to shared memory before the dKp MMA takes rD as its A operand
@@ -482,6 +458,6 @@ class BwdWsSm90(BwdSm90):
             self.consumers_sync(self.DS_READY)
             self.dq_product(mma_dq, sdS, sKpt, sRowI, b, mDQp, DP, pcoef, tc, wg)
             warpgroup.wait_group(0)  # (waited in dq_part, but not by warpgroup 1 at D = 64)
-            self.release(bars + 4 + b)
+            self.release(bars + 4 + b, wg)
             it += 1
         self.store_dkv(thr_dkv, acc_dKp, mDKp, ks, ke, pk, self.proxy_k_heads, DP, pcoef)

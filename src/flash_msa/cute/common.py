@@ -1,6 +1,6 @@
 """Helpers shared by the CuTe kernels: register-fragment views, the one-CTA TMA partition, and
 the host side of a launch (CuTe views of torch tensors, the current stream, and the compile
-cache keyed by everything a compiled kernel bakes in)."""
+cache keyed by everything a compiled kernel bakes in, in-process and on disk)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float16
 from cutlass.cute.nvgpu import cpasync
+
+from . import disk_cache
 
 ALIGN = 16  # bytes: every CuTe view made by cute_tensor assumes this base alignment
 
@@ -116,12 +118,18 @@ def run(kernel, device: torch.device, *args) -> None:
     its whole static configuration, with a ``@cute.jit __call__``), ``args`` its run-time
     arguments. Compiled once per ``(kernel, static_signature(args), device)``: the kernel object
     is part of the key by value (its type and every field), so no configuration field can be
-    left out of the key, and neither can a static size or dtype of an argument."""
+    left out of the key, and neither can a static size or dtype of an argument.
+
+    A process's first call of a configuration goes through the persistent disk cache
+    (:mod:`flash_msa.cute.disk_cache`, keyed by the same values, the device's compute capability
+    and the kernel's source): another process on the machine that compiled it (another rank,
+    an earlier job) saves this one the tracing and the compile."""
     if not (dataclasses.is_dataclass(kernel) and type(kernel).__dataclass_params__.frozen):
         raise TypeError(f"run: {type(kernel).__name__} is not a frozen dataclass")
     key = (type(kernel), kernel, static_signature(args), device.index)
     fn = _compiled.get(key)
     if fn is None:
-        fn = cute.compile(kernel, *args)
+        major, minor = torch.cuda.get_device_capability(device)
+        fn = disk_cache.compiled(kernel, args, key[2], f"sm_{major}{minor}")
         _compiled[key] = fn
     fn(*args)

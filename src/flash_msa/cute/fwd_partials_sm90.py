@@ -636,7 +636,9 @@ def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_gra
     the driver until CuTe has its own. Limits: ``flash_msa.cute.unsupported_reason("fwd", ...)``."""
     from .. import sparse_forward
     from . import forward_stages
+    from .bwd_sm90 import kl_fits
 
+    stages = forward_stages(kl_fits(q, k, q_proxy, k_proxy, indices, cfg))
     return sparse_forward.fwd(
-        forward_stages(), q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad
+        stages, q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad
     )

@@ -1,0 +1,174 @@
+"""The persistent CuTe compile cache (flash_msa.cute.disk_cache), on CPU: kernels compiled for
+sm_90a on specimen tensors (as ``compile_check`` does) are stored by one process and loaded by
+the next without tracing or compiling, two processes starting together compile a kernel once,
+a corrupted entry is recompiled, and a loaded kernel takes its launch arguments (real CuTe views
+of torch tensors) up to the launch, which needs a GPU (tests/test_gpu_cute_cache.py).
+
+CPU time: ~25 s (three child processes, each importing the DSL (~4 s) and torch; the cold one
+compiles two selection kernels, ~2 s each).
+
+Run as a script (``python tests/test_cute_cache.py CACHE_DIR``), this file is the child: it asks
+the cache for the kernels, packs launch arguments for each and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import script_result, spawn_script
+
+# Two selection kernels: (dtype, Dp, Hp, Hpk, top_k, block). The cheapest CuTe kernels to compile
+# (~2 s each here); the cache treats every kernel class alike.
+CONFIGS = [("bf16", 64, 4, 1, 16, 64), ("bf16", 128, 4, 1, 16, 128)]
+
+
+def _child() -> dict:
+    """Get each of CONFIGS through the disk cache, count real ``cute.compile`` calls, time it,
+    and pack real launch arguments for the result (CPU tensors: everything up to the launch)."""
+    t0 = time.perf_counter()
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    import torch
+    from cutlass import BFloat16, Int32
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+    from flash_msa.cute import disk_cache
+    from flash_msa.cute.common import cute_tensor, static_signature
+    from flash_msa.cute.select_sm90 import SelectSm90
+
+    imported = time.perf_counter() - t0
+    real_compile, calls = cute.compile, []
+
+    def counting_compile(*a, **kw):
+        calls.append(1)
+        return real_compile(*a, **kw)
+
+    cute.compile = counting_compile
+    out = dict(import_s=round(imported, 2), kernels=[])
+    for _, Dp, Hp, Hpk, K, block in CONFIGS:
+        kernel = SelectSm90(BFloat16, Dp, Hp, Hpk, K, block)
+        T = cute.sym_int32(symbol="T")
+        args = (
+            make_fake_tensor(BFloat16, (T, Dp, Hp), stride=(Hp * Dp, 1, Dp), assumed_align=16),
+            make_fake_tensor(BFloat16, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16),
+            make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="N1"),), assumed_align=16),
+            make_fake_tensor(Int32, (T, Hp, K), stride=(Hp * K, K, 1), assumed_align=16),
+            Int32(1),
+            cuda.CUstream(0),
+        )
+        t = time.perf_counter()
+        fn = disk_cache.compiled(
+            kernel, args, static_signature(args), "sm_90-test", "--gpu-arch sm_90a"
+        )
+        seconds = time.perf_counter() - t
+        # the launch arguments select_into passes, as CuTe views of (CPU) torch tensors
+        n = 300
+        q = torch.zeros(n, Hp, Dp, dtype=torch.bfloat16)
+        k = torch.zeros(n, Hpk, Dp, dtype=torch.bfloat16)
+        launch = (
+            cute_tensor(q.permute(0, 2, 1)),
+            cute_tensor(k.permute(0, 2, 1)),
+            cute_tensor(torch.tensor([0, n], dtype=torch.int32)),
+            cute_tensor(torch.zeros(n, Hp, K, dtype=torch.int32)),
+            Int32(3),
+            cuda.CUstream(0),
+        )
+        packed, _ = fn.execution_args.generate_execution_args(launch, {})
+        out["kernels"].append(
+            dict(seconds=round(seconds, 3), packed=len(packed), params=list(
+                fn.execution_args.signature.parameters
+            ))
+        )  # fmt: skip
+    out["compile_calls"] = len(calls)
+    out["stats"] = dict(disk_cache.stats)
+    return out
+
+
+def _spawn(cache_dir) -> subprocess.Popen:
+    env = dict(FLASH_MSA_CACHE_DIR=str(cache_dir), FLASH_MSA_CACHE="1")
+    return spawn_script(__file__, [cache_dir], **env)
+
+
+def _result(p: subprocess.Popen) -> dict:
+    return script_result(p, timeout=300)
+
+
+def test_second_process_loads_instead_of_compiling(tmp_path):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    # two processes start together on an empty cache: each kernel is compiled once (the other
+    # process waits on the entry's lock, then loads it)
+    first = [_result(p) for p in [_spawn(tmp_path), _spawn(tmp_path)]]
+    assert sum(r["compile_calls"] for r in first) == len(CONFIGS), first
+    assert sum(r["stats"].get("stored", 0) for r in first) == len(CONFIGS), first
+    entries = sorted((tmp_path / "cute").rglob("*.o"))
+    assert len(entries) == len(CONFIGS), entries
+    assert not list((tmp_path / "cute").rglob("*.tmp")), "a temporary file was left behind"
+
+    # a later process: every kernel loaded, nothing traced or compiled
+    warm = _result(_spawn(tmp_path))
+    assert warm["compile_calls"] == 0 and warm["stats"] == {"loaded": len(CONFIGS)}, warm
+    cold_s = max(k["seconds"] for r in first for k in r["kernels"])
+    warm_s = max(k["seconds"] for k in warm["kernels"])
+    print(f"slowest kernel: cold {cold_s:.2f} s (compile), warm {warm_s:.3f} s (load)")
+    assert warm_s < 0.5 < cold_s, (cold_s, warm_s)
+    for k in warm["kernels"]:  # ready to launch: the arguments select_into passes are accepted
+        assert k["params"] == ["mQ", "mK", "mCu", "mIdx", "n_mblk", "stream"], k
+        assert k["packed"] >= len(k["params"]), k
+
+    # a corrupted entry (one byte flipped, as a disk error would) is dropped and recompiled;
+    # a truncated one (a writer killed mid-write without the rename) likewise
+    data = entries[0].read_bytes()
+    entries[0].write_bytes(data[:1000] + bytes([data[1000] ^ 1]) + data[1001:])
+    entries[1].write_bytes(entries[1].read_bytes()[:-100])
+    mended = _result(_spawn(tmp_path))
+    assert mended["stats"] == {"dropped": 2, "compiled": 2, "stored": 2}, mended
+    assert entries[0].read_bytes() == data  # the same object again (deterministic compile)
+
+
+def test_key_covers_configuration_and_source(tmp_path, monkeypatch):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    from cutlass import BFloat16, Float16
+
+    from flash_msa.cute import disk_cache
+    from flash_msa.cute.select_sm90 import SelectSm90
+
+    monkeypatch.setenv(disk_cache.DIR_ENV, str(tmp_path))
+    sig = ("specimen signature", 1)
+    monkeypatch.delenv(disk_cache.SWITCH_ENV, raising=False)  # off by default (for now)
+    assert disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64), sig, "sm_90") is None
+    monkeypatch.setenv(disk_cache.SWITCH_ENV, "1")
+    a = disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64), sig, "sm_90")
+    assert a is not None and a.parent.parent == tmp_path / "cute"
+    assert a == disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64), sig, "sm_90")
+    others = [
+        disk_cache.entry_path(SelectSm90(Float16, 64, 4, 1, 16, 64), sig, "sm_90"),
+        disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64, 3), sig, "sm_90"),
+        disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64), ("other", 1), "sm_90"),
+        disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64), sig, "sm_100"),
+        disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64), sig, "sm_90", "-O0"),
+    ]
+    assert len({a, *others}) == 6, others
+    # the kernel's source files, and what they import at module level, are part of the key
+    files = disk_cache.source_files(
+        disk_cache.kernel_modules(SelectSm90(BFloat16, 64, 4, 1, 16, 64))
+    )
+    assert {"flash_msa.cute.select_sm90", "flash_msa.cute.common"} <= set(files), files
+    monkeypatch.setattr(disk_cache, "source_hash", lambda modules: "edited")
+    assert disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64), sig, "sm_90") != a
+    # a value without a process-independent text is not cached (never a wrong hit)
+    assert (
+        disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64), (object(),), "sm_90") is None
+    )
+    monkeypatch.setenv(disk_cache.SWITCH_ENV, "0")
+    assert disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64), sig, "sm_90") is None
+
+
+if __name__ == "__main__":
+    os.environ["CUTE_DSL_DUMP_DIR"] = os.path.join(sys.argv[1], "dump")  # not into the CWD
+    print(json.dumps(_child()), flush=True)
