@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session's backward work, in priority order, each step time-boxed; logs under OUTDIR.
 # Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
-#   STEPS: any of tests det ab ncu bench sanitizer hypothesis kl (default: all but kl, in that
-#   order);
+#   STEPS: any of tests det ab ncu bench sanitizer hypothesis kl cache combine (default: all
+#   but kl, cache and combine, in that order);
 #   bench_anchor / bench_paper: one half of bench
 #   BWD_TESTS_K / BWD_TESTS_LIMIT: override the test steps' pytest -k selection and time limit
 set -uo pipefail
 out="${1:?usage: bwd_session.sh OUTDIR [STEPS]}"
-steps="${2:-tests det ab ncu bench sanitizer hypothesis}"
+steps="${2:-tests det ab ncu bench sanitizer hypothesis}"  # (kl, cache, combine: by name)
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 t() { local s rc; s=$(date +%s); "$@"; rc=$?; echo "  [$(( $(date +%s) - s )) s, rc=$rc] $*" | cut -c1-160; }
@@ -36,6 +36,17 @@ for r in json.load(open(sys.argv[1]))["rows"]:
     print(r["shape"], r["S"], r["kl_sum"]["rel_diff"], {k: round(v, 2) for k, v in r["ms"].items()})
 PY
       ;;
+    cache)  # the CuTe disk cache (off by default): cold and warm first steps in fresh processes
+      t timeout 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_cute_cache.py \
+        > "$out/test_gpu_cute_cache.log" 2>&1
+      grep -E "PASSED|FAILED|ERROR|cold|warm" "$out/test_gpu_cute_cache.log" | head -12 ;;
+    combine)  # the CuTe combine (off by default: cute.COMBINE_ON_CUTE): its tests, then its A/B
+      t timeout 300 python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_cute_combine.py \
+        > "$out/test_gpu_cute_combine.log" 2>&1
+      grep -E "FAILED|ERROR" "$out/test_gpu_cute_combine.log" | head -5
+      echo "  passed: $(grep -cE "PASSED" "$out/test_gpu_cute_combine.log")"
+      (cd benchmarks && t timeout 200 python3 combine_ab.py --warps 4 8 > "$out/combine_ab.log" 2>&1)
+      tail -12 "$out/combine_ab.log" ;;
     det)  # deterministic mode on auto (sparse and warmup)
       t timeout 180 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_deterministic.py \
         > "$out/test_deterministic.log" 2>&1

@@ -102,20 +102,34 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
 KL_ON_CUTE = False
 
 
-def forward_stages(kl_fits: bool = True):
+# The combine on CuTe (``combine_sm90.py``: one warp per row, 16-byte loads of the used slots
+# partial rows), written and compile-checked in the sixth session; off until its H200 run
+# (tests/test_gpu_cute_combine.py, benchmarks/combine_ab.py) shows it exact and faster than
+# Triton's.
+COMBINE_ON_CUTE = False
+
+
+def forward_stages(kl_fits: bool = True, combine_fits: bool = True):
     """This backend's stages of the sparse-forward driver (:mod:`flash_msa.sparse_forward`):
-    the per-block attention partials, and the KL value when :data:`KL_ON_CUTE` and its kernel
-    can run the call (``kl_fits``: :func:`~flash_msa.cute.bwd_sm90.kl_fits`; else the driver
-    borrows Triton's KL stage, as it does the proxy LSE partials and the combine until CuTe has
-    its own)."""
+    the per-block attention partials; the KL value when :data:`KL_ON_CUTE` and its kernel can
+    run the call (``kl_fits``: :func:`~flash_msa.cute.bwd_sm90.kl_fits`); the combine when
+    :data:`COMBINE_ON_CUTE` and ``combine_fits``
+    (:func:`~flash_msa.cute.combine_sm90.combine_fits`). The driver borrows the Triton
+    backend's stage for each one left out (the proxy LSE partials always, until CuTe has
+    them)."""
     from ..sparse_forward import Stages
     from .fwd_partials_sm90 import partials
 
+    stages = dict(partials=partials)
     if KL_ON_CUTE and kl_fits:
         from .bwd_sm90 import kl
 
-        return Stages(partials=partials, kl=kl)
-    return Stages(partials=partials)
+        stages["kl"] = kl
+    if COMBINE_ON_CUTE and combine_fits:
+        from .combine_sm90 import combine
+
+        stages["combine"] = combine
+    return Stages(**stages)
 
 
 def _select_reason(problem: Problem) -> str | None:

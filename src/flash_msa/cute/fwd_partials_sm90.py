@@ -637,8 +637,13 @@ def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_gra
     from .. import sparse_forward
     from . import forward_stages
     from .bwd_sm90 import kl_fits
+    from .combine_sm90 import combine_fits
 
-    stages = forward_stages(kl_fits(q, k, q_proxy, k_proxy, indices, cfg))
+    H, D = q.shape[1:]
+    Hs, K = indices.shape[1:]
+    stages = forward_stages(
+        kl_fits(q, k, q_proxy, k_proxy, indices, cfg), combine_fits(q.dtype, H, Hs, K, D)
+    )
     return sparse_forward.fwd(
         stages, q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad
     )
