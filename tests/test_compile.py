@@ -97,7 +97,7 @@ def test_cute_kernel_limits_and_shared_memory_arithmetic():
         base.warpgroups = 1
 
 
-def test_cute_backward_limits_and_shared_memory_arithmetic():
+def test_cute_backward_limits_and_shared_memory_arithmetic(monkeypatch):
     """``BwdSm90.can_implement``: the numbers its docstring states, the head layouts it refuses
     (a selection head's main heads over several KV heads), dims and dtypes; the kernel object
     is its whole configuration (the compile cache key); ``bwd_kernel_reason`` on a Problem."""
@@ -151,6 +151,15 @@ def test_cute_backward_limits_and_shared_memory_arithmetic():
     assert "share one KV head" in cute.unsupported_reason(
         "bwd", dataclasses.replace(prob, num_kv_heads=8)
     )
+    # the CuTe KL stage (off by default): when on, it runs where its kernel can (kl_fits), and
+    # the driver borrows Triton's KL stage elsewhere: the forward is never refused for it
+    spread = dataclasses.replace(prob, num_kv_heads=8)  # a head group on two KV heads
+    monkeypatch.setattr(cute, "KL_ON_CUTE", True)
+    assert cute.unsupported_reason("fwd", spread) is None
+    assert cute.forward_stages().kl is not None
+    assert cute.forward_stages(kl_fits=False).kl is None
+    monkeypatch.setattr(cute, "KL_ON_CUTE", False)
+    assert cute.forward_stages().kl is None
 
 
 def test_cute_warp_specialized_backward_limits():
@@ -183,8 +192,17 @@ def test_cute_warp_specialized_backward_limits():
         ((16, 2, 4, 1, 128, 128, 16, 128), dict(deterministic=True)),
         ((16, 2, 4, 1, 128, 128, 16, 128), dict(gather_stages=1)),
         ((16, 2, 4, 1, 128, 128, 16, 128), dict(ws=False)),
+        ((16, 2, 4, 1, 128, 128, 16, 128, False, False), dict(kl=True)),  # the KL stage
     ):
         assert type(BwdSm90.make(BFloat16, *args, **kw)) is BwdSm90, (args, kw)
+    bar = BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, ws=True, release_mode="barrier")
+    assert type(bar) is BwdWsSm90 and bar.release_mode == "barrier" and bar != ws
+    with pytest.raises(ValueError, match="release_mode"):
+        BwdWsSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, release_mode="lanes")
+    with pytest.raises(ValueError, match="KL value mode"):
+        BwdWsSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, False, False, kl=True)
+    with pytest.raises(ValueError, match="nothing to make"):
+        BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, False, False)
     assert BwdWsSm90.shared_bytes(2, 128, 128, 128, True, 2)["total"] == 216064
     with pytest.raises(ValueError, match="block_size 128"):
         BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 64, ws=True)
