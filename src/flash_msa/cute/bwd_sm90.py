@@ -1031,7 +1031,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
         **variant,
     )  # raises ValueError with the reason if the kernel cannot run this configuration
     f32 = dict(dtype=torch.float32, device=q.device)
-    dummy = torch.zeros((1, 64), **f32)  # fp32 inputs of a part not made
+    dummy = unused_buffer(q.device)  # fp32 inputs of a part not made
     qv = cute_tensor(aligned(q).view(T * H, D))
     kv = cute_tensor(aligned(k).permute(0, 2, 1))  # (T, D, Hkv): a TMA box = one head's block
     lse_t = cute_tensor(aligned(lse.contiguous()).view(-1))
@@ -1088,6 +1088,19 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
     return Grads.cast((dq, dk, dv, dqp, dkp), (q, k, v, q_proxy, k_proxy))
 
 
+_UNUSED: dict = {}
+
+
+def unused_buffer(device: torch.device) -> torch.Tensor:
+    """A ``(1, 64)`` fp32 buffer for the kernel's tensor arguments of a part not made (never
+    read or written: the part's code is compiled out), made once per device instead of one
+    allocation and zero-fill per argument per call."""
+    key = (device.type, device.index)
+    if key not in _UNUSED:
+        _UNUSED[key] = torch.zeros((1, 64), dtype=torch.float32, device=device)
+    return _UNUSED[key]
+
+
 def launch_items(kernel, inputs, scalars, wl, outs, tok0=0, w0=0, w1=None):
     """One launch of ``kernel`` (a :class:`BwdSm90`) over items ``w0 .. w1`` of work list
     ``wl``: ``inputs`` its tensor views up to ``mPLSE``, ``outs`` the dq, dk, dv, dqp, dkp
@@ -1098,7 +1111,7 @@ def launch_items(kernel, inputs, scalars, wl, outs, tok0=0, w0=0, w1=None):
     items = (wl.item_list[w0:w1], wl.item_start[w0:w1], wl.item_end[w0:w1])
     items = (aligned(x) for x in items)  # (a range's slice: copied unless 16-byte aligned)
     work = WorkItems(*(cute_tensor(x) for x in (wl.perm, *items, wl.block_start, wl.block_end)))
-    dummy = torch.zeros((1, 64), dtype=torch.float32, device=dev)  # a part not made
+    dummy = unused_buffer(dev)  # a part not made
     views = [cute_tensor(dummy) if x is None else cute_tensor(x) for x in outs[:5]]
     views.append(cute_tensor(dummy.view(-1) if outs[5] is None else outs[5]))  # (items,)
     run(
@@ -1156,7 +1169,7 @@ def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
     qv = cute_tensor(aligned(q).view(T * H, D))
     kv = cute_tensor(aligned(k).permute(0, 2, 1))
     lse_t = cute_tensor(aligned(lse.contiguous()).view(-1))
-    dummy = cute_tensor(torch.zeros((64,), dtype=torch.float32, device=q.device))
+    dummy = cute_tensor(unused_buffer(q.device).view(-1))
     inputs = (
         qv, qv, kv, kv, lse_t, dummy,
         cute_tensor(aligned(q_proxy).view(-1, Dp)),
