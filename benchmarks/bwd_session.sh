@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One GPU session's backward work, in priority order, each step time-boxed; logs under OUTDIR.
 # Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
-#   STEPS: any of tests det ab ncu bench sanitizer hypothesis kl cache combine (default: all
-#   but kl, cache and combine, in that order);
+#   STEPS: any of tests det ab ncu bench sanitizer hypothesis kl cache combine bench_stages
+#   (default: all but kl, cache, combine and bench_stages, in that order);
 #   bench_anchor / bench_paper: one half of bench
 #   BWD_TESTS_K / BWD_TESTS_LIMIT: override the test steps' pytest -k selection and time limit
+#   BWD_TESTS_N: run the test steps (not det, whose timing ratio needs the GPU alone) on N
+#   pytest-xdist workers: the tests' wall time is mostly kernel compiles, which parallelize
 set -uo pipefail
 out="${1:?usage: bwd_session.sh OUTDIR [STEPS]}"
 steps="${2:-tests det ab ncu bench sanitizer hypothesis}"  # (kl, cache, combine: by name)
@@ -20,12 +22,12 @@ for step in $steps; do
         hypothesis) sel="hypothesis"; limit=300 ;;
       esac
       sel="${BWD_TESTS_K:-$sel}"; limit="${BWD_TESTS_LIMIT:-$limit}"  # a session's override
-      t timeout "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_cute_bwd.py \
+      t timeout "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider ${BWD_TESTS_N:+-n "$BWD_TESTS_N"} tests/test_gpu_cute_bwd.py \
         -k "$sel" > "$out/test_gpu_cute_bwd_$step.log" 2>&1
       grep -E "FAILED|ERROR" "$out/test_gpu_cute_bwd_$step.log" | head -5
       echo "  passed: $(grep -cE "PASSED" "$out/test_gpu_cute_bwd_$step.log")" ;;
     kl)  # the CuTe KL stage (off by default: cute.KL_ON_CUTE): its tests, then its A/B
-      t timeout 300 python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_cute_kl.py \
+      t timeout 300 python3 -m pytest -m gpu -v -p no:cacheprovider ${BWD_TESTS_N:+-n "$BWD_TESTS_N"} tests/test_gpu_cute_kl.py \
         > "$out/test_gpu_cute_kl.log" 2>&1
       grep -E "FAILED|ERROR" "$out/test_gpu_cute_kl.log" | head -5
       echo "  passed: $(grep -cE "PASSED" "$out/test_gpu_cute_kl.log")"
@@ -41,7 +43,7 @@ PY
         > "$out/test_gpu_cute_cache.log" 2>&1
       grep -E "PASSED|FAILED|ERROR|cold|warm" "$out/test_gpu_cute_cache.log" | head -12 ;;
     combine)  # the CuTe combine (off by default: cute.COMBINE_ON_CUTE): its tests, then its A/B
-      t timeout 300 python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_cute_combine.py \
+      t timeout 300 python3 -m pytest -m gpu -v -p no:cacheprovider ${BWD_TESTS_N:+-n "$BWD_TESTS_N"} tests/test_gpu_cute_combine.py \
         > "$out/test_gpu_cute_combine.log" 2>&1
       grep -E "FAILED|ERROR" "$out/test_gpu_cute_combine.log" | head -5
       echo "  passed: $(grep -cE "PASSED" "$out/test_gpu_cute_combine.log")"
@@ -52,7 +54,7 @@ PY
         > "$out/test_deterministic.log" 2>&1
       grep -E "PASSED|FAILED|ratio" "$out/test_deterministic.log" | tail -6 ;;
     ab)  # the backward op, same run: Triton, v2, ws, deterministic
-      (cd benchmarks && t timeout 420 python3 bwd_ab.py --variants cute "cute bar_release" "cute v2" "cute deterministic" \
+      (cd benchmarks && t timeout 420 python3 bwd_ab.py --variants cute "cute v2" "cute deterministic" \
         --cases anchor:16384 anchor:32768 paper:32768 paper:131072 --out "$out/bwd_ab.json" \
         > "$out/bwd_ab.log" 2>&1)
       python3 - "$out/bwd_ab.json" <<'PY'
@@ -70,6 +72,13 @@ PY
         -o "$out/ws_anchor32k" python3 profile_bwd.py --provider cute > "$out/ncu.log" 2>&1)
       "$NCU" -i "$out/ws_anchor32k.ncu-rep" --page details > "$out/ncu_ws_details.txt" 2>&1
       grep -E "Duration|Eligible Warps|Issue Slots|Achieved Occ" "$out/ncu_ws_details.txt" ;;
+    bench_stages)  # the training step with the CuTe KL and combine stages on (cute.KL_ON_CUTE, COMBINE_ON_CUTE)
+      on='import sys, flash_msa.cute as c; c.KL_ON_CUTE = c.COMBINE_ON_CUTE = True; from flash_msa.cli import main; sys.exit(main(sys.argv[1:]))'
+      t timeout 240 python3 -c "$on" bench --shape anchor --seqlen 16384 32768 --backends cute \
+        --inputs random --iters 5 --dense --json "$out/bench_anchor_stages.json" > "$out/bench_anchor_stages.log" 2>&1
+      t timeout 200 python3 -c "$on" bench --shape paper --seqlen 131072 --backends cute \
+        --inputs random --iters 3 --dense --json "$out/bench_paper_stages.json" > "$out/bench_paper_stages.log" 2>&1
+      tail -4 "$out/bench_anchor_stages.log"; tail -2 "$out/bench_paper_stages.log" ;;
     bench|bench_anchor|bench_paper)  # the training step (KL in the loss and compute_kl=False) next to FA4
       [ "$step" = bench_paper ] || t timeout 300 python3 -m flash_msa bench --shape anchor --seqlen 16384 32768 --backends cute \
         --inputs random --iters 5 --dense fa4 --json "$out/bench_anchor.json" > "$out/bench_anchor.log" 2>&1

@@ -151,15 +151,26 @@ def test_cute_backward_limits_and_shared_memory_arithmetic(monkeypatch):
     assert "share one KV head" in cute.unsupported_reason(
         "bwd", dataclasses.replace(prob, num_kv_heads=8)
     )
-    # the CuTe KL stage (off by default): when on, it runs where its kernel can (kl_fits), and
-    # the driver borrows Triton's KL stage elsewhere: the forward is never refused for it
+    # the CuTe KL stage (on by default): it runs where its kernel can (kl_fits), and the driver
+    # borrows Triton's KL stage elsewhere: the forward is never refused for it
     spread = dataclasses.replace(prob, num_kv_heads=8)  # a head group on two KV heads
     monkeypatch.setattr(cute, "KL_ON_CUTE", True)
     assert cute.unsupported_reason("fwd", spread) is None
     assert cute.forward_stages().kl is not None
     assert cute.forward_stages(kl_fits=False).kl is None
+    # a call that asks for the unit proxy gradient (its backward runs on Triton) gets Triton's
+    # KL stage, which makes it: the fake implementation's shapes (makes_unit_proxy_grad) then
+    # hold whichever stage kl_fits would pick
+    from flash_msa import ops, sparse_forward, triton_ref
+
+    asked = sparse_forward.with_proxy_grad(cute.forward_stages())
+    assert asked.kl is triton_ref.forward_stages().kl and asked.kl_makes_proxy_grad
+    assert not sparse_forward.borrowed(cute.forward_stages()).kl_makes_proxy_grad
+    assert ops.makes_unit_proxy_grad("cute", True, True, True, True)
+    assert not ops.makes_unit_proxy_grad("cute", True, True, True, False)
     monkeypatch.setattr(cute, "KL_ON_CUTE", False)
     assert cute.forward_stages().kl is None
+    assert ops.makes_unit_proxy_grad("cute", True, True, True, True)
 
 
 def test_cute_warp_specialized_backward_limits():
@@ -195,10 +206,6 @@ def test_cute_warp_specialized_backward_limits():
         ((16, 2, 4, 1, 128, 128, 16, 128, False, False), dict(kl=True)),  # the KL stage
     ):
         assert type(BwdSm90.make(BFloat16, *args, **kw)) is BwdSm90, (args, kw)
-    bar = BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, ws=True, release_mode="barrier")
-    assert type(bar) is BwdWsSm90 and bar.release_mode == "barrier" and bar != ws
-    with pytest.raises(ValueError, match="release_mode"):
-        BwdWsSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, release_mode="lanes")
     with pytest.raises(ValueError, match="KL value mode"):
         BwdWsSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, False, False, kl=True)
     with pytest.raises(ValueError, match="nothing to make"):

@@ -292,11 +292,18 @@ def test_cute_forward_op_matches_reference(dtype):
     check(results(mine), *references(qp, kp, q, k, v, idx, cu, cfg), FWD)
 
 
+@pytest.mark.parametrize("kl_stage", ["triton", "cute"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_cute_forward_proxy_gradient_in_kl_pass_matches_reference(dtype):
-    """Training's path: the CuTe forward with ``proxy_grad=True`` makes the unit proxy gradient
-    in its KL pass; the Triton backward scales it by ``dkl``. Every forward output and all five
-    gradients of ``testing.training_loss`` by the rule."""
+def test_cute_forward_proxy_gradient_in_kl_pass_matches_reference(dtype, kl_stage, monkeypatch):
+    """Training's path when the backward runs on Triton: the CuTe forward with
+    ``proxy_grad=True`` makes the unit proxy gradient in its KL pass, the Triton stage's even
+    where the CuTe KL stage would run (``cute.KL_ON_CUTE``; it cannot make the gradient:
+    ``sparse_forward.with_proxy_grad``), and the Triton backward scales it by ``dkl``. Every
+    forward output, all five gradients of ``testing.training_loss`` and the unit gradient by
+    the rule, with the switch either way."""
+    from flash_msa import cute
+
+    monkeypatch.setattr(cute, "KL_ON_CUTE", kl_stage == "cute")
     cute_be = _cute()
     triton_be = backends.load("triton")[0]
     qp, kp, q, k, v, cu, cfg, idx = _fwd_case((2500, 700), 16, 2, 4, 128, 128, 8, dtype, 6)

@@ -226,21 +226,7 @@ print("sanitized run done")
 @pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
 @pytest.mark.parametrize(
     "variant",
-    [
-        {},
-        *(
-            pytest.param(
-                v,
-                marks=pytest.mark.skip(
-                    reason="racecheck reports this release (one arrival after a named barrier, "
-                    "correct by the PTX memory model) as 12 hazards: BwdWsSm90.release"
-                ),
-            )
-            if v.get("release_mode") == "barrier"
-            else v
-            for v in VARIANTS.values()
-        ),
-    ],
+    [{}, *VARIANTS.values()],
     ids=["default", *VARIANTS.keys()],
 )
 def test_cute_bwd_under_compute_sanitizer(tool, variant):

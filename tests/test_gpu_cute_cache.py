@@ -5,7 +5,9 @@ second process with the caches the first one wrote: the CuTe kernels are loaded 
 ``FLASH_MSA_CACHE_DIR`` (nothing traced or compiled) and the Triton kernels, the tile picker's
 candidates included, from ``TRITON_CACHE_DIR`` (no new cache entry); and two processes starting
 together on empty caches compile each CuTe kernel once between them (what 8 ranks of one node
-do). Each child prints its times; the issue's target for the warm first step is <= 2 s.
+do). Each child prints its times and its gradients' absolute sums, which the warm process must
+match (the loaded kernels compute what the compiled ones did); the issue's target for the warm
+first step is <= 2 s.
 
 Run as a script (``python tests/test_gpu_cute_cache.py S``), this file is the child: one step
 on a sequence of ``S`` tokens, timed from the first op call to the gradients' synchronize, then
@@ -64,7 +66,11 @@ def _child(S: int) -> dict:
     second = time.perf_counter() - t0
     from flash_msa.cute import disk_cache
 
+    # what the kernels computed (two steps' gradients accumulated): a process that loaded them
+    # must agree with the one that compiled them (to the atomics' reordering)
+    sums = [float(x.grad.double().abs().sum()) for x in inputs]
     return dict(
+        grad_abs_sums=sums,
         first_step_s=round(first, 3),
         second_step_s=round(second, 4),
         process_s=round(time.perf_counter() - t_start, 2),
@@ -101,6 +107,10 @@ def test_second_process_first_step_is_warm(tmp_path):
     new = _triton_entries(tmp_path) - triton_before
     assert not new, f"the warm process compiled Triton kernels: {sorted(map(str, new))[:10]}"
     assert warm["first_step_s"] < cold["first_step_s"]
+    # the loaded kernels compute what the compiled ones did (q_proxy, k_proxy, q, k, v)
+    for name, a, b in zip(("dq_proxy", "dk_proxy", "dq", "dk", "dv"), cold["grad_abs_sums"],
+                          warm["grad_abs_sums"]):  # fmt: skip
+        assert a > 0 and abs(a - b) <= 1e-3 * a, (name, a, b)
 
 
 def test_ranks_starting_together_compile_once(tmp_path):

@@ -129,14 +129,15 @@ def makes_unit_proxy_grad(
     """Whether backend ``name``'s ``fwd`` returns ``Forward.proxy_grad`` for this call.
 
     Only the sparse-forward driver's KL stage makes it (``sparse_forward.fwd``: a proxy,
-    ``compute_kl``, ``proxy_grad`` asked for, and a ``kl`` stage with ``kl_makes_proxy_grad``);
-    the torch backend and the dense (warmup) forwards never do. The fake implementation needs
-    this to give the pair its shape; the real implementation checks its backend agrees.
+    ``compute_kl``, ``proxy_grad`` asked for; a backend's ``kl`` stage that cannot make it gives
+    way to one that can, ``sparse_forward.with_proxy_grad``); the torch backend and the dense
+    (warmup) forwards never do. The fake implementation needs this to give the pair its shape;
+    the real implementation checks its backend agrees.
     """
     if not (sparse and proxy and compute_kl and proxy_grad):
         return False
     stages = getattr(_module(name), "forward_stages", None)
-    return stages is not None and sparse_forward.borrowed(stages()).kl_makes_proxy_grad
+    return stages is not None and sparse_forward.with_proxy_grad(stages()).kl_makes_proxy_grad
 
 
 # ---------------------------------------------------------------------------------------------

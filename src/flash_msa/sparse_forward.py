@@ -40,7 +40,7 @@ list (``wl.q_map``): the stage signatures do not change. Only stages that declar
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -107,6 +107,22 @@ def borrowed(stages: Stages) -> Stages:
     return Stages(**{**{f.name: getattr(stages, f.name) for f in fields(Stages)}, **fill})
 
 
+def with_proxy_grad(stages: Stages) -> Stages:
+    """``stages`` (borrowed ones filled in) for a call that asks for the unit proxy gradient:
+    a ``kl`` stage that cannot make it (the CuTe one, whose backend's backward makes the proxy
+    gradient itself) gives way to the Triton backend's, which makes it in the same pass. So the
+    driver makes the unit gradient whenever it is asked for, with a proxy and ``compute_kl``,
+    whichever ``kl`` stage a backend has (``flash_msa.ops.makes_unit_proxy_grad`` relies on it:
+    the fake implementation cannot see a call's stage choice)."""
+    stages = borrowed(stages)
+    if stages.kl_makes_proxy_grad:
+        return stages
+    lender = _lender()
+    return replace(
+        stages, kl=lender.kl, kl_makes_proxy_grad=True, q_map=stages.q_map and lender.q_map
+    )
+
+
 def borrowed_reason(stages: Stages, problem: Problem) -> str | None:
     """Why the stages ``stages`` borrows cannot run ``problem`` (``None``: they can, or it
     borrows none)."""
@@ -134,16 +150,17 @@ def fwd(
 ) -> Forward:
     """Backend op ``fwd`` (contract in docs/design.md) for given indices, run with ``stages``.
 
-    With ``proxy_grad`` and ``compute_kl``, and a ``kl`` stage that can, the KL stage also
-    accumulates the proxy gradient for ``dkl = 1`` (``Forward.proxy_grad``, fp32): the gradient
-    is linear in ``dkl``, so ``bwd`` only scales it instead of recomputing the same scores.
+    With ``proxy_grad`` and ``compute_kl`` the KL stage (a Triton one where the backend's
+    cannot: :func:`with_proxy_grad`) also accumulates the proxy gradient for ``dkl = 1``
+    (``Forward.proxy_grad``, fp32): the gradient is linear in ``dkl``, so ``bwd`` only scales
+    it instead of recomputing the same scores.
 
     ``q_map``: ``None`` or ``(Tq,)`` int32, the contract's query map (docs/design.md): ``q``,
     ``q_proxy``, ``indices`` and the outputs have ``Tq`` rows, the KL is a mean over ``Hs * Tq``
     rows, padding rows (``-1``) get ``out = 0``, ``lse = -inf`` (their indices are ignored).
     Needs ``stages.q_map``.
     """
-    stages = borrowed(stages)
+    stages = with_proxy_grad(stages) if proxy_grad else borrowed(stages)
     if q_map is not None and not stages.q_map:
         raise ValueError("q_map: these forward stages do not implement a query map")
     T, H, D = q.shape

@@ -95,17 +95,19 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
 
 
 # The forward's KL value on CuTe (``bwd_sm90.kl``: the fused backward's kernel in its KL mode,
-# one S product for the teacher and one proxy product per kept block, no gradient), written in
-# the sixth session and compile-checked; off until its first H200 run
-# (tests/test_gpu_cute_kl.py, benchmarks/kl_ab.py) shows it exact and faster than the Triton
-# stage it replaces: the driver borrows Triton's meanwhile.
-KL_ON_CUTE = False
+# one S product for the teacher and one proxy product per kept block, no gradient). On: H200,
+# benchmarks/kl_ab.py (benchmarks/results/cute-stage3/kl_ab.json), the stage 2.32 / 3.64 /
+# 11.64 / 43.57 ms against Triton's 3.62 / 7.23 / 18.12 / 73.5 at anchor 16K / 32K, paper 32K /
+# 128K, sums equal to 6e-7 relative; tests/test_gpu_cute_kl.py 13 passed. Where ``kl_fits``
+# is false the driver borrows Triton's stage.
+KL_ON_CUTE = True
 
 
 # The combine on CuTe (``combine_sm90.py``: one warp per row, 16-byte loads of the used slots
-# partial rows), written and compile-checked in the sixth session; off until its H200 run
-# (tests/test_gpu_cute_combine.py, benchmarks/combine_ab.py) shows it exact and faster than
-# Triton's.
+# partial rows): exact (tests/test_gpu_cute_combine.py, 25 passed on the H200) but slower than
+# Triton's, so off: benchmarks/combine_ab.py (benchmarks/results/cute-stage3/combine_ab.log),
+# main combine 0.44 / 0.72 / 0.73 ms against Triton's 0.28 / 0.55 / 0.56 at anchor 16K / 32K,
+# paper 128K (2.5-3.2 TB/s against 3.9-4.1; 4 or 8 warps alike).
 COMBINE_ON_CUTE = False
 
 

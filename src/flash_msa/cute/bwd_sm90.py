@@ -123,10 +123,6 @@ class BwdSm90:
     VARIANTS: ClassVar[dict] = {
         "default": {},
         "v2": dict(ws=False),  # one MMA warpgroup per 64 keys, no producer (the fallback)
-        # the warp-specialized kernel's faster stage release (racecheck reports it: see
-        # BwdWsSm90.release); its first version ran 1.10 / 1.23 / 1.04 / 1.03x faster than the
-        # default at anchor 16K / 32K, paper 32K / 128K, in two runs (not side by side yet)
-        "bar_release": dict(ws=True, release_mode="barrier"),
         "stages1": dict(gather_stages=1),
         # deterministic mode (not an A/B switch: checked and timed beside the others)
         "deterministic": dict(deterministic=True),

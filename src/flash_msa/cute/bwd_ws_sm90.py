@@ -64,10 +64,6 @@ class BwdWsSm90(BwdSm90):
     """:class:`BwdSm90` with a producer warpgroup and two consumer warpgroups (module
     docstring). Same constructor, limits (and ``gather_stages == 2``), launch and results."""
 
-    # how the consumers release a ring stage (release()): "threads" (every consumer thread
-    # arrives) or "barrier" (a named barrier per warpgroup, then one arrival each; the A/B)
-    release_mode: str = "threads"
-
     MBARS: ClassVar[int] = 6  # K/V, K_proxy, full[2], empty[2]
     QP_STAGES: ClassVar[int] = 2  # phase B's q_proxy tiles ride the ring too
     MIN_BLOCKS: ClassVar[int] = 1  # pins the launch register count (168) for setmaxnreg
@@ -77,7 +73,6 @@ class BwdWsSm90(BwdSm90):
     DS_READY: ClassVar[int] = 1
     DS_FREE: ClassVar[int] = 2
     PRODUCER_BAR: ClassVar[int] = 3  # the producer warpgroup: row data written, then gathers
-    RELEASE_BAR: ClassVar[int] = 4  # + consumer warpgroup (0, 1): release_mode "barrier"
 
     @classmethod
     def can_implement(
@@ -111,8 +106,6 @@ class BwdWsSm90(BwdSm90):
         super().__post_init__()
         if self.kl:
             raise ValueError("CuTe backward: the KL value mode runs on BwdSm90, not BwdWsSm90")
-        if self.release_mode not in ("threads", "barrier"):
-            raise ValueError(f"CuTe backward: unknown release_mode {self.release_mode!r}")
 
     @property
     def cta_threads(self) -> int:
@@ -182,10 +175,8 @@ class BwdWsSm90(BwdSm90):
                 cute.arch.mbarrier_init(bars + 1, 1)
                 for s in cutlass.range_constexpr(2):
                     cute.arch.mbarrier_init(bars + 2 + s, self.THREADS)  # producer threads
-                    n = self.warpgroups  # release(): one arrival per consumer warpgroup, or
-                    if cutlass.const_expr(self.release_mode == "threads"):
-                        n = self.THREADS * self.warpgroups  # one per consumer thread
-                    cute.arch.mbarrier_init(bars + 4 + s, n)
+                    # release(): one arrival per consumer thread
+                    cute.arch.mbarrier_init(bars + 4 + s, self.THREADS * self.warpgroups)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -303,25 +294,15 @@ class BwdWsSm90(BwdSm90):
         cute.arch.mbarrier_arrive(full)
 
     @cute.jit
-    def release(self, empty, wg):
-        """The consumers are done with the stage (MMAs waited, row-data reads issued and used).
-        ``release == "threads"`` (the default): every consumer thread arrives on ``empty`` (256
-        arrivals). ``"barrier"`` (A/B): each consumer warpgroup meets at its own named barrier
-        (128 threads), then one of its threads arrives (2 arrivals): correct by the PTX memory
-        model (``bar.sync`` synchronizes its threads, the arrive releases what is ordered before
-        it), faster on the H200 (docs/perf-notes.md "CuTe backward v3"), but compute-sanitizer
-        racecheck credits an arrive with its own thread's accesses only and reports the other
-        threads' row-data reads against the producer's next writes (12 hazards): the default
-        keeps racecheck a usable gate. (One elected lane per warp after ``bar.warp.sync``, the
-        first version, is not covered by the model's synchronizing operations.)"""
-        if cutlass.const_expr(self.release_mode == "barrier"):
-            cute.arch.barrier(barrier_id=self.RELEASE_BAR + wg, number_of_threads=self.THREADS)
-            # (nested: a thread-index test here spilled 4 bytes; warp, then lane, did not)
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:  # noqa: SIM102
-                if cute.arch.lane_idx() == 0:
-                    cute.arch.mbarrier_arrive(empty)
-        else:
-            cute.arch.mbarrier_arrive(empty)
+    def release(self, empty):
+        """The consumers are done with the stage (MMAs waited, row-data reads issued and used):
+        every consumer thread arrives on ``empty`` (256 arrivals), so each thread's own reads
+        are ordered before the producer's next writes. (One elected lane per warp after
+        ``bar.warp.sync``, the first version, is not covered by the PTX memory model's
+        synchronizing operations: racecheck reported 12 hazards. A named barrier per warpgroup
+        then one arrival each, correct by the model but reported by racecheck, ran within 1% of
+        this in the same run on the H200 and left: docs/perf-notes.md, "CuTe backward v4".)"""
+        cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
     def consumer_a(
@@ -402,7 +383,7 @@ class BwdWsSm90(BwdSm90):
                     # dQ = dS K (its wait also waits the dV / dK MMAs)
                     self.dq_product(mma_dq, sdS, sKt, sRowI, b, mDQ, D, scale, tc, wg)
                 warpgroup.wait_group(0)  # (waited in dq_part, but not by warpgroup 1 at D = 64)
-                self.release(bars + 4 + b, wg)
+                self.release(bars + 4 + b)
                 it += 1
         if cutlass.const_expr(self.main):
             self.store_dkv(thr_dkv, acc_dK, mDK, ks, ke, kvh, self.kv_heads, D, scale)
@@ -458,6 +439,6 @@ class BwdWsSm90(BwdSm90):
             self.consumers_sync(self.DS_READY)
             self.dq_product(mma_dq, sdS, sKpt, sRowI, b, mDQp, DP, pcoef, tc, wg)
             warpgroup.wait_group(0)  # (waited in dq_part, but not by warpgroup 1 at D = 64)
-            self.release(bars + 4 + b, wg)
+            self.release(bars + 4 + b)
             it += 1
         self.store_dkv(thr_dkv, acc_dKp, mDKp, ks, ke, pk, self.proxy_k_heads, DP, pcoef)

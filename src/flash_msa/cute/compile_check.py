@@ -107,9 +107,6 @@ def bwd_configurations():
     ):  # fmt: skip
         yield f"bwd bf16 {name} v2", "bf16", H, Hkv, Hs, Hpk, D, D, K, 128, main, proxy, v2
     yield "bwd fp16 anchor v2", "fp16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, v2
-    bar = dict(release_mode="barrier")  # the warp-specialized kernel's A/B stage release
-    yield "bwd bf16 anchor bar-release", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, bar
-    yield "bwd bf16 anchor main-only bar-release", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0, bar
     kl = dict(kl=True)  # the forward's KL stage (bwd_sm90.kl): the KL value, no gradient
     yield "bwd bf16 anchor kl", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 0, 0, kl
     yield "bwd bf16 paper kl", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 0, 0, kl
