@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from . import backends
+from . import backends, quant
 
 try:  # the torch.compile path only; eager calls never touch it
     from . import ops as custom_ops
@@ -542,6 +542,14 @@ def _op_args(cfg: Config, varlen: bool, dims) -> tuple:
     )
 
 
+def _precision_kw(selection_precision: str) -> dict:
+    """The ``flash_msa::select`` op's keyword ``selection_precision``, passed only when it is
+    not the default, so that a bf16 graph holds the same nodes as before the keyword existed."""
+    if selection_precision == "bf16":
+        return {}
+    return {"selection_precision": selection_precision}
+
+
 class _MSAOpFunction(torch.autograd.Function):
     """:class:`_MSAFunction` under ``torch.compile``: the same steps as ``flash_msa::`` custom ops.
 
@@ -549,7 +557,8 @@ class _MSAOpFunction(torch.autograd.Function):
     ``cfg.deterministic`` (the ops' ``deterministic`` keyword); ``q_map`` the query map or
     ``None`` (the ops' last positional argument, not passed without one: the map-less graph is
     unchanged); ``keys`` a :class:`KeyGather` or ``None``, as in :class:`_MSAFunction` (its
-    collectives must then be traceable: ``flash_msa.distributed`` uses functional collectives).
+    collectives must then be traceable: ``flash_msa.distributed`` uses functional collectives);
+    ``precision`` is ``cfg.selection_precision`` (the select op's keyword, :func:`_precision_kw`).
     Dynamo traces this Function (forward and backward) into the graph; the ops stay opaque nodes.
 
     An unused ``kl``: the compiled backward materializes its gradient, so ``dkl`` arrives as a
@@ -560,7 +569,9 @@ class _MSAOpFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, q_map, args, wants_grad, det, keys):
+    def forward(
+        ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, q_map, args, wants_grad, det, keys, precision
+    ):
         warmup, compute_kl = args[5:7]
         kw = {"deterministic": det}
         qm = () if q_map is None else (q_map,)
@@ -568,7 +579,8 @@ class _MSAOpFunction(torch.autograd.Function):
             k_proxy, kv = _launch_keys(keys, k_proxy, k, v)
         indices = None
         if not warmup:
-            indices = custom_ops.select(q_proxy, k_proxy, cu_seqlens, *args, *qm, **kw)
+            sel = _precision_kw(precision)
+            indices = custom_ops.select(q_proxy, k_proxy, cu_seqlens, *args, *qm, **kw, **sel)
         if keys is not None:  # the selection ran while k and v were in flight
             k, v = _finish_keys(keys, kv)
         proxy_grad = wants_grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
@@ -612,7 +624,7 @@ class _MSAOpFunction(torch.autograd.Function):
         main = dout is not None and any(ctx.needs_input_grad[2:5])
         proxy = dkl is not None and ctx.proxy_grad
         if not (main or proxy):
-            return (None,) * 11
+            return (None,) * 12
         dq, dk, dv, dq_proxy, dk_proxy = custom_ops.bwd(
             dout.contiguous() if main else None,
             dkl if proxy else None,
@@ -640,7 +652,7 @@ class _MSAOpFunction(torch.autograd.Function):
             need = ctx.needs_input_grad
             grads = [x if need[i] else None for x, i in zip((dk_proxy, dk, dv), (1, 3, 4))]
             dk_proxy, dk, dv = ctx.keys.scatter(tuple(grads), _KEY_GRAD_NAMES)
-        return dq_proxy, dk_proxy, dq, dk, dv, None, None, None, None, None, None
+        return dq_proxy, dk_proxy, dq, dk, dv, None, None, None, None, None, None, None
 
 
 class _SparseOpFunction(torch.autograd.Function):
@@ -702,6 +714,7 @@ def msa_attention(
     q_map=None,
     deterministic=None,
     key_gather=None,
+    selection_precision="bf16",
 ):
     """MiniMax Sparse Attention: proxy top-k block selection, sparse GQA attention, proxy KL.
 
@@ -749,6 +762,15 @@ def msa_attention(
             rank's shards (as many rows as ``q``) and the op all-gathers them itself, waiting for
             ``k`` and ``v`` only after the selection; ``cu_seqlens`` ends at
             ``key_gather.total_tokens``. ``None`` (default): the keys are given whole.
+        selection_precision: ``"bf16"`` (default): the selection ranks fp32 scores of the
+            input-dtype proxy operands (exact). ``"fp8"``: it ranks scores of e4m3 operands
+            with fp32 scales and accumulation (:mod:`flash_msa.quant`, made for FP8 tensor
+            cores), an approximate selection: blocks of nearly equal scores may swap
+            (docs/algorithm.md, "FP8 selection"). Only the indices change: the own block,
+            causality, ``-inf`` blocks and the tie order stay, and the attention, the KL and
+            every gradient over the kept blocks are exact. Only backends whose limits declare
+            it select in fp8, for now ``torch`` alone (``auto`` skips the others: on GPU
+            tensors it raises until a GPU kernel declares it; a forced backend raises).
 
     Returns:
         ``(out, kl)``: ``out`` like ``q``; ``kl`` a 0-dim fp32 tensor (fp64 for fp64 inputs),
@@ -773,6 +795,7 @@ def msa_attention(
     warmup = _bool_arg("warmup", warmup)
     compute_kl = _bool_arg("compute_kl", compute_kl)
     deterministic = backends.deterministic(deterministic)
+    selection_precision = quant.check_precision(selection_precision)
     total = None if key_gather is None else key_gather.total_tokens
     cu, max_seqlen = _sequences(q if q_map is None else k, cu_seqlens, max_seqlen, total)
     _check_finite(tensors)
@@ -785,6 +808,7 @@ def msa_attention(
         warmup=warmup,
         compute_kl=compute_kl,
         deterministic=deterministic,
+        selection_precision=selection_precision,
     )
     packed = [_packed(x) for x in tensors.values()]
     Hp, Dp = q_proxy.shape[-2:]
@@ -793,7 +817,9 @@ def msa_attention(
     if torch.compiler.is_compiling():  # custom ops (ops.py), each resolving its backend
         args = _op_args(cfg, varlen, dims)
         wants = _wants_grad(*tensors.values())
-        out, kl = _MSAOpFunction.apply(*packed, cu, q_map, args, wants, deterministic, key_gather)
+        out, kl = _MSAOpFunction.apply(
+            *packed, cu, q_map, args, wants, deterministic, key_gather, selection_precision
+        )
         return out.view(q.shape), kl
     problem = _problem(q, *dims, cu, varlen, cfg, q_map=q_map is not None)
     select_be = None if warmup else backends.resolve("select", problem)[1]
@@ -805,15 +831,24 @@ def msa_attention(
 
 
 def select_blocks(
-    q_proxy, k_proxy, top_k, *, block_size=128, proxy_scale=None, cu_seqlens=None, max_seqlen=None
+    q_proxy,
+    k_proxy,
+    top_k,
+    *,
+    block_size=128,
+    proxy_scale=None,
+    cu_seqlens=None,
+    max_seqlen=None,
+    selection_precision="bf16",
 ):
     """The proxy's top-k key blocks per (query, proxy head). Not differentiable.
 
     Args:
         q_proxy: ``(B, S, Hp, Dp)`` or varlen ``(T, Hp, Dp)``.
         k_proxy: ``(B, S, Hpk, Dp)`` or varlen ``(T, Hpk, Dp)``; ``Hp % Hpk == 0``.
-        top_k, block_size, proxy_scale, cu_seqlens, max_seqlen: as in :func:`msa_attention`
-            (``top_k`` in ``[1, MAX_TOP_K]``).
+        top_k, block_size, proxy_scale, cu_seqlens, max_seqlen, selection_precision: as in
+            :func:`msa_attention` (``top_k`` in ``[1, MAX_TOP_K]``; ``selection_precision``
+            ``"bf16"``, exact, or ``"fp8"``, approximate).
 
     Returns:
         int32 ``(B, S, Hp, top_k)`` (or ``(T, Hp, top_k)``): sequence-local block numbers,
@@ -829,6 +864,7 @@ def select_blocks(
     top_k = _top_k_arg(top_k)
     block_size = _block_size_arg(block_size)
     proxy_scale = _scale_arg("proxy_scale", proxy_scale, q_proxy.shape[-1] ** -0.5)
+    selection_precision = quant.check_precision(selection_precision)
     cu, max_seqlen = _sequences(q_proxy, cu_seqlens, max_seqlen)
     _check_finite(tensors)
     cfg = Config(
@@ -837,6 +873,7 @@ def select_blocks(
         max_seqlen=max_seqlen,
         proxy_scale=proxy_scale,
         top_k=_kernel_top_k(top_k, max_seqlen, block_size),
+        selection_precision=selection_precision,
     )
     dims = (0, 0, 0, q_proxy.shape[-2], k_proxy.shape[-2], q_proxy.shape[-1])
     compiling = torch.compiler.is_compiling()
@@ -845,7 +882,8 @@ def select_blocks(
     with torch.no_grad():
         packed = (_packed(q_proxy), _packed(k_proxy), cu)
         if compiling:  # the custom op (ops.py), as in msa_attention
-            indices = custom_ops.select(*packed, *_op_args(cfg, varlen, dims))
+            args = _op_args(cfg, varlen, dims)
+            indices = custom_ops.select(*packed, *args, **_precision_kw(selection_precision))
         else:
             indices = select_be.select(*packed, cfg)
     if cfg.top_k < top_k:  # the clamped slots: -1 in every row (see the docstring)

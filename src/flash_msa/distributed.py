@@ -481,6 +481,7 @@ def msa_attention(
     deterministic=None,
     overlap=True,
     timer=None,
+    selection_precision="bf16",
 ):
     """:func:`flash_msa.msa_attention` over a context-parallel group, on this rank's shards.
 
@@ -496,6 +497,9 @@ def msa_attention(
             :func:`flash_msa.msa_attention`; the block size is ``layout.block_size``.
             ``deterministic`` covers this rank's op; the sums inside the collectives (the fp32
             reduce-scatter of the key gradients) are ordered by the process group's backend.
+        selection_precision: as in :func:`flash_msa.msa_attention` (``"fp8"``: e4m3 selection;
+            the key scales are those of the gathered keys, so every rank ranks like the
+            single-process op).
         layout: this rank's :class:`Layout`; group: the CP process group (default: the world).
         overlap: ``True`` (default) waits for the ``k``/``v`` all-gathers after the selection
             (they overlap it); ``False`` waits for them before it, as a baseline for
@@ -546,6 +550,7 @@ def msa_attention(
         q_map=layout.q_map,
         deterministic=deterministic,
         key_gather=_key_gather(layout, group, overlap, timer),
+        selection_precision=selection_precision,
     )
     # the op's kl is a mean over this rank's Hp * Tl rows (padding rows add 0): rescale to the
     # share of the global Hp * T rows (a host constant: no sync)

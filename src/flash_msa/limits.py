@@ -41,6 +41,9 @@ class Limits:
     # runs deterministic calls (``Problem.deterministic``: every output and gradient bitwise
     # reproducible, by ordered reductions instead of fp32 atomics; docs/design.md)
     deterministic: bool = False
+    # selects in fp8 (``Problem.selection_precision == "fp8"``: e4m3 proxy operands with fp32
+    # scales, an approximate selection; flash_msa.quant); checked for the "select" op only
+    fp8_selection: bool = False
     note: str = ""  # what the table should also say (e.g. stages run by another backend)
 
 
@@ -102,6 +105,11 @@ def reason(limits: dict, op: str, problem: Problem) -> str | None:
             "deterministic mode (FLASH_MSA_DETERMINISTIC=1 or deterministic=True: ordered "
             "reductions instead of fp32 atomics) is not implemented"
         )
+    if op == "select" and problem.selection_precision == "fp8" and not lim.fp8_selection:
+        return (
+            'selection_precision="fp8" (e4m3 proxy scores, an approximate selection) is not '
+            "implemented"
+        )
     return None
 
 
@@ -132,6 +140,8 @@ def describe(lim: Limits | str) -> str:
         parts.append("query map (q_map)")
     if lim.deterministic:
         parts.append("deterministic mode")
+    if lim.fp8_selection:
+        parts.append('fp8 selection (selection_precision="fp8")')
     return ", ".join(parts) + (f"; {lim.note}" if lim.note else "")
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import quant
 from .api import msa_attention
 
 __all__ = [
@@ -360,6 +361,10 @@ class MSAttention(nn.Module):
         deterministic: bitwise-reproducible outputs and gradients (the ``deterministic=``
             keyword of :func:`flash_msa.msa_attention`); ``None`` (default) follows
             ``FLASH_MSA_DETERMINISTIC``. Attribute, may be changed between steps.
+        selection_precision: ``"bf16"`` (default, the exact selection) or ``"fp8"`` (an
+            approximate selection by e4m3 proxy scores; the ``selection_precision=`` keyword of
+            :func:`flash_msa.msa_attention`, which says where it runs). Attribute, may be
+            changed between steps (checked again at each call).
         device, dtype: parameter factory arguments.
 
     Attributes:
@@ -384,6 +389,7 @@ class MSAttention(nn.Module):
         warmup: bool = False,
         kl_coeff: float | None = 1.0,
         deterministic: bool | None = None,
+        selection_precision: str = "bf16",
         device=None,
         dtype=None,
     ):
@@ -410,6 +416,7 @@ class MSAttention(nn.Module):
         if deterministic is not None:
             _bool("deterministic", deterministic)
         self.deterministic = deterministic
+        self.selection_precision = quant.check_precision(selection_precision)
         _bool("qkv_bias", qkv_bias)
         _bool("qk_norm", qk_norm)
         self.kl_coeff = (
@@ -535,6 +542,7 @@ class MSAttention(nn.Module):
             max_seqlen=max_seqlen,
             warmup=self.warmup,
             deterministic=self.deterministic,
+            selection_precision=self.selection_precision,
         )
         out = self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
         if self.kl_coeff is not None:
@@ -548,5 +556,6 @@ class MSAttention(nn.Module):
         return (
             f"num_heads={self.num_heads}, num_key_value_heads={self.num_key_value_heads}, "
             f"head_dim={self.head_dim}, top_k={self.top_k}, block_size={self.block_size}, "
-            f"warmup={self.warmup}, kl_coeff={self.kl_coeff}, rotary={self.rotary!r}"
+            f"warmup={self.warmup}, kl_coeff={self.kl_coeff}, "
+            f"selection_precision={self.selection_precision!r}, rotary={self.rotary!r}"
         )

@@ -5,7 +5,7 @@ Dynamo and AOTAutograd treat a backend call as one opaque node and never trace i
 launcher (CuTe DSL reads data pointers, which fake tensors do not have):
 
 - ``flash_msa::select(q_proxy, k_proxy, cu_seqlens, max_seqlen, block_size, proxy_scale, top_k,
-  backend, q_map?, *, deterministic) -> indices``
+  backend, q_map?, *, deterministic, selection_precision) -> indices``
 - ``flash_msa::fwd(q, k, v, indices?, cu_seqlens, q_proxy?, k_proxy?, max_seqlen, ...,
   backend, q_map?) -> (out, lse, proxy_lse, kl, unit_dq_proxy, unit_dk_proxy)``
 - ``flash_msa::bwd(dout?, dkl?, <the saved tensors>, cu_seqlens, max_seqlen, ..., backend,
@@ -18,6 +18,11 @@ The last positional argument, ``q_map: Tensor? = None``, is the optional query m
 chosen) and the backend's ``select``/``fwd``/``bwd`` as their keyword ``q_map``. It is
 positional because ``torch.library`` refuses keyword-only tensors; a call without a map does not
 pass it, so a map-less graph holds the same nodes as before the argument existed.
+
+``select`` also takes the keyword-only ``selection_precision: str = "bf16"``
+(``Config.selection_precision``; ``api.py`` passes it only when it is ``"fp8"``, so a bf16 graph
+is unchanged): it reaches ``backends.resolve`` (a backend whose ``Limits`` do not declare
+``fp8_selection`` is not chosen) and the backend's ``Config``.
 
 Each also takes the keyword-only ``deterministic: bool = False`` (``Config.deterministic``, the
 value ``api.py`` resolved when the graph was traced): it reaches ``backends.resolve`` (a backend
@@ -43,7 +48,7 @@ implementation always receives plain ints). ``api.py`` calls these ops only whil
 
 import torch
 
-from . import backends, sparse_forward
+from . import backends, quant, sparse_forward
 from .problem import Config, Problem, Saved, problem_of
 
 _EMPTY = (0,)
@@ -91,10 +96,12 @@ def _call(
     dims,
     deterministic=False,
     q_map=None,
+    selection_precision="bf16",
 ):
     """``(Config, Problem)`` of one call from the ops' scalar arguments (as api.py builds them;
     ``dims`` is ``(H, Hkv, D, Hsel, Hpk, Dp)``, 0 for what the call does not have; ``q_map``
-    the call's query map or ``None``)."""
+    the call's query map or ``None``; ``selection_precision`` the select op's keyword, checked:
+    a direct ``torch.ops.flash_msa.select`` call with another string must not run exact)."""
     cfg = Config(
         block_size=block_size,
         softmax_scale=softmax_scale,
@@ -104,6 +111,7 @@ def _call(
         warmup=warmup,
         compute_kl=compute_kl,
         deterministic=deterministic,
+        selection_precision=quant.check_precision(selection_precision),
     )
     problem = problem_of(
         ref.device, ref.dtype, dims, cu_seqlens.numel() - 1, varlen, cfg, q_map=q_map is not None
@@ -161,6 +169,7 @@ def select(
     q_map: torch.Tensor | None = None,
     *,
     deterministic: bool = False,
+    selection_precision: str = "bf16",
 ) -> torch.Tensor:
     """Backend op ``select``: int32 ``indices (T, Hp, top_k)`` (``top_k`` already clamped;
     ``Tq`` rows with a query map)."""
@@ -178,6 +187,7 @@ def select(
         dims,
         deterministic,
         q_map,
+        selection_precision,
     )
     name = resolve(backend, "select", problem)
     return _module(name).select(q_proxy, k_proxy, cu_seqlens, cfg, **_mapped(q_map))
@@ -201,6 +211,7 @@ def _select_fake(
     q_map=None,
     *,
     deterministic=False,
+    selection_precision="bf16",
 ):
     problem = _call(
         q_proxy,
@@ -216,6 +227,7 @@ def _select_fake(
         dims,
         deterministic,
         q_map,
+        selection_precision,
     )[1]
     resolve(backend, "select", problem)  # a BackendError surfaces when the graph is traced
     T, Hp = q_proxy.shape[:2]

@@ -28,6 +28,10 @@ class Config:
     and gradient bitwise reproducible across runs on the same inputs (ordered reductions
     instead of fp32 atomics; ``FLASH_MSA_DETERMINISTIC`` / the ``deterministic=`` keyword,
     :func:`flash_msa.backends.deterministic`); only backends whose ``Limits`` declare it run it.
+    ``selection_precision``: ``"bf16"`` (default: the selection ranks fp32 scores of the
+    input-dtype operands, exact) or ``"fp8"`` (e4m3 operands with fp32 scales, an approximate
+    selection: :mod:`flash_msa.quant`); only backends whose ``Limits`` declare
+    ``fp8_selection`` select in fp8.
     """
 
     block_size: int
@@ -38,6 +42,7 @@ class Config:
     warmup: bool = False
     compute_kl: bool = False
     deterministic: bool = False
+    selection_precision: str = "bf16"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +76,12 @@ class Problem:
         """The call asks for deterministic mode (``Config.deterministic``); only backends whose
         ``Limits`` declare ``deterministic`` run it."""
         return self.cfg.deterministic
+
+    @property
+    def selection_precision(self) -> str:
+        """The call's ``Config.selection_precision`` (``"bf16"`` or ``"fp8"``); only backends
+        whose ``Limits`` declare ``fp8_selection`` run an fp8 ``select``."""
+        return self.cfg.selection_precision
 
 
 def problem_of(

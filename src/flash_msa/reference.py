@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from . import limits
+from . import limits, quant
 from .limits import OPS, Limits
 from .problem import Config, Forward, Grads, Problem, Saved
 
@@ -42,7 +42,8 @@ def unavailable_reason() -> str | None:
 # every op, on any device, in every float dtype (fp64 included), any head dim and block size,
 # with or without a query map, and in deterministic mode: this backend is deterministic as it
 # is (no atomics: its sums are torch reductions and matmuls over fixed shapes, and scatters
-# write each element once or the same value), so the flag changes nothing here
+# write each element once or the same value), so the flag changes nothing here. Its select
+# is also the reference of the fp8 selection (selection_precision="fp8", flash_msa.quant).
 LIMITS = {
     op: Limits(
         devices=None,
@@ -50,6 +51,7 @@ LIMITS = {
         block_sizes=None,
         q_map=True,
         deterministic=True,
+        fp8_selection=op == "select",
     )
     for op in OPS
 }
@@ -150,35 +152,61 @@ def _probs(s: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor) -> torch.Tens
 # ---------------------------------------------------------------------------------------------
 # select
 # ---------------------------------------------------------------------------------------------
-def select(q_proxy, k_proxy, cu_seqlens, cfg: Config, *, q_map=None) -> torch.Tensor:
+def select(
+    q_proxy, k_proxy, cu_seqlens, cfg: Config, *, q_map=None, quantized=None
+) -> torch.Tensor:
     """Top-k block selection (semantics.md, "Selection").
 
     Args:
         q_proxy: ``(T, Hp, Dp)``; k_proxy: ``(T, Hpk, Dp)``; cu_seqlens: ``(N+1,)`` int32.
-        cfg: uses ``top_k``, ``block_size``, ``proxy_scale``.
+        cfg: uses ``top_k``, ``block_size``, ``proxy_scale``, ``selection_precision``.
         q_map: ``None`` (the queries are the keys' tokens) or ``(Tq,)`` int32: the packed key
             index of each query row's token, ``-1`` for a padding row (docs/distributed.md,
             "Scheme"); ``q_proxy`` then has ``Tq`` rows and ``k_proxy`` the keys' ``T``.
+        quantized: with ``selection_precision="fp8"``, the :class:`flash_msa.quant.Quantized`
+            operands to rank (default: ``quant.quantize`` of ``q_proxy``, ``k_proxy`` with the
+            shipped choices), e.g. another key-scale granularity or the rotation.
     Returns:
         ``(Tq, Hp, top_k)`` int32: sequence-local block numbers, ascending, -1 padded (a
         padding row: all -1).
+
+    ``selection_precision="fp8"`` (docs/algorithm.md, "FP8 selection"): the scores are the
+    exact products of the e4m3 operands of :func:`flash_msa.quant.quantize`, summed in fp32
+    (what an FP8 tensor-core MMA with fp32 accumulation computes, up to the order of the sum),
+    times the key scale (per token before the block max, or per block after it); the query
+    row's scale and ``proxy_scale`` are left out (positive per-row constants). The own block,
+    causality, ``-inf`` blocks and the tie order are those of the exact selection.
     """
     T, Hp, _ = q_proxy.shape
     Hpk = k_proxy.shape[1]
     b, top_k = cfg.block_size, cfg.top_k
     sdt = _stat_dtype(q_proxy.dtype)
+    fp8 = cfg.selection_precision == "fp8"
+    if fp8:
+        qz = quant.quantize(q_proxy, k_proxy, cu_seqlens, b) if quantized is None else quantized
+        q_proxy, k_proxy, scale = qz.q, qz.k, 1.0  # e4m3: exact in sdt
+        per_block = qz.key_scale == "block"
+    else:
+        scale = cfg.proxy_scale
     out = torch.full((T, Hp, top_k), -1, dtype=torch.int32, device=q_proxy.device)
     for s0, L, qrows, pos in _queries(cu_seqlens, q_map):
         nb = -(-L // b)
         kp = _heads_first(k_proxy[s0 : s0 + L], sdt, Hp // Hpk)  # [Hp, L, Dp]
+        if fp8:  # the key scales, [Hp, 1, L] per token or [Hp, 1, nb] per block
+            ks = _heads_first(qz.k_scale[s0 : s0 + L, :, None], sdt, Hp // Hpk).transpose(1, 2)
+            ks = ks[..., ::b] if per_block else ks
         for c0, c1 in _row_chunks(L, Hp, len(pos)):
             rows = pos[c0:c1]  # positions i within the sequence
             sl = _take(qrows, c0, c1)
             qp = _heads_first(q_proxy[sl], sdt)  # [Hp, C, Dp]
-            z = cfg.proxy_scale * (qp @ kp.transpose(1, 2))  # [Hp, C, L]
+            z = scale * (qp @ kp.transpose(1, 2))  # [Hp, C, L]
+            if fp8 and not per_block:
+                z = z * ks
             z = z.masked_fill(~_kept_mask(None, rows, L, b), -math.inf)  # causal: j <= i
             z = torch.nn.functional.pad(z, (0, nb * b - L), value=-math.inf)  # partial last block
             score = z.view(Hp, c1 - c0, nb, b).amax(-1)  # [Hp, C, nb]
+            if fp8 and per_block:
+                score = score * ks  # s_b * max_j(acc_j) = max_j(s_b * acc_j), s_b > 0
             own = (rows // b)[None, :, None].expand(Hp, -1, 1)
             score.scatter_(2, own, math.inf)  # the own block always wins
             kk = min(top_k, nb)

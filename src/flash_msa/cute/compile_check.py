@@ -236,6 +236,9 @@ def main(argv: list[str]) -> int:
         checks = [(n, compile_select, c) for n, *c in configurations()]
         checks += [(n, compile_fwd, c) for n, *c in fwd_configurations()]
         checks += [(n, compile_bwd, c) for n, *c in bwd_configurations()]
+        from .combine_sm90 import combine_configurations, compile_combine
+
+        checks += [(n, compile_combine, c) for n, *c in combine_configurations()]
         for name, compile_one, cfg in checks:
             if name.startswith(only):
                 res = compile_one(*cfg, dump=dump, name=name)

@@ -40,10 +40,27 @@ from .common import (
     tile_rows,
 )
 
-BM, BN = 64, 64  # query rows and keys per tile of the forward
-# (rows, keys, warps) candidates of the backward and the proxy pass, in order (tiles.py picks
-# the first that compiles without register spills)
-DENSE_TILES = ((64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4))
+# (rows, keys, warps[, stages]) candidates of the backward and the proxy pass, in order
+# (tiles.py picks the first that compiles without register spills within the shared memory);
+# stages: software pipelining (default 3, PROXY_DK_STAGES in _dense_proxy_dk_kernel). The last
+# two are for the proxy pass at the paper layout (G = 16 heads per selection head), D = 128:
+# with fewer rows the teacher's R = G / G2 KV sub-groups are unrolled, each with its own
+# pipelined key tile: every earlier entry of the pass with dk_proxy spills or needs 286-458 KB
+# of shared memory, and of the dk kernel spills, even on sm_90 (Triton 3.9); 256 rows make
+# R = 1. (256, 32, 8, 1) fits sm_80/89/90/100 (sm_90: 210 registers, 76 KB), (256, 16, 8, 2)
+# sm_120 (201 registers, 85 KB). docs/algorithm.md, "GPUs with less shared memory".
+DENSE_TILES = ((64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4), (256, 32, 8, 1), (256, 16, 8, 2))
+# the same for the forward (and the proxy LSE): 64 x 64 with 4 warps runs on sm_90; with 8
+# warps it does not spill on sm_120 (D = 128: 4 warps spill 72 bytes there, Triton 3.9)
+FWD_TILES = ((64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4))
+
+
+def tile_stages(tile, default: int = 3) -> int:
+    """Software-pipelining stages of a :data:`DENSE_TILES` / :data:`FWD_TILES` entry: its
+    optional 4th element, else ``default``."""
+    return tile[3] if len(tile) > 3 else default
+
+
 # software-pipelining stages of _dense_proxy_dk_kernel (deterministic mode; the other dense
 # kernels use 3). Its q_proxy operand's second load (see the kernel) costs registers: at 3
 # stages every D = 128 tile with BN = 64 or 32 spills (sm_90a, Triton 3.9), leaving (32, 32, 4)
@@ -418,10 +435,18 @@ def _prec(x):
 def _attention(q, k, v, out, lse, scale, cu, cfg):
     """Dense causal attention into ``out``/``lse``; with ``v is None`` only the LSE."""
     T, H, D = q.shape
-    _dense_fwd_kernel[(triton.cdiv(cfg.max_seqlen, BM), cu.numel() - 1, H)](
-        q, k, k if v is None else v, cu, q if out is None else out, lse, scale,
-        H=H, Hk=k.shape[1], D=D, BM=BM, BN=BN, HAS_V=v is not None, PREC=_prec(q), num_warps=4,
-    )  # fmt: skip
+    args = (q, k, k if v is None else v, cu, q if out is None else out, lse, scale)
+
+    def options(tile):
+        return dict(
+            H=H, Hk=k.shape[1], D=D, BM=tile[0], BN=tile[1], HAS_V=v is not None, PREC=_prec(q),
+            num_warps=tile[2], num_stages=tile_stages(tile),
+        )  # fmt: skip
+
+    key = (q.dtype, H, k.shape[1], D, v is not None)
+    tile = tiles.pick(_dense_fwd_kernel, args, FWD_TILES, options, key)
+    grid = (triton.cdiv(cfg.max_seqlen, tile[0]), cu.numel() - 1, H)
+    _dense_fwd_kernel[grid](*args, **options(tile))
 
 
 def _proxy_pass(
@@ -444,11 +469,12 @@ def _proxy_pass(
     )  # fmt: skip
 
     def options(tile):
-        rows, keys, warps = tile
+        rows, keys, warps = tile[:3]
         G, G2, R, BT = geometry(H, Hkv, Hs, rows)
         return dict(
             H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, D=D, Dp=Dp, G=G, G2=G2, R=R, BT=BT, BN=keys,
             KL_VALUE=kl_value, GRAD=grad, PREC=_prec(q), DK_PROXY=not det, num_warps=warps,
+            num_stages=tile_stages(tile),
         )  # fmt: skip
 
     key = (q.dtype, H, Hkv, Hs, Hpk, D, Dp, kl_value, grad, det)
@@ -467,7 +493,7 @@ def _proxy_pass(
             opts = options(tile)
             for name in ("KL_VALUE", "GRAD", "DK_PROXY"):
                 del opts[name]
-            return dict(opts, num_stages=PROXY_DK_STAGES)
+            return dict(opts, num_stages=tile_stages(tile, PROXY_DK_STAGES))
 
         tile = tiles.pick(_dense_proxy_dk_kernel, dk_args, DENSE_TILES, dk_options, key)
         grid = (triton.cdiv(cfg.max_seqlen, tile[1]), cu.numel() - 1, Hpk)
@@ -515,8 +541,11 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
         args = (q, k, v, dout, delta, lse, cu_seqlens, dq, dk, dv, cfg.softmax_scale)
 
         def options(tile):
-            rows, keys, warps = tile
-            return dict(H=H, Hkv=Hkv, D=D, BM=rows, BN=keys, PREC=_prec(q), num_warps=warps)
+            rows, keys, warps = tile[:3]
+            return dict(
+                H=H, Hkv=Hkv, D=D, BM=rows, BN=keys, PREC=_prec(q), num_warps=warps,
+                num_stages=tile_stages(tile),
+            )  # fmt: skip
 
         def bwd_options(tile):
             return dict(options(tile), DETERMINISTIC=det)

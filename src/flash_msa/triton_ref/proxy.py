@@ -154,14 +154,22 @@ def _proxy_kernel(
             tl.atomic_add(p_dkp, b_dkp * (coef * pscale), mask=m_k[:, None], sem="relaxed")
 
 
-# (rows, BN, PREFETCH) candidates of the proxy pass, in order of preference (tiles.py picks the
-# first that compiles without spills): MMA rows per token chunk, keys per program (a key block
-# is split over block // BN programs; each re-gathers the block's query rows), whether the next
-# chunk's PERM entries load one iteration ahead (it costs registers)
+# (rows, BN, PREFETCH[, stages]) candidates of the proxy pass, in order of preference (tiles.py
+# picks the first that compiles without spills within the shared memory): MMA rows per token
+# chunk, keys per program (a key block is split over block // BN programs; each re-gathers the
+# block's query rows), whether the next chunk's PERM entries load one iteration ahead (it costs
+# registers), and software-pipelining stages (default: the caller's ``num_stages``, 1). The
+# last two are for mma.sync targets (sm_80 to sm_120; Triton 3.9, D = 128), where the MMA
+# operands pass through registers: with 2 stages they are copied to shared memory by cp.async
+# instead. At the paper layout (G = 16 heads per selection head) every earlier entry spills on
+# sm_80/89/120; 256 rows keep the teacher's heads in one KV sub-group (R = 1: one key tile, not
+# R unrolled loads): 160-252 registers, 85-91 KB on sm_80/89/100/120. With Hs < Hkv (R = 2 at
+# any rows) 64 x 32 keys at 2 stages fit (192-227 registers, 83-91 KB). docs/algorithm.md,
+# "GPUs with less shared memory".
 PROXY_TILES = (
     (128, 128, True), (128, 128, False), (128, 64, True), (128, 64, False), (64, 128, True),
     (64, 64, True), (64, 64, False), (128, 32, True), (32, 64, True), (64, 32, True),
-    (32, 32, True),
+    (32, 32, True), (256, 16, False, 2), (64, 32, False, 2),
 )  # fmt: skip
 
 
@@ -241,7 +249,7 @@ def launch(
         )  # fmt: skip
 
     def options(tile):
-        rows, BN, prefetch = tile
+        rows, BN, prefetch, *stages = tile  # stages: PROXY_TILES' optional 4th entry
         G, G2, R, BT = geometry(H, k.shape[1], Hs, rows)
         return dict(
             H=H, Hkv=k.shape[1], Hs=Hs, Hpk=Hpk, K=wl.slots, D=D,
@@ -249,7 +257,7 @@ def launch(
             KL_VALUE=kl_value, GRAD=grad,
             PREC="ieee" if q.dtype.itemsize == 4 else "tf32", PREFETCH=prefetch,
             DETERMINISTIC=ordered_sums, HAS_QMAP=wl.q_map is not None, num_warps=8,
-            num_stages=num_stages,
+            num_stages=stages[0] if stages else num_stages,
         )  # fmt: skip
 
     key = (q.dtype, H, k.shape[1], Hs, Hpk, wl.slots, D, Dp, block, kl_value, grad)

@@ -139,7 +139,9 @@ def SIGNATURE(dtype: str) -> dict:
 
 
 def launch_config(G: int, Dp: int, block: int, top_k: int, dtype: str):
-    """``(constexprs, num_warps, num_stages)`` for one problem: the fixed tile table."""
+    """``(constexprs, num_warps, num_stages)`` for one problem: the fixed tile table (the warps,
+    the rows per program ``BM`` with ``BT = BM // G`` and the stages are the first of
+    :func:`tile_candidates`)."""
     BM = 128 if G <= 128 else triton.next_power_of_2(G)
     consts = dict(
         Hp=G, Hpk=1, G=G, Dp=Dp, BLOCK=block, TOPK=top_k,
@@ -149,10 +151,20 @@ def launch_config(G: int, Dp: int, block: int, top_k: int, dtype: str):
     return consts, (8 if BM * block >= 128 * 128 else 4), 2
 
 
-def warp_candidates(num_warps: int) -> tuple[int, ...]:
-    """Warps to try in order (tiles.pick): the table's, then 8 (more registers per tile) if
-    that one spills (top_k 64)."""
-    return tuple(dict.fromkeys((num_warps, 8)))
+def tile_candidates(num_warps: int, num_stages: int, BM: int, G: int):
+    """``(num_warps, BM, num_stages)`` to try in order (tiles.pick): the table's, then 8 warps
+    (more registers per tile) if that one spills (top_k 64 on sm_90), then 16 warps, then half
+    the rows (``BT = BM // 2 // G`` tokens, while that is one or more) with 8 warps and no
+    software pipelining. The last two are for ``mma.sync`` targets (sm_80 to sm_120), where
+    the ``[BM, BLOCK]`` scores and the ``[BM, KP2]`` top-k state take more registers than with
+    wgmma: at ``Dp = 128``, block 128, top_k 64, ``G = 4`` (Triton 3.9) the 8-warp tile spills
+    8 bytes on sm_80 and 24 on sm_120, 16 warps fit sm_80 (128 registers) but spill 32 bytes on
+    sm_120, and 64 rows x 8 warps x 1 stage fit both (170 registers, 24 KB; compile_check
+    --arch)."""
+    cands = [(num_warps, BM, num_stages), (8, BM, num_stages), (16, BM, num_stages)]
+    if BM // 2 >= G:
+        cands.append((8, BM // 2, 1))
+    return tuple(dict.fromkeys(cands))
 
 
 def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config, q_map=None):
@@ -174,16 +186,18 @@ def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config, q_map=None):
         qm = dict(QMAP=q_map, ROWS=order.rows, QSTART=order.seq_start)
         rows = min(T, cfg.max_seqlen)  # and at most the query rows (a host bound: no sync)
         consts.update(HAS_QMAP=True)
-    grid = (triton.cdiv(rows, consts["BT"]), cu_seqlens.numel() - 1, Hpk)
     args = (q_proxy, k_proxy, cu_seqlens, indices, *qm.values(), cfg.proxy_scale)
+    G = Hp // Hpk
 
-    def options(warps):
-        return dict(num_warps=warps, num_stages=num_stages, **consts)
+    def options(tile):
+        warps, BM, stages = tile
+        return dict(consts, BM=BM, BT=BM // G, num_warps=warps, num_stages=stages)
 
-    cands = warp_candidates(num_warps)
+    cands = tile_candidates(num_warps, num_stages, consts["BM"], G)
     key = (dtype, *sorted(consts.items()), num_stages)
-    warps = tiles.pick(_select_kernel, args, cands, options, key)
-    _select_kernel[grid](*args, **options(warps))
+    tile = tiles.pick(_select_kernel, args, cands, options, key)
+    grid = (triton.cdiv(rows, options(tile)["BT"]), cu_seqlens.numel() - 1, Hpk)
+    _select_kernel[grid](*args, **options(tile))
     return indices
 
 

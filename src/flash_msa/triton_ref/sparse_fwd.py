@@ -213,15 +213,20 @@ SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 
 }
 
 
-# (rows, OUT_SPLIT) candidates of the main forward, in order of preference (tiles.py picks the
-# first that compiles without spills): MMA rows per token chunk, column slices of O = P V
-FWD_TILES = ((128, 1), (128, 4), (128, 2), (64, 1), (64, 4), (64, 2), (32, 1))
+# (rows, OUT_SPLIT[, warps]) candidates of the main forward, in order of preference (tiles.py
+# picks the first that compiles without spills within the shared memory): MMA rows per token
+# chunk, column slices of O = P V, warps (default 8). The last entry is for sm_80: at the paper
+# layout, D = 64, block 128 every 8-warp tile spills 16-48 bytes there (Triton 3.9; sm_86/89/
+# 120 take 128 rows with O in 4 slices); 32 rows with 4 warps do not (215 registers, 40 KB).
+FWD_TILES = ((128, 1), (128, 4), (128, 2), (64, 1), (64, 4), (64, 2), (32, 1), (32, 1, 4))
 
 
-def fwd_tiles(has_main: bool) -> tuple[tuple[int, int], ...]:
+def fwd_tiles(has_main: bool) -> tuple[tuple[int, ...], ...]:
     """The forward's candidates; without the main pass (another kernel makes it) ``OUT_SPLIT``
-    changes nothing, so only the row counts remain."""
-    return FWD_TILES if has_main else tuple(dict.fromkeys((r, 1) for r, _ in FWD_TILES))
+    changes nothing, so only the row counts (and warps) remain."""
+    if has_main:
+        return FWD_TILES
+    return tuple(dict.fromkeys((t[0], 1, *t[2:]) for t in FWD_TILES))
 
 
 FWD_STAGES = 1  # software-pipelining stages of the main forward
@@ -269,13 +274,14 @@ def _launch(q, k, v, wl, cfg: Config, tok0: int, main, proxy):
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
     def options(tile):
-        rows, split = tile
+        rows, split, *warps = tile  # warps: FWD_TILES' optional 3rd entry
         G, G2, R, BT = geometry(H, Hkv, Hs, rows)
         return dict(
             H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
             BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC=prec,
             HAS_PROXY=proxy is not None, PREFETCH=FWD_PREFETCH, HAS_MAIN=has_main,
-            OUT_SPLIT=split, HAS_QMAP=has_qmap, num_warps=8, num_stages=FWD_STAGES,
+            OUT_SPLIT=split, HAS_QMAP=has_qmap, num_warps=warps[0] if warps else 8,
+            num_stages=FWD_STAGES,
         )  # fmt: skip
 
     key = (q.dtype, H, Hkv, Hs, Hpk, K, D, Dp, cfg.block_size, proxy is not None, has_main)

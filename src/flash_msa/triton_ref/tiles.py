@@ -11,19 +11,32 @@ synchronization) and keeps the first one whose cubin has no stack frame and no l
 fits the device. The choice is cached per
 static configuration; the kernel launch that follows reuses the compiled binary.
 
+The tables are the same on every GPU. Their last entries are small enough for the per-block
+shared memory and the ``mma.sync`` register layouts of the smaller architectures
+(:data:`SHARED_LIMITS`: sm_80 163 KB, sm_86/89/120 99 KB), so on those the same rule (the first
+candidate without spills that fits) walks further down the list; the sm_90 choices are those
+of the first entries and do not change. The limit is the device's opt-in maximum (queried at
+run time), lowered by the environment variable ``FLASH_MSA_SMEM_LIMIT=<bytes>`` if set
+(:func:`shared_limit`, part of the cache key): with it a test on an H200 forces the tiles
+another architecture would choose (compiled for sm_90 there, whose shared memory and
+registers per tile are close to, not the same as, the ``mma.sync`` build's; the compile check
+``compile_check --arch`` covers the real targets).
+
 A candidate is also skipped when its TTGIR has a shared-memory race of Triton's software
 pipelining (:func:`ring_hazards`: an async wgmma reading a ring-buffer slot that the loop's
 next prefetch overwrites; found in ``dense._dense_proxy_dk_kernel``, the likely cause of a
 non-deterministic dk_proxy on the H200).
 
 If every candidate spills or races (not the case for any configuration ``compile_check``
-covers), the last one is used and a warning names the kernel. Under Triton's interpreter (CPU)
+covers), the last one that fits the shared memory is used (spills are slow, too much shared
+memory does not launch) and a warning names the kernel. Under Triton's interpreter (CPU)
 nothing is compiled and the first candidate is used.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import subprocess
 
@@ -32,6 +45,24 @@ from ..backends import interpreting
 log = logging.getLogger("flash_msa")
 
 _chosen: dict[tuple, object] = {}
+_usage: dict[tuple, tuple[int, int]] = {}  # same keys: (shared bytes, spill bytes) of the choice
+
+# Opt-in shared memory per block in bytes by compute capability ``major * 10 + minor``: the
+# SM's shared memory less the 1 KB the system reserves per block, as in the CUDA C++
+# Programming Guide's table of technical specifications per compute capability ("maximum amount
+# of shared memory per thread block": 163 KB on 8.0/8.7, 99 KB on 8.6/8.9/12.x, 227 KB on
+# 9.0/10.0) and nvidia-cutlass-dsl's SMEM_CAPACITY_MAP (cutlass_dsl/cutlass.py). For targets
+# without a device (compile_check) and devices whose torch does not report the value.
+SHARED_LIMITS = {
+    80: 166912,  # A100 (164 - 1) KB
+    86: 101376,  # A10, A40, RTX 30xx (100 - 1) KB
+    87: 166912,  # Jetson Orin
+    89: 101376,  # L4, L40S, RTX 40xx
+    90: 232448,  # H100, H200 (228 - 1) KB
+    100: 232448,  # B200
+    120: 101376,  # RTX 50xx, RTX PRO 6000 Blackwell
+}
+SMEM_LIMIT_ENV = "FLASH_MSA_SMEM_LIMIT"  # a cap (bytes per block) below the device's, for tests
 
 
 def fitting(table, block: int) -> tuple[tuple[int, ...], ...]:
@@ -98,35 +129,76 @@ def ring_hazards(ttgir: str) -> list[str]:
 
 
 def _shared_limit(dev) -> int:
+    """The device's opt-in shared memory per block (bytes), without the cap."""
     import torch
 
     props = torch.cuda.get_device_properties(dev)
-    return getattr(props, "shared_memory_per_block_optin", 232448)
+    limit = getattr(props, "shared_memory_per_block_optin", None)
+    return limit or SHARED_LIMITS.get(props.major * 10 + props.minor, SHARED_LIMITS[90])
+
+
+def smem_cap() -> int | None:
+    """The cap ``FLASH_MSA_SMEM_LIMIT`` sets (bytes of shared memory per block), ``None`` when
+    unset or empty. Raises ValueError naming the variable if it is not a positive integer."""
+    raw = os.environ.get(SMEM_LIMIT_ENV, "").strip()
+    if not raw:
+        return None
+    cap = int(raw) if raw.isdigit() else 0
+    if cap <= 0:
+        raise ValueError(f"{SMEM_LIMIT_ENV}={raw!r}: must be a positive number of bytes")
+    return cap
+
+
+def shared_limit(dev) -> int:
+    """Bytes of shared memory a block may use on CUDA device ``dev`` (what :func:`pick`
+    checks): the device's opt-in maximum, or the cap of ``FLASH_MSA_SMEM_LIMIT`` if lower."""
+    limit = _shared_limit(dev)
+    cap = smem_cap()
+    return limit if cap is None else min(limit, cap)
 
 
 def chosen() -> dict[tuple, object]:
     """The tiles :func:`pick` chose so far (a copy): ``(kernel name, candidates, device,
-    capability, *key) -> tile`` (benchmarks/tune_triton.py prints them)."""
+    capability, shared limit, *key) -> tile`` (benchmarks/tune_triton.py prints them)."""
     return dict(_chosen)
 
 
+def usage() -> dict[tuple, tuple[int, int]]:
+    """``(shared bytes, spill bytes)`` of each choice of :func:`chosen` (same keys), as
+    compiled; ``(-1, -1)`` where no candidate compiled, spill bytes -1 where the choice
+    exceeds the shared memory (not launchable: every candidate did)."""
+    return dict(_usage)
+
+
+def clear() -> None:
+    """Forget every choice. A changed ``FLASH_MSA_SMEM_LIMIT`` needs no clearing (the limit is
+    part of the key); this keeps :func:`chosen` to one setting's choices in tests."""
+    _chosen.clear()
+    _usage.clear()
+
+
 def pick(kernel, args, candidates, options, key):
-    """First of ``candidates`` whose kernel compiles without spills, for ``args`` (checked for
-    the specialization of the first call of a configuration: Triton may compile another one
-    for other integer values, e.g. divisibility by 16, which is not re-checked).
+    """First of ``candidates`` whose kernel compiles without spills and within
+    :func:`shared_limit`, for ``args`` (checked for the specialization of the first call of a
+    configuration: Triton may compile another one for other integer values, e.g. divisibility
+    by 16, which is not re-checked).
 
     ``options(candidate)`` gives the launch keywords (constexprs, ``num_warps``,
     ``num_stages``) of a candidate; ``key`` identifies the static configuration (it must
-    include everything ``options`` and the argument dtypes depend on)."""
+    include everything ``options`` and the argument dtypes depend on). The shared-memory limit
+    is part of the cache key, so a changed ``FLASH_MSA_SMEM_LIMIT`` chooses again."""
     if interpreting():
         return candidates[0]
     import torch
 
     dev = next(a.device for a in args if isinstance(a, torch.Tensor))
-    key = (kernel.fn.__name__, tuple(candidates), dev, torch.cuda.get_device_capability(dev), *key)
+    limit = shared_limit(dev)
+    capability = torch.cuda.get_device_capability(dev)
+    key = (kernel.fn.__name__, tuple(candidates), dev, capability, limit, *key)
     if key in _chosen:
         return _chosen[key]
-    choice = None
+    choice = fits = None
+    used = {}  # candidate -> (shared bytes, spill bytes; -1 where not read)
     for cand in candidates:
         try:
             with torch.cuda.device(dev):
@@ -140,13 +212,23 @@ def pick(kernel, args, candidates, options, key):
                 "flash_msa: tile %s of %s skipped, a pipelining race: %s", cand, key[0], hazards
             )
             continue
-        if compiled.metadata.shared <= _shared_limit(dev) and spill_bytes(compiled) == 0:
+        used[cand] = (compiled.metadata.shared, -1)
+        if compiled.metadata.shared > limit:  # would not launch
+            continue
+        fits = cand
+        used[cand] = (compiled.metadata.shared, spill_bytes(compiled))
+        if used[cand][1] == 0:
             choice = cand
             break
-    if choice is None:
-        choice = candidates[-1]
+    if choice is None:  # spills are slow but run; too much shared memory does not launch
+        choice = candidates[-1] if fits is None else fits
         log.warning(
-            "flash_msa: every tile candidate of %s spills registers or races (%s)", key[0], key
+            "flash_msa: every tile candidate of %s spills registers, races or exceeds %d bytes "
+            "of shared memory (%s)",
+            key[0],
+            limit,
+            key,
         )
     _chosen[key] = choice
+    _usage[key] = used.get(choice, (-1, -1))
     return choice
