@@ -140,8 +140,16 @@ def test_key_covers_configuration_and_source(tmp_path, monkeypatch):
 
     monkeypatch.setenv(disk_cache.DIR_ENV, str(tmp_path))
     sig = ("specimen signature", 1)
-    monkeypatch.delenv(disk_cache.SWITCH_ENV, raising=False)  # off by default (for now)
+    monkeypatch.setenv(disk_cache.SWITCH_ENV, "0")  # off (the test suite's setting)
     assert disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64), sig, "sm_90") is None
+    for value in ("1", "", " "):  # on: the default, unset or empty, or 1
+        monkeypatch.setenv(disk_cache.SWITCH_ENV, value)
+        assert disk_cache.enabled(), value
+    monkeypatch.delenv(disk_cache.SWITCH_ENV)
+    assert disk_cache.enabled()
+    monkeypatch.setenv(disk_cache.SWITCH_ENV, "yes")
+    with pytest.raises(ValueError, match=disk_cache.SWITCH_ENV):
+        disk_cache.enabled()
     monkeypatch.setenv(disk_cache.SWITCH_ENV, "1")
     a = disk_cache.entry_path(SelectSm90(BFloat16, 64, 4, 1, 16, 64), sig, "sm_90")
     assert a is not None and a.parent.parent == tmp_path / "cute"

@@ -27,8 +27,9 @@ on the Triton backend (the ops share one tensor contract, see docs/design.md), a
 its limits (``auto`` runs it on Triton within the same autograd step). Blackwell (sm_100)
 kernels are not written yet.
 
-Kernels are compiled on first use and cached in-process (``common.run``; on disk too with
-``FLASH_MSA_CACHE=1``: ``disk_cache.py``, off until its first GPU run) per kernel object
+Kernels are compiled on first use and cached in-process (``common.run``) and on disk
+(``disk_cache.py``: a second process loads instead of compiling; ``FLASH_MSA_CACHE=0`` off) per
+kernel object
 (every field of its configuration: dtype, head dims, head counts, top_k, block size, tuning),
 static layout of its arguments and device; sequence lengths, token counts and the number of
 sequences are run-time values (no recompilation).
