@@ -89,6 +89,80 @@ def test_interpreter_refuses_bf16_so_auto_runs_torch(monkeypatch):
     testing.assert_close("kl", kl, exact[1], same.kl, dtype=torch.bfloat16)
 
 
+# The GPUs other than Hopper and B200 that Triton's smaller tiles are for (triton_ref/tiles.py,
+# SHARED_LIMITS): A100 (sm_80, 163 KB per block), A10/RTX 30xx (sm_86), L40S/RTX 40xx (sm_89)
+# and RTX 50xx (sm_120), 99 KB.
+SMALL_SMEM_GPUS = [(8, 0), (8, 6), (8, 9), (12, 0)]
+
+
+def _gpu_problem(capability, **cfg):
+    """A bf16 CUDA call (faked: no device is touched) that is inside CuTe's limits on sm_90
+    (D = Dp = 128; each selection head's two main heads share one KV head)."""
+    prob = _problem("cuda", torch.bfloat16, capability, **cfg)
+    return dataclasses.replace(prob, head_dim=128, proxy_head_dim=128)
+
+
+def _warmup(prob):
+    return dataclasses.replace(prob, cfg=dataclasses.replace(prob.cfg, warmup=True, top_k=None))
+
+
+@pytest.mark.parametrize("cap", SMALL_SMEM_GPUS, ids=lambda c: f"sm{c[0]}{c[1]}")
+def test_auto_runs_triton_on_ampere_ada_and_consumer_blackwell(cap, monkeypatch):
+    """On sm_80/86/89/120 ``auto`` picks Triton for select, fwd and bwd, sparse and warmup;
+    CuTe is refused there by its capability (the sparse ops) or its warmup entry, and says so.
+    On sm_90 the same problem's sparse select and bwd are CuTe's: the refusal is the arch."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton available on this GPU-less machine
+    sparse = _gpu_problem(cap)
+    arch = f"sm_{cap[0]}{cap[1]}"
+    not_hopper = f"{arch} is not one of sm_90: CuTe kernels exist for Hopper only"
+    no_warmup = "warmup (dense attention, no selection) is not on CuTe"
+    for prob, ops, cute_why in (
+        (sparse, ("select", "fwd", "bwd"), not_hopper),
+        (_warmup(sparse), ("fwd", "bwd"), no_warmup),
+    ):
+        for op in ops:
+            name, rejected = backends.choose(op, prob)
+            assert name == "triton", (op, rejected)
+            assert [n for n, _ in rejected] == ["cute"] and cute_why in rejected[0][1], rejected
+            assert backends.resolve(op, prob)[0] == "triton"
+    hopper = _gpu_problem((9, 0))
+    assert backends.choose("select", hopper) == ("cute", [])
+    assert backends.choose("bwd", hopper) == ("cute", [])
+
+
+@pytest.mark.parametrize("cap", [(7, 5), (8, 7), (12, 1)], ids=lambda c: f"sm{c[0]}{c[1]}")
+def test_auto_refuses_undeclared_gpus_naming_the_architectures(cap, monkeypatch):
+    """A capability neither GPU backend declares (Turing sm_75; Jetson Orin sm_87 and sm_121,
+    whose tiles are not checked) raises ``BackendError`` with each backend's reason: CuTe's
+    Hopper-only list, Triton's list and why it stops there."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    arch = f"sm_{cap[0]}{cap[1]}"
+    for prob, op in ((_gpu_problem(cap), "select"), (_warmup(_gpu_problem(cap)), "fwd")):
+        why = backends.reason_not("triton", op, prob)
+        assert why == (
+            f"{arch} is not one of sm_80, sm_86, sm_89, sm_9x, sm_10x, sm_120: the Triton tiles "
+            "are sized and compile-checked for these architectures' shared memory and MMA "
+            "instructions only"
+        ), why
+        whole = rf"no backend can run '{op}' on cuda \({arch}\) \(cute: .*; triton: {arch} is not"
+        with pytest.raises(backends.BackendError, match=whole):
+            backends.resolve(op, prob)
+
+
+@pytest.mark.parametrize("cap", [*SMALL_SMEM_GPUS, (9, 0)], ids=lambda c: f"sm{c[0]}{c[1]}")
+def test_fp8_selection_is_not_auto_on_gpus(cap, monkeypatch):
+    """No GPU backend declares the fp8 selection (torch does: forced only for GPU tensors), so
+    ``auto`` raises for it on every GPU, sm_80/86 (no e4m3 MMA) included, with Triton's
+    reason naming ``selection_precision="fp8"``."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    prob = _gpu_problem(cap, selection_precision="fp8")
+    why = backends.reason_not("triton", "select", prob)
+    assert why is not None and 'selection_precision="fp8"' in why, why
+    with pytest.raises(backends.BackendError, match="selection_precision"):
+        backends.resolve("select", prob)
+    assert backends.reason_not("torch", "select", prob) is None  # FLASH_MSA_BACKEND=torch runs it
+
+
 def test_readme_backend_table_matches_declarations():
     """The README's backend table is the one ``python -m flash_msa.limits`` renders from the
     backends' LIMITS (``flash-msa info`` prints the same rows)."""

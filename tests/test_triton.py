@@ -288,7 +288,7 @@ def test_unsupported_reasons_name_the_limit():
     )
     assert all(triton_ref.unsupported_reason(op, ok) is None for op in ("select", "fwd", "bwd"))
     cases = {
-        "sm_80": dataclasses.replace(ok, capability=(8, 0)),
+        "sm_75": dataclasses.replace(ok, capability=(7, 5)),
         "head_dim 256": dataclasses.replace(ok, head_dim=256),
         "top_k 65": dataclasses.replace(ok, cfg=dataclasses.replace(cfg, top_k=65)),
         "70000 sequences": dataclasses.replace(ok, num_seqs=70000),

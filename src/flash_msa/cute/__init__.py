@@ -59,14 +59,14 @@ BWD_LIMITS = Limits(
 # flash_msa.ordered adds them in a fixed order.
 LIMITS = {
     "select": Limits(**_SM90, proxy_head_dims=(64, 128), max_top_k=64, deterministic=True),
-    # the proxy LSE / combine / KL stages are borrowed from Triton: their limits are added
-    # by flash_msa.sparse_forward.borrowed_reason
+    # the proxy LSE and combine stages (and the KL where kl_fits is false) are borrowed from
+    # Triton: their limits are added by flash_msa.sparse_forward.borrowed_reason
     "fwd": Limits(
         **_SM90,
         head_dims=(64, 128),
         deterministic=True,
-        note="per-block attention on CuTe; proxy LSE, combine and KL are Triton stages (with "
-        "their limits) until CuTe stage 3",
+        note="per-block attention and the KL value on CuTe; proxy LSE and combine are Triton "
+        "stages (with their limits), as is the KL where the CuTe stage cannot run the call",
     ),
     "bwd": BWD_LIMITS,
     "warmup": "warmup (dense attention, no selection) is not on CuTe (auto runs it on Triton)",
