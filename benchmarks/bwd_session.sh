@@ -2,7 +2,7 @@
 # One GPU session's backward work, in priority order, each step time-boxed; logs under OUTDIR.
 # Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
 #   STEPS: any of tests det ab ncu bench sanitizer hypothesis kl cache combine bench_stages
-#   (default: all but kl, cache, combine and bench_stages, in that order);
+#   host small_tiles (default: tests det ab ncu bench sanitizer hypothesis, in that order);
 #   bench_anchor / bench_paper: one half of bench
 #   BWD_TESTS_K / BWD_TESTS_LIMIT: override the test steps' pytest -k selection and time limit
 #   BWD_TESTS_N: run the test steps (not det, whose timing ratio needs the GPU alone) on N
@@ -72,6 +72,16 @@ PY
         -o "$out/ws_anchor32k" python3 profile_bwd.py --provider cute > "$out/ncu.log" 2>&1)
       "$NCU" -i "$out/ws_anchor32k.ncu-rep" --page details > "$out/ncu_ws_details.txt" 2>&1
       grep -E "Duration|Eligible Warps|Issue Slots|Achieved Occ" "$out/ncu_ws_details.txt" ;;
+    host)  # host enqueue time against GPU time of the anchor-16K step (is the 16K step host-bound?)
+      t timeout 240 python3 benchmarks/step_host_time.py > "$out/step_host_time.log" 2>&1
+      head -3 "$out/step_host_time.log" ;;
+    small_tiles)  # issue 18: the training step on Triton with the small tiles forced, next to the default
+      for cap in "" 166912 101376; do
+        FLASH_MSA_SMEM_LIMIT=$cap t timeout 120 python3 -m flash_msa bench --shape anchor paper \
+          --seqlen 16384 --backends triton --inputs random --iters 5 --dense \
+          --json "$out/bench_triton_smem${cap:-default}.json" > "$out/bench_triton_smem${cap:-default}.log" 2>&1
+        tail -2 "$out/bench_triton_smem${cap:-default}.log"
+      done ;;
     bench_stages)  # the training step with the CuTe KL and combine stages on (cute.KL_ON_CUTE, COMBINE_ON_CUTE)
       on='import sys, flash_msa.cute as c; c.KL_ON_CUTE = c.COMBINE_ON_CUTE = True; from flash_msa.cli import main; sys.exit(main(sys.argv[1:]))'
       t timeout 240 python3 -c "$on" bench --shape anchor --seqlen 16384 32768 --backends cute \
