@@ -11,24 +11,32 @@ For the anchor and paper shapes at S=32K and 128K (random and local inputs, top_
   * the per-block partials alone (all S tokens in one launch, one work list): the Triton stage
     and the CuTe kernel with 1, 2 and 3 warpgroups per CTA (``FwdPartialsSm90(warpgroups=)``,
     the constructor argument; 3 is the default);
+  * the partials with the proxy LSE partials (issue 14 item 1): Triton's one launch that makes
+    both ("partials+proxy triton (fused)"), the CuTe partials then Triton's ``proxy_partials``
+    stage (the CuTe forward today: "partials cute + proxy triton"), the CuTe kernel that makes
+    both (``FwdPartialsSm90(proxy=True)``: "partials+proxy cute"), and Triton's
+    ``proxy_partials`` alone;
   * the whole forward op without selection (partials, combine, proxy LSE, KL value): Triton's,
-    and the CuTe one (CuTe partials + Triton's other passes).
-TFLOP/s are by FWD = 4*D*H*sparse pairs for every line (for the ops this leaves out the
-proxy LSE and KL work, so it understates them).
+    the CuTe one (CuTe partials + Triton's proxy LSE stage), and the CuTe one with
+    ``cute.PROXY_LSE_ON_CUTE`` on ("fwd op cute proxy-on-cute").
+TFLOP/s are by FWD = 4*D*H*sparse pairs for every line (for the proxy lines and the ops this
+leaves out the proxy LSE and KL work, so it understates them).
 
 Verification, per line and before it is timed, on that line's own output (its buffers
 NaN-poisoned first): ``SAMPLES`` random kept rows, recomputed in this script in fp64 ("exact")
 and the way the reference computes in the input dtype ("same"), by the tolerance rule of
 ``flash_msa.testing`` (``err <= 2 * err(same) + atol``); a partials line also has every kept
-row finite (its LSE, and its output row) and every unused row still poisoned. The line prints
-both errors and PASS or FAIL; a failing line is not timed.
+row finite (its LSE, and its output row) and every unused row still poisoned; a proxy line
+also has its sampled proxy LSE partials by the rule (exact: fp64; same: fp32 scores, as the
+reference computes them), every used slot finite and every unused one still poisoned. The line
+prints the errors and PASS or FAIL; a failing line is not timed.
 """
 
 import sys
 
 import torch
 
-from flash_msa import bench, testing, triton_ref, worklist
+from flash_msa import bench, cute, testing, triton_ref, worklist
 from flash_msa.cute import fwd_partials_sm90
 from flash_msa.triton_ref import selection as tri_sel
 
@@ -57,12 +65,8 @@ def sampled_attention(q, k, v, blocks, cu, cfg, t, h, exact):
         ]  # fmt: skip
         return tuple(torch.cat(x) for x in zip(*parts))
     T, H, D = q.shape
-    b = cfg.block_size
     dt = torch.float64 if exact else q.dtype
-    s0 = cu[torch.searchsorted(cu[1:].long(), t, right=True)].long()  # the row's sequence start
-    local = blocks.long()[:, :, None] * b + torch.arange(b, device=q.device)  # (N, nb, b)
-    visible = ((blocks[:, :, None] >= 0) & (local <= (t - s0)[:, None, None])).flatten(1)
-    keys = (s0[:, None, None] + local).clamp(0, T - 1).flatten(1)  # (N, nb * b)
+    keys, visible = block_keys(blocks, cu, cfg.block_size, t, T)
     kvh = (h // (H // k.shape[1]))[:, None]
     kk, vv = k[keys, kvh].to(dt), v[keys, kvh].to(dt)  # (N, nb * b, D)
     s = (kk @ q[t, h].to(dt)[:, :, None])[..., 0]
@@ -72,6 +76,45 @@ def sampled_attention(q, k, v, blocks, cu, cfg, t, h, exact):
     p = torch.exp(s - lse[:, None])
     out = (p.to(dt)[:, None, :] @ vv)[:, 0]
     return (out if exact else out.to(q.dtype)), lse
+
+
+def block_keys(blocks, cu, b, t, T):
+    """``(keys, visible)`` ``(N, nb * b)``: the packed positions of the keys of blocks
+    ``blocks`` ``(N, nb)`` (sequence-local, -1 unused) of rows of tokens ``t``, and whether
+    each is one of the row's keys (a used block's, at or before the row's token)."""
+    s0 = cu[torch.searchsorted(cu[1:].long(), t, right=True)].long()  # the row's sequence start
+    local = blocks.long()[:, :, None] * b + torch.arange(b, device=t.device)  # (N, nb, b)
+    visible = ((blocks[:, :, None] >= 0) & (local <= (t - s0)[:, None, None])).flatten(1)
+    keys = (s0[:, None, None] + local).clamp(0, T - 1).flatten(1)  # (N, nb * b)
+    return keys, visible
+
+
+def sampled_proxy_lse(qp, kp, blocks, cu, cfg, t, p, exact):
+    """Proxy LSE of rows ``(t[n], proxy head p[n])`` over the keys of ``blocks[n]`` up to the
+    row's token: in fp64 (``exact``), else as the reference computes it (fp32 scores of the
+    input-dtype values)."""
+    if t.numel() > 256:
+        return torch.cat([
+            sampled_proxy_lse(qp, kp, blocks[i : i + 256], cu, cfg, t[i : i + 256],
+                              p[i : i + 256], exact)
+            for i in range(0, t.numel(), 256)
+        ])  # fmt: skip
+    T, Hp, _ = qp.shape
+    dt = torch.float64 if exact else torch.float32
+    keys, visible = block_keys(blocks, cu, cfg.block_size, t, T)
+    kk = kp[keys, (p // (Hp // kp.shape[1]))[:, None]].to(dt)  # (N, nb * b, Dp)
+    z = (kk @ qp[t, p].to(dt)[:, :, None])[..., 0] * cfg.proxy_scale
+    return torch.logsumexp(z.masked_fill(~visible, float("-inf")), dim=-1)
+
+
+def verify_proxy(mine, refs, kept):
+    """``(ok, text)``: sampled proxy LSE partials ``mine`` by the rule against ``refs =
+    (exact, same)``; ``kept`` says whether the whole buffer has every used slot finite and
+    every unused one still poisoned (bool)."""
+    err, tol = testing.max_err(mine, refs[0]), testing.tolerance(*refs, torch.float32)
+    ok = err <= tol and kept
+    text = f"proxy lse err {err:.2e} (tol {tol:.2e})" + ("" if kept else ", slots wrong")
+    return ok, text
 
 
 def verify(mine_out, mine_lse, refs, dtype):
@@ -106,7 +149,9 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
     # paper 128K; the op itself works in chunks of at most PARTIAL_BYTES)
     o_part = torch.empty((S, H, K, D), dtype=q.dtype, device="cuda")
     l_part = torch.empty((S, H, K), dtype=torch.float32, device="cuda")
+    pl_part = torch.empty((S, Hp, K), dtype=torch.float32, device="cuda")
     tri_stage = triton_ref.forward_stages().partials
+    tri_proxy_stage = triton_ref.forward_stages().proxy_partials
 
     def cute_partials(warpgroups):
         def run():
@@ -117,11 +162,32 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
     def tri_partials():
         tri_stage(q, k, v, wl, o_part, l_part, cfg, 0)
 
+    def tri_partials_proxy():  # Triton's forward: one launch makes both
+        tri_stage(q, k, v, wl, o_part, l_part, cfg, 0, (qp, kp, pl_part))
+
+    def tri_proxy():
+        tri_proxy_stage(q, k, qp, kp, wl, pl_part, cfg, 0)
+
+    def cute_then_tri_proxy():  # the CuTe forward with PROXY_LSE_ON_CUTE off (today)
+        fwd_partials_sm90.partials(q, k, v, wl, o_part, l_part, cfg)
+        tri_proxy()
+
+    def cute_partials_proxy():  # FwdPartialsSm90(proxy=True)
+        fwd_partials_sm90.partials(q, k, v, wl, o_part, l_part, cfg, 0, (qp, kp, pl_part))
+
     def tri_op():
         return triton_ref.fwd(q, k, v, idx, cu, cfg, qp, kp)
 
     def cute_op():
         return fwd_partials_sm90.fwd(q, k, v, idx, cu, cfg, qp, kp)
+
+    def cute_op_proxy():  # the op with the proxy LSE partials in the CuTe partials' launch
+        switch = cute.PROXY_LSE_ON_CUTE
+        cute.PROXY_LSE_ON_CUTE = True
+        try:
+            return cute_op()
+        finally:
+            cute.PROXY_LSE_ON_CUTE = switch
 
     if profile:
         for _ in range(3):
@@ -151,13 +217,27 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
     h_op = torch.randint(H, (SAMPLES,), generator=g, device="cuda")
     blocks_op = idx[t_op, h_op // (H // Hp)]  # (N, K): the row's whole index
     ref_op = [sampled_attention(q, k, v, blocks_op, cu, cfg, t_op, h_op, e) for e in (True, False)]
+    p = h // (H // Hp)  # the sampled rows' proxy heads (their slot's block: ``blocks``)
+    ref_proxy = [sampled_proxy_lse(qp, kp, blocks, cu, cfg, t, p, e) for e in (True, False)]
+    kept_p = idx >= 0  # (S, Hp, K)
 
     runs = [("partials triton", tri_partials, "partials")]
     runs += [(f"partials cute wg{w}", cute_partials(w), "partials") for w in WARPGROUPS]
+    runs += [
+        ("partials+proxy triton (fused)", tri_partials_proxy, "partials+proxy"),
+        ("partials cute + proxy triton", cute_then_tri_proxy, "partials+proxy"),
+        ("partials+proxy cute", cute_partials_proxy, "partials+proxy"),
+        ("proxy_partials triton", tri_proxy, "proxy"),
+    ]
     runs += [("fwd op triton", tri_op, "op"), ("fwd op cute", cute_op, "op")]
+    runs += [("fwd op cute proxy-on-cute", cute_op_proxy, "op")]
     for name, fn, what in runs:
-        if what == "partials":
-            testing.poison(o_part, l_part)
+        if what == "proxy":
+            testing.poison(pl_part)
+            fn()
+            torch.cuda.synchronize()
+        if what.startswith("partials"):
+            testing.poison(o_part, l_part, pl_part)
             fn()
             torch.cuda.synchronize()
             ok, text = verify(o_part[t, h, slot], l_part[t, h, slot], ref_part, q.dtype)
@@ -168,7 +248,13 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
                 ok, text = False, text.replace("PASS", "FAIL") + ", kept rows unwritten"
             if not l_part[~kept].isnan().all():  # the partial-buffer contract
                 ok, text = False, text.replace("PASS", "FAIL") + ", unused rows written"
-        else:
+        if what in ("partials+proxy", "proxy"):
+            slots = bool(torch.isfinite(pl_part[kept_p]).all() and pl_part[~kept_p].isnan().all())
+            ok_p, text_p = verify_proxy(pl_part[t, p, slot], ref_proxy, slots)
+            main = "" if what == "proxy" else text.split(" ", 1)[1] + ", "
+            ok = ok_p and (what == "proxy" or ok)
+            text = f"{'PASS' if ok else 'FAIL'} {main}{text_p}"
+        if what == "op":
             res = fn()
             torch.cuda.synchronize()
             ok, text = verify(res.out[t_op, h_op], res.lse[t_op, h_op], ref_op, q.dtype)

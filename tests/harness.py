@@ -134,3 +134,19 @@ def script_result(p: subprocess.Popen, timeout: float) -> dict:
     out, err = p.communicate(timeout=timeout)
     assert p.returncode == 0, err[-4000:]
     return json.loads(out.strip().splitlines()[-1])
+
+
+def declare_cute_q_map(monkeypatch) -> None:
+    """Declare the query map for the CuTe selection and backward for one test
+    (``cute.Q_MAP_DECLARED`` is off until their GPU tests have passed on an H200): ``auto``
+    then picks CuTe for a mapped select and bwd where their other limits hold."""
+    import dataclasses
+
+    from flash_msa import cute
+
+    bwd = dataclasses.replace(cute.BWD_LIMITS, q_map=True)
+    monkeypatch.setattr(cute, "BWD_LIMITS", bwd)
+    monkeypatch.setitem(cute.LIMITS, "bwd", bwd)
+    monkeypatch.setitem(
+        cute.LIMITS, "select", dataclasses.replace(cute.LIMITS["select"], q_map=True)
+    )

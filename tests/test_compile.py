@@ -132,6 +132,17 @@ def test_cute_kernel_limits_and_shared_memory_arithmetic():
     assert "divide one another" in FwdPartialsSm90.can_implement(BFloat16, 24, 3, 2, 64, 4, 64)
     with pytest.raises(ValueError, match="head_dim"):
         FwdPartialsSm90(BFloat16, 16, 2, 4, 96, 16, 128)
+    # the proxy LSE part: Dp in {64, 128}, Hs a multiple of Hpk; at most 198,656 bytes
+    assert FwdPartialsSm90.shared_bytes(2, 128, 128, 3, 128)["total"] == 198656
+    assert FwdPartialsSm90.shared_bytes(2, 64, 128, 3, 128)["total"] == 165888
+    assert FwdPartialsSm90.can_implement(BFloat16, 8, 2, 4, 64, 8, 64, 3, True, 64, 2) is None
+    assert "proxy_head_dim" in FwdPartialsSm90.can_implement(
+        BFloat16, 16, 2, 4, 128, 16, 128, 3, True, 96
+    )
+    assert "proxy key heads" in FwdPartialsSm90.can_implement(
+        BFloat16, 16, 2, 4, 128, 16, 128, 3, True, 128, 3
+    )
+    assert FwdPartialsSm90.can_implement(BFloat16, 16, 2, 4, 128, 16, 128, 3, False, 96) is None
     with pytest.raises(ValueError, match="top_k"):
         SelectSm90(BFloat16, 128, 4, 1, 65, 128)
 
@@ -139,7 +150,7 @@ def test_cute_kernel_limits_and_shared_memory_arithmetic():
     assert base == FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 16, 128, warpgroups=3)
     changes = dict(
         dtype=Float16, heads=32, kv_heads=4, sel_heads=2, head_dim=64, top_k=8, block_size=64,
-        warpgroups=1,
+        warpgroups=1, proxy=True, proxy_head_dim=64, proxy_k_heads=2,
     )  # fmt: skip
     assert set(changes) == {f.name for f in dataclasses.fields(FwdPartialsSm90)}
     for name, value in changes.items():  # any field changes the cache key
@@ -267,6 +278,82 @@ def test_cute_warp_specialized_backward_limits():
         BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 64, ws=True)
 
 
+def test_cute_query_map_limits_and_kernels(monkeypatch):
+    """The query map (context parallelism) on CuTe: not declared until its GPU tests pass
+    (``cute.Q_MAP_DECLARED``): every CuTe op refuses a mapped call by name and ``auto`` runs it
+    on Triton; declared (as the GPU tests do), select and bwd take it (their kernels' ``qmap``
+    mode), the forward refuses it by name, so ``auto`` picks CuTe for a mapped select and bwd
+    on sm_90 and Triton for the forward; ``qmap`` is part of each kernel object (the
+    compile cache's key), ``BwdSm90.make`` passes it to both backward kernels, and a launch
+    refuses a work list whose map disagrees with its kernel. (No GPU: the kernels' GPU tests
+    are in tests/test_gpu_cute.py / test_gpu_cute_bwd.py; CPU time about 1 s.)"""
+    pytest.importorskip("cutlass")
+    import dataclasses
+
+    import torch
+    from cutlass import BFloat16
+
+    from flash_msa import backends, cute, limits, testing, worklist
+    from flash_msa.cute.bwd_sm90 import BwdSm90, launch_items
+    from flash_msa.cute.bwd_ws_sm90 import BwdWsSm90
+    from flash_msa.cute.select_sm90 import SelectSm90
+    from flash_msa.problem import Config, Problem
+
+    cfg = Config(block_size=128, softmax_scale=0.1, max_seqlen=4096, proxy_scale=0.1, top_k=16)
+    plain = Problem(
+        device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, num_heads=16,
+        num_kv_heads=2, head_dim=128, num_sel_heads=4, num_proxy_k_heads=1, proxy_head_dim=128,
+        varlen=True, cfg=cfg,
+    )  # fmt: skip
+    mapped = dataclasses.replace(plain, q_map=True)
+    for op in ("select", "fwd", "bwd"):
+        assert cute.unsupported_reason(op, plain) is None, op
+    assert not cute.Q_MAP_DECLARED
+    for op in ("select", "fwd", "bwd"):
+        assert "q_map" in (cute.unsupported_reason(op, mapped) or ""), op
+        assert backends.choose(op, mapped)[0] == "triton", op
+    from harness import declare_cute_q_map
+
+    declare_cute_q_map(monkeypatch)
+    assert cute.unsupported_reason("select", mapped) is None
+    assert cute.unsupported_reason("bwd", mapped) is None
+    assert cute.bwd_kernel_reason(mapped) is None
+    assert "q_map" in cute.unsupported_reason("fwd", mapped)
+    assert "query map" in limits.describe(cute.LIMITS["select"])
+    assert "query map" in limits.describe(cute.LIMITS["bwd"])
+    # outside the kernels' other limits a mapped call is refused for those, not for the map
+    assert "top_k" in cute.unsupported_reason(
+        "select", dataclasses.replace(mapped, cfg=dataclasses.replace(cfg, top_k=65))
+    )
+    assert "share one KV head" in cute.unsupported_reason(
+        "bwd", dataclasses.replace(mapped, num_kv_heads=8)
+    )
+    picks = {op: backends.choose(op, mapped)[0] for op in ("select", "fwd", "bwd")}
+    assert picks == {"select": "cute", "fwd": "triton", "bwd": "cute"}, picks
+
+    sel = SelectSm90(BFloat16, 128, 4, 1, 16, 128)
+    assert not sel.qmap and sel == SelectSm90(BFloat16, 128, 4, 1, 16, 128, qmap=False)
+    other = dataclasses.replace(sel, qmap=True)
+    assert other != sel and hash(other) != hash(sel)
+    args = (BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
+    ws = BwdSm90.make(*args, qmap=True)
+    assert type(ws) is BwdWsSm90 and ws.qmap and ws != BwdSm90.make(*args)
+    assert type(BwdSm90.make(*args, qmap=True, ws=False)) is BwdSm90
+    assert BwdSm90.make(*args, qmap=True, deterministic=True).qmap
+    kl = BwdSm90.make(*args[:-1], 128, False, False, kl=True, qmap=True)
+    assert type(kl) is BwdSm90 and kl.qmap and kl.kl
+
+    # a launch whose work list's map disagrees with the kernel: refused before anything runs
+    cu = testing.cu([100, 60])
+    q_map = torch.tensor([5, 120, -1, 0], dtype=torch.int32)
+    idx = torch.zeros((4, 4, 16), dtype=torch.int32)
+    wl = worklist.build(idx, cu, 128, BwdSm90.ITEM_TOKENS, 0, 160, q_map)
+    with pytest.raises(ValueError, match="qmap=False for a work list with a query map"):
+        launch_items(BwdSm90.make(*args), (), (), wl, (None,) * 6)
+    with pytest.raises(ValueError, match="qmap=True for a work list without"):
+        launch_items(ws, (), (), wl._replace(q_map=None), (None,) * 6)
+
+
 def test_cute_compile_cache_key_has_the_static_argument_layout():
     """``common.static_signature``: static sizes, strides and dtypes of CuTe tensor views are
     part of the key, run-time (outermost) sizes and scalar values are not."""
@@ -337,3 +424,57 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
         k3 = torch.zeros(T, 3, D, dtype=torch.bfloat16)
         WL.heads = 2
         fwd_partials_sm90.partials(q24, k3, k3, WL, o_ok, l_ok, cfg)
+
+
+def test_cute_proxy_lse_switch_and_host_checks(monkeypatch):
+    """``cute.PROXY_LSE_ON_CUTE`` (off by default) and ``proxy_fits`` decide whether the CuTe
+    partials make the proxy LSE partials (the driver's ``partials_make_proxy``; else Triton's
+    ``proxy_partials`` is borrowed), and ``partials`` refuses proxy inputs it cannot take
+    before any launch (no GPU needed)."""
+    pytest.importorskip("cutlass")
+    import torch
+
+    from flash_msa import cute, sparse_forward
+    from flash_msa.cute import fwd_partials_sm90
+    from flash_msa.problem import Config
+
+    assert not cute.PROXY_LSE_ON_CUTE
+    assert not cute.forward_stages().partials_make_proxy
+    assert sparse_forward.borrowed(cute.forward_stages()).proxy_partials is not None
+    monkeypatch.setattr(cute, "PROXY_LSE_ON_CUTE", True)
+    assert cute.forward_stages().partials_make_proxy
+    assert not cute.forward_stages(proxy_fits=False).partials_make_proxy
+
+    T, H, Hkv, Hs, D, K = 8, 16, 2, 4, 128, 4
+    cfg = Config(
+        block_size=64, softmax_scale=D**-0.5, max_seqlen=T, proxy_scale=D**-0.5, top_k=K,
+        warmup=False, compute_kl=True,
+    )  # fmt: skip
+    bf = dict(dtype=torch.bfloat16)
+    q, k = torch.zeros(T, H, D, **bf), torch.zeros(T, Hkv, D, **bf)
+    qp, kp = torch.zeros(T, Hs, 128, **bf), torch.zeros(T, 1, 128, **bf)
+    idx = torch.zeros(T, Hs, K, dtype=torch.int32)
+    fits = fwd_partials_sm90.proxy_fits
+    assert fits(q, k, qp, kp, idx, cfg)
+    assert not fits(q, k, None, None, idx, cfg)
+    assert not fits(q, k, qp.half(), kp.half(), idx, cfg)  # one element type per kernel
+    assert not fits(q, k, qp[..., :96], kp[..., :96], idx, cfg)  # Dp 64 or 128
+    assert not fits(q, k, qp, torch.zeros(T, 3, 128, **bf), idx, cfg)  # Hs % Hpk
+
+    class WL:  # the fields partials() reads before the launch
+        slots = K
+        heads = Hs
+
+    o, lp, pl = torch.zeros(T, H, K, D, **bf), torch.zeros(T, H, K), torch.zeros(T, Hs, K)
+    with pytest.raises(ValueError, match="pl_part"):
+        fwd_partials_sm90.partials(q, k, k, WL, o, lp, cfg, 0, (qp, kp, pl[:, :2]))
+    with pytest.raises(ValueError, match="k_proxy"):
+        fwd_partials_sm90.partials(q, k, k, WL, o, lp, cfg, 0, (qp, kp.half(), pl))
+    with pytest.raises(ValueError, match="proxy_head_dim"):
+        fwd_partials_sm90.partials(q, k, k, WL, o, lp, cfg, 0, (qp[..., :96], kp[..., :96], pl))
+    with pytest.raises(ValueError, match="pl_part must be torch.float32"):
+        fwd_partials_sm90.partials(q, k, k, WL, o, lp, cfg, 0, (qp, kp, pl.half()))
+    with pytest.raises(ValueError, match="l_part must be torch.float32"):
+        fwd_partials_sm90.partials(q, k, k, WL, o, lp.half(), cfg, 0, (qp, kp, pl))
+    with pytest.raises(ValueError, match="q_proxy must be"):  # not an IndexError
+        fwd_partials_sm90.partials(q, k, k, WL, o, lp, cfg, 0, (qp[:, 0], kp, pl))

@@ -26,7 +26,17 @@ from hypothesis import strategies as st
 import flash_msa
 from flash_msa import backends, reference, testing, worklist
 from flash_msa.problem import Problem, Saved
-from harness import FWD, GRADS, check, config, incoming, packed_inputs, references, results
+from harness import (
+    CUTE_LAYOUTS,
+    FWD,
+    GRADS,
+    check,
+    config,
+    incoming,
+    packed_inputs,
+    references,
+    results,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -386,3 +396,264 @@ def test_cute_forward_is_sync_free_and_graph_capturable():
     q.copy_(torch.randn_like(q))
     graph.replay()
     assert torch.equal(captured.out, cute_be.fwd(q, k, v, idx, cu, cfg, qp, kp).out)
+
+
+# ---------------------------------------------------------------------------------------------
+# forward: the proxy LSE partials in the CuTe partials' launch (cute.PROXY_LSE_ON_CUTE)
+# ---------------------------------------------------------------------------------------------
+# lengths, H, Hkv, Hp, Hpk, D, Dp, block, top_k: the backward's layouts (harness.CUTE_LAYOUTS)
+# and Dp < D
+PROXY_LAYOUTS = {
+    name: CUTE_LAYOUTS[name] for name in ("anchor", "paper", "Hp>Hpk>1-b64", "Dp>D", "D=64-b128")
+}
+PROXY_LAYOUTS["Dp<D"] = ((2000, 600), 16, 2, 4, 1, 128, 64, 128, 16)
+
+
+def _proxy_partials_case(layout, dtype, seed=7):
+    """Inputs, config, indices and the work list of a later query chunk (``tok0 = T // 3``)."""
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = PROXY_LAYOUTS[layout]
+    (qp, kp, q, k, v), cu = packed_inputs(
+        lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device="cuda", seed=seed
+    )
+    T = q.shape[0]
+    cfg = config(max(lengths), D, Dp, b, top_k)
+    idx = reference.select(qp, kp, cu, cfg)
+    c0 = T // 3
+    wl = worklist.build(idx[c0:], cu, b, worklist.ITEM_TOKENS, c0, T)
+    return (qp, kp, q, k, v), cfg, idx[c0:], wl, c0
+
+
+def _cute_partials_into_poisoned(xs, cfg, idx, wl, c0, proxy=True):
+    """``(o_part, l_part, pl_part)`` of the CuTe partials stage (with the proxy LSE part when
+    ``proxy``, else ``pl_part`` is ``None``), every buffer NaN-poisoned first."""
+    from flash_msa.cute import fwd_partials_sm90
+
+    qp, kp, q, k, v = xs
+    C, Hp, K = idx.shape
+    H, D = q.shape[1:]
+    o = testing.poisoned((C, H, K, D), q.dtype, "cuda")
+    lp = testing.poisoned((C, H, K), torch.float32, "cuda")
+    pl = testing.poisoned((C, Hp, K), torch.float32, "cuda") if proxy else None
+    fwd_partials_sm90.partials(q, k, v, wl, o, lp, cfg, c0, (qp, kp, pl) if proxy else None)
+    return o, lp, pl
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", list(PROXY_LAYOUTS))
+def test_cute_proxy_partials_match_triton(layout, dtype):
+    """``pl_part`` from ``FwdPartialsSm90(proxy=True)`` against Triton's ``proxy_partials``
+    stage on the same work list (a later chunk: ``tok0 > 0``), both into NaN-poisoned buffers:
+    the same slots written (every used slot, finite: a kept block always has a visible key;
+    no unused slot: it has no work-list entry, the partial-buffer contract), and
+
+        |pl(CuTe) - pl(Triton)| <= 1e-5 + 2 * Dp * 2**-23 * proxy_scale * |q_p(t)| * max |k_p|
+
+    per row. Why: both compute z = proxy_scale * q . k as an fp32 sum of Dp products that are
+    exact in fp32 (bf16 / fp16 operands), in different orders; each sum is within Dp * u *
+    sum |q_i k_i| <= Dp * u * |q| |k| of the exact one (Cauchy-Schwarz; u = 2**-23 allows
+    for tensor-core accumulation that truncates), and an LSE moves by at most the largest
+    change of its arguments. The 1e-5 covers the rest: the exp sums of <= 128 terms in other
+    orders (<= ~40 u relative here), ex2 / lg2 approximations (~2**-22 each)."""
+    _cute()
+    triton_be = backends.load("triton")[0]
+    xs, cfg, idx, wl, c0 = _proxy_partials_case(layout, dtype)
+    qp, kp, q, k, _ = xs
+    _, _, mine = _cute_partials_into_poisoned(xs, cfg, idx, wl, c0)
+    theirs = testing.poisoned(mine.shape, torch.float32, "cuda")
+    triton_be.forward_stages().proxy_partials(q, k, qp, kp, wl, theirs, cfg, c0)
+    kept = idx >= 0  # (C, Hp, K)
+    assert mine[~kept].isnan().all(), "an unused slot was written"
+    assert theirs[~kept].isnan().all()
+    assert torch.isfinite(mine[kept]).all(), "a used slot unwritten (NaN) or empty (-inf)"
+    Hp, Hpk, Dp = qp.shape[1], kp.shape[1], qp.shape[2]
+    qn = qp[c0:].float().norm(dim=-1)  # (C, Hp)
+    kn = kp.float().norm(dim=-1).amax(0).repeat_interleave(Hp // Hpk)  # (Hp,)
+    bound = 1e-5 + 2 * Dp * 2.0**-23 * cfg.proxy_scale * qn * kn
+    bound = bound[:, :, None].expand_as(mine)[kept]
+    err = (mine[kept] - theirs[kept]).abs()
+    worst = int((err / bound).argmax())
+    assert (err <= bound).all(), f"err {err[worst]:.3e} > bound {bound[worst]:.3e}"
+
+
+@pytest.mark.parametrize("layout", ["anchor", "paper", "Dp<D"])
+def test_cute_proxy_partials_leave_the_main_partials_unchanged(layout):
+    """The main partials of ``FwdPartialsSm90(proxy=True)`` equal the main-only kernel's bit
+    for bit (the main part is the same code: its PTX is unchanged, the proxy part runs after
+    it), unused rows unwritten in both."""
+    _cute()
+    xs, cfg, idx, wl, c0 = _proxy_partials_case(layout, torch.bfloat16, seed=8)
+    o, lp, _ = _cute_partials_into_poisoned(xs, cfg, idx, wl, c0)
+    o0, lp0, _ = _cute_partials_into_poisoned(xs, cfg, idx, wl, c0, proxy=False)
+    H, Hp = o.shape[1], idx.shape[1]
+    kept = (idx >= 0).repeat_interleave(H // Hp, dim=1)  # (C, H, K)
+    assert o[~kept].isnan().all() and lp[~kept].isnan().all()
+    assert torch.equal(o[kept], o0[kept]) and torch.equal(lp[kept], lp0[kept])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["anchor", "paper", "Hp>Hpk>1-b64", "Dp>D", "Dp<D"])
+def test_cute_forward_op_with_proxy_lse_on_cute_matches_reference(layout, dtype, monkeypatch):
+    """The CuTe forward op with ``cute.PROXY_LSE_ON_CUTE`` on: its partials make the proxy LSE
+    partials (Triton's ``proxy_partials`` stage, patched to fail, never runs); out, lse, proxy
+    LSE and KL by the rule against the reference, every buffer poisoned."""
+    from flash_msa import cute
+    from flash_msa.cute import fwd_partials_sm90
+    from flash_msa.triton_ref import sparse_fwd
+
+    def not_this_stage(*args, **kwargs):
+        raise AssertionError("Triton's proxy_partials ran: the switch did not take")
+
+    monkeypatch.setattr(cute, "PROXY_LSE_ON_CUTE", True)
+    monkeypatch.setattr(sparse_fwd, "proxy_partials", not_this_stage)
+    cute_be = _cute()
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = PROXY_LAYOUTS[layout]
+    (qp, kp, q, k, v), cu = packed_inputs(
+        lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device="cuda", seed=9
+    )
+    cfg = config(max(lengths), D, Dp, b, top_k)
+    idx = reference.select(qp, kp, cu, cfg)
+    assert fwd_partials_sm90.proxy_fits(q, k, qp, kp, idx, cfg)
+    mine = _cute_fwd(cute_be, qp, kp, q, k, v, cu, cfg, idx)
+    check(results(mine), *references(qp, kp, q, k, v, idx, cu, cfg), FWD)
+
+
+# ---------------------------------------------------------------------------------------------
+# selection with a query map (context parallelism: SelectSm90(qmap=True))
+# ---------------------------------------------------------------------------------------------
+def _q_map(kind, lengths, block, seed=0):
+    """``(Tq,)`` int32 CUDA query map of ``kind`` over the packed tokens of ``lengths``:
+    "zigzag" (rank 0 of the 2-rank layout of ``flash_msa.distributed``: chunks 0 and 3 of every
+    sequence, padding rows at the end of a short last chunk), "permuted" (rank 1 of the 4-rank
+    layout, its rows and 7 more padding rows in a random order), "random" (a random half of the
+    tokens in a random order, one token twice, padding rows between them: a CTA's sorted rows
+    then spread over the whole sequence)."""
+    from flash_msa import distributed as cp
+
+    cu = testing.cu(lengths)
+    T = int(cu[-1])
+    g = torch.Generator().manual_seed(seed + T)
+    if kind == "zigzag":
+        m = cp.layout(2, 0, cu_seqlens=cu, block_size=block).q_map
+    elif kind == "permuted":
+        m = cp.layout(4, 1, cu_seqlens=cu, block_size=block).q_map
+        m = torch.cat([m, torch.full((7,), -1, dtype=m.dtype)])
+        m = m[torch.randperm(m.numel(), generator=g)]
+    else:
+        rows = torch.randperm(T, generator=g)[: T // 2]
+        pad = torch.tensor([-1])
+        m = torch.cat([rows[:5], rows[:1], pad, rows[5:], pad, pad])
+    return m.to(torch.int32).cuda()
+
+
+def _local_rows(x, q_map):
+    """The query rows of a packed ``(T, ...)`` tensor: row ``i`` is token ``q_map[i]``; padding
+    rows hold values no key has (their results must not depend on them)."""
+    y = x[q_map.long().clamp_min(0)].clone()
+    y[q_map < 0] = 7.0
+    return y
+
+
+def _on_tokens(idx, q_map, base):
+    """The mapped rows of ``idx`` ``(Tq, Hp, K)`` put at their tokens' rows of ``base`` ``(T,
+    Hp, K)`` (a selection of every token): what ``testing.selection_mismatch`` compares (it
+    recomputes a row's scores from the token's own q_proxy row)."""
+    real = q_map >= 0
+    out = base.clone()
+    out[q_map[real].long()] = idx[real].to(base.device)
+    return out.cpu()
+
+
+def _check_mapped_format(idx, q_map, cu, b):
+    """The index format on the mapped rows (ascending valid entries, then -1; ``min(K, own +
+    1)`` of them; the own block kept; no future block), positions from the map."""
+    real = q_map >= 0
+    tok = q_map[real].long()
+    seq = torch.searchsorted(cu[1:].long(), tok, right=True)
+    own = ((tok - cu[seq].long()) // b)[:, None, None]
+    idx = idx[real]
+    valid = idx >= 0
+    assert (valid.sum(-1) == torch.clamp(own[..., 0] + 1, max=idx.shape[-1])).all(), "count"
+    assert (valid[..., 1:] <= valid[..., :-1]).all(), "-1 only after the valid entries"
+    big = torch.where(valid, idx, torch.iinfo(torch.int32).max)
+    assert (big[..., 1:] > big[..., :-1])[valid[..., 1:]].all(), "ascending, no duplicates"
+    assert ((idx == own) & valid).any(-1).all(), "own block kept"
+    assert (idx[valid] <= own.expand_as(idx)[valid]).all(), "no future block"
+
+
+QMAP_SELECT_CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype
+    ((8192,), 4, 1, 128, 128, 16, torch.bfloat16),  # anchor / paper proxy heads
+    ((3000, 1, 700, 129), 2, 1, 64, 64, 8, torch.bfloat16),  # varlen, tiles across chunks
+    ((9000, 300), 4, 1, 128, 128, 64, torch.bfloat16),  # top_k 64: lists over two lanes
+    ((2000, 4000), 8, 2, 64, 128, 16, torch.float16),  # Hpk 2, fp16
+    ((5000,), 2, 1, 64, 64, 17, torch.float16),  # odd top_k > 16, block 64
+]
+
+
+@pytest.mark.parametrize(
+    "case", QMAP_SELECT_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-k{c[5]}"
+)
+@pytest.mark.parametrize("kind", ["zigzag", "permuted", "random"])
+def test_cute_select_q_map_matches_reference_and_triton(case, kind):
+    """``SelectSm90(qmap=True)``: every mapped row written (a poisoned output), padding rows
+    never visited (the op fills them with -1), the index format at the rows' positions, and the
+    same block sets as the reference's and the Triton kernel's selections with the same map
+    (near-ties accepted: ``testing.selection_mismatch`` on the tokens' rows)."""
+    cute_be = _cute()
+    triton_be = backends.load("triton")[0]
+    from flash_msa.cute import select_sm90
+
+    qp, kp, cu, cfg = _select_case(*case)
+    q_map = _q_map(kind, case[0], cfg.block_size)
+    qp_l = _local_rows(qp, q_map)
+    real = q_map >= 0
+    into = testing.poisoned((qp_l.shape[0], qp.shape[1], cfg.top_k), torch.int32, "cuda")
+    select_sm90.select_into(into, qp_l, kp, cu, cfg, q_map=q_map)
+    assert (into[~real] == testing.POISON_INT).all(), "a padding row was written"
+    _check_mapped_format(into, q_map, cu, cfg.block_size)
+    op = cute_be.select(qp_l, kp, cu, cfg, q_map=q_map)
+    assert torch.equal(op[real], into[real]) and (op[~real] == -1).all()
+    base = reference.select(qp, kp, cu, cfg)  # every token's (rows the map leaves out)
+    for other in (
+        reference.select(qp_l, kp, cu, cfg, q_map=q_map),
+        triton_be.select(qp_l, kp, cu, cfg, q_map=q_map),
+    ):
+        assert (other[~real] == -1).all()
+        bad = testing.selection_mismatch(
+            _on_tokens(into, q_map, base), _on_tokens(other, q_map, base), qp.cpu(), kp.cpu(),
+            cfg.block_size, cfg.proxy_scale, cu.cpu(),
+        )  # fmt: skip
+        assert bad == 0
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_cute_select_identity_q_map_is_the_plain_selection(block):
+    """``q_map = arange(T)``: the same rows, tiles and scores as without a map (the query tile
+    gathered instead of one TMA box), so the same indices bit for bit."""
+    cute_be = _cute()
+    qp, kp, cu, cfg = _select_case((3000, 1, 2100), 4, 1, 128, block, 24, torch.bfloat16, seed=6)
+    ident = torch.arange(qp.shape[0], dtype=torch.int32, device="cuda")
+    plain = cute_be.select(qp, kp, cu, cfg)
+    assert torch.equal(cute_be.select(qp, kp, cu, cfg, q_map=ident), plain)
+
+
+def test_cute_select_q_map_is_sync_free_and_graph_capturable():
+    """The map's host work (``worklist.query_order``: a sort and a search on the device) adds
+    no host synchronization; the mapped selection replays in a CUDA graph."""
+    cute_be = _cute()
+    qp, kp, cu, cfg = _select_case((3000, 700), 4, 1, 128, 128, 16, torch.bfloat16)
+    q_map = _q_map("zigzag", (3000, 700), 128)
+    qp_l = _local_rows(qp, q_map)
+    first = cute_be.select(qp_l, kp, cu, cfg, q_map=q_map)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = cute_be.select(qp_l, kp, cu, cfg, q_map=q_map)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first, again)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cute_be.select(qp_l, kp, cu, cfg, q_map=q_map)
+    qp_l.copy_(torch.randn_like(qp_l))
+    graph.replay()
+    assert torch.equal(captured, cute_be.select(qp_l, kp, cu, cfg, q_map=q_map))

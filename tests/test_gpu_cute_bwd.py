@@ -1,19 +1,33 @@
 """GPU tests of the CuTe backward (``flash_msa/cute/bwd_sm90.py``) on Hopper: all five gradients
 of ``testing.training_loss`` by the rule against the exact reference, next to the Triton
 backward (the oracle of the fast path) on the same saved forward; drawn sizes, head layouts,
-blocks and dtypes; the main-only and proxy-only variants; the layouts it refuses."""
+blocks and dtypes; the main-only and proxy-only variants; the layouts it refuses. With a query
+map (context parallelism): the backward of every kernel and mode, and its KL mode, against the
+reference and Triton with the same map, and the emulated CP step with ``auto``."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from flash_msa import backends, reference, testing
+import flash_msa
+from flash_msa import backends, reference, testing, worklist
 from flash_msa.problem import Problem, Saved
 from harness import CUTE_LAYOUTS as CASES
-from harness import GRADS, check, config, incoming, packed_inputs, references, results
+from harness import (
+    GRADS,
+    check,
+    config,
+    declare_cute_q_map,
+    incoming,
+    packed_inputs,
+    references,
+    results,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -265,3 +279,235 @@ def test_cute_bwd_under_compute_sanitizer(tool, variant):
     # synccheck with "ERROR SUMMARY: 0 errors"
     clean = "RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
     assert clean in log, log[-4000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# the query map (context parallelism: BwdSm90 / BwdWsSm90(qmap=True), the KL mode)
+# ---------------------------------------------------------------------------------------------
+def _q_map(kind, lengths, block, seed=0):
+    """``(Tq,)`` int32 CUDA query map: "zigzag" (rank 0 of the 2-rank layout of
+    ``flash_msa.distributed``: chunks 0 and 3 of every sequence, padding rows at the end of a
+    short last chunk) or "random" (a random half of the tokens in a random order, one token
+    twice, padding rows between them)."""
+    from flash_msa import distributed as cp
+
+    cu = testing.cu(lengths)
+    if kind == "zigzag":
+        return cp.layout(2, 0, cu_seqlens=cu, block_size=block).q_map.to(torch.int32).cuda()
+    T = int(cu[-1])
+    rows = torch.randperm(T, generator=torch.Generator().manual_seed(seed + T))[: T // 2]
+    pad = torch.tensor([-1])
+    return torch.cat([rows[:5], rows[:1], pad, rows[5:], pad, pad]).to(torch.int32).cuda()
+
+
+def _local_rows(x, q_map):
+    """Row ``i`` of packed ``x`` is token ``q_map[i]``'s; padding rows hold values no key has."""
+    y = x[q_map.long().clamp_min(0)].clone()
+    y[q_map < 0] = 7.0
+    return y
+
+
+def _poison_new_buffers(mp):
+    """Every ``torch.empty`` / ``torch.empty_like`` buffer made while ``mp`` is active starts
+    NaN-poisoned (``testing.poison``): a partial row or tile left unwritten fails the check."""
+    real_empty, real_like = torch.empty, torch.empty_like
+    mp.setattr(torch, "empty", lambda *a, **kw: testing.poison(real_empty(*a, **kw)))
+    mp.setattr(torch, "empty_like", lambda *a, **kw: testing.poison(real_like(*a, **kw)))
+
+
+def _mapped_references(qp, kp, q, k, v, idx, cu, cfg, dout, dkl, q_map):
+    """``(exact, same)`` as harness.references (fp64 reference; the input dtype's), with the
+    map (the reference's ``fwd`` and ``bwd`` take it)."""
+    refs = []
+    for exact in (True, False):
+        cast = (lambda x: x.double()) if exact else (lambda x: x)
+        qp_, kp_, q_, k_, v_ = (cast(x) for x in (qp, kp, q, k, v))
+        do_ = None if dout is None else cast(dout)
+        f = reference.fwd(q_, k_, v_, idx, cu, cfg, qp_, kp_, upcast=exact, q_map=q_map)
+        saved = Saved(q_, k_, v_, f.out, f.lse, idx, qp_, kp_, f.proxy_lse)
+        g = reference.bwd(do_, dkl, saved, cu, cfg, upcast=exact, q_map=q_map)
+        refs.append(results(f, g))
+    return refs
+
+
+def _check_mapped(mine, exact, same, q_map, label=""):
+    """Each quantity of ``mine`` by the rule on the mapped rows (key-side ones on every key);
+    the query side of padding rows exactly as the contract says (no keys, no gradient)."""
+    real, pad = q_map >= 0, q_map < 0
+    for name, m in mine.items():
+        ex, sm = exact[name], same[name]
+        if name in ("out", "lse", "proxy_lse", "dq", "dq_proxy"):
+            want = -torch.inf if name.endswith("lse") else 0.0
+            assert (m[pad] == want).all(), f"{label}{name}: padding rows"
+            m, ex, sm = m[real], ex[real], sm[real]
+        testing.assert_close(f"{label}{name}", m, ex, sm)
+
+
+def _mapped_case(case, kind, dtype, seed):
+    """Inputs of ``case`` with a ``kind`` query map: the local rows, the keys, the map, the
+    config, the reference's indices with the map (padding rows given a real row's: they must
+    be ignored) and the Triton forward with the map."""
+    cute_be, triton_be = _backends()
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = case
+    (qp, kp, q, k, v), cu = packed_inputs(
+        lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device="cuda", seed=seed
+    )
+    cfg = config(max(lengths), D, Dp, b, top_k)
+    q_map = _q_map(kind, lengths, b, seed)
+    qp_l, q_l = _local_rows(qp, q_map), _local_rows(q, q_map)
+    prob = _problem(q_l, k, qp_l, kp, cfg, len(lengths))
+    assert cute_be.unsupported_reason("bwd", dataclasses.replace(prob, q_map=True)) is None
+    idx = reference.select(qp_l, kp, cu, cfg, q_map=q_map)
+    real = q_map >= 0
+    idx[~real] = idx[int(torch.nonzero(real)[0])].clone()
+    f = triton_be.fwd(q_l, k, v, idx, cu, cfg, qp_l, kp, q_map=q_map)
+    return (qp_l, kp, q_l, k, v), cu, q_map, cfg, idx, f
+
+
+def _mapped_run(case, kind, dtype, seed, *, main=True, proxy=True, variant=None):
+    """The CuTe backward with the map (kernel switches ``variant``) and the Triton backward
+    with it, on the Triton forward's saved tensors, by the rule; padding rows' dq, dq_proxy
+    exactly 0. New buffers start NaN-poisoned (deterministic mode's partials)."""
+    from flash_msa.cute import bwd_sm90
+
+    _, triton_be = _backends()
+    (qp, kp, q, k, v), cu, q_map, cfg, idx, f = _mapped_case(case, kind, dtype, seed)
+    saved = Saved(q, k, v, f.out, f.lse, idx, qp, kp, f.proxy_lse, None)
+    dout, dkl = incoming(q, qp.shape[1], seed)
+    dout, dkl = (dout if main else None), (dkl if proxy else None)
+    exact, same = _mapped_references(qp, kp, q, k, v, idx, cu, cfg, dout, dkl, q_map)
+    for name, fn in (("cute", bwd_sm90.bwd), ("triton", triton_be.bwd)):
+        kw = dict(variant or {}) if name == "cute" else {}
+        with pytest.MonkeyPatch.context() as mp:
+            _poison_new_buffers(mp)
+            g = fn(dout, dkl, saved, cu, cfg, q_map=q_map, **kw)
+        mine = {n: x for n, x in zip(GRADS, g) if x is not None}
+        want = {n for n in GRADS if exact.get(n) is not None}
+        assert set(mine) == want, (name, set(mine), want)
+        assert mine["dk" if main else "dk_proxy"].shape[0] == k.shape[0]  # the keys' T
+        _check_mapped(mine, exact, same, q_map, label=f"{name} ")
+
+
+QMAP_CASES = ["anchor", "paper", "Hp>Hpk>1-b64", "G2=1", "Dp>D"]
+
+
+@pytest.mark.parametrize("kind", ["zigzag", "random"])
+@pytest.mark.parametrize("case", QMAP_CASES)
+def test_cute_bwd_q_map_matches_reference_and_triton(case, kind):
+    """All five gradients of the CuTe backward with a query map (the default kernel: the
+    warp-specialized one where it runs) by the rule against the reference with the map, and
+    the Triton backward's; dq / dq_proxy of padding rows exactly 0, dk / dv / dk_proxy over
+    the keys' tokens."""
+    _mapped_run(CASES[case], kind, torch.bfloat16, seed=11)
+
+
+def test_cute_bwd_q_map_fp16():
+    _mapped_run(CASES["anchor"], "random", torch.float16, seed=12)
+
+
+@pytest.mark.parametrize("case", ["anchor", "Hp>Hpk>1-b64"])
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
+def test_cute_bwd_q_map_variants(variant, case):
+    """Each A/B switch (v2, one gather stage, deterministic mode) with a query map, and the
+    main-only and proxy-only parts."""
+    if not bwd_fits(CASES[case], variant):
+        pytest.skip(f"{variant} cannot run this layout (can_implement)")
+    _mapped_run(CASES[case], "zigzag", torch.bfloat16, seed=13, variant=variant)
+    _mapped_run(CASES[case], "random", torch.bfloat16, seed=14, main=False, variant=variant)
+    _mapped_run(CASES[case], "random", torch.bfloat16, seed=15, proxy=False, variant=variant)
+
+
+@pytest.mark.parametrize("case", ["anchor", "paper", "Hp>Hpk>1-b64"])
+def test_cute_kl_stage_q_map_matches_triton(case):
+    """The KL mode (``bwd_sm90.kl``, the forward's KL stage) on a work list with a query map:
+    the sum of Triton's KL stage on the same work list and LSEs (relative 1e-3), bitwise equal
+    across runs."""
+    from flash_msa.cute import bwd_sm90
+
+    _, triton_be = _backends()
+    (qp, kp, q, k, v), cu, q_map, cfg, idx, f = _mapped_case(
+        CASES[case], "random", torch.bfloat16, 16
+    )
+    wl = worklist.build(idx, cu, cfg.block_size, worklist.ITEM_TOKENS, 0, k.shape[0], q_map)
+    mine = bwd_sm90.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg)
+    again = bwd_sm90.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg)
+    theirs = triton_be.forward_stages().kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg)
+    assert torch.equal(mine, again) and torch.isfinite(mine)
+    rel = (mine - theirs).abs().item() / max(theirs.abs().item(), 1e-6)
+    assert rel < 1e-3, (mine.item(), theirs.item())
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_q_map_emulated_cp_on_cuda_auto(P, monkeypatch):
+    """tests/test_distributed.py::test_q_map_emulated_cp on one GPU in bf16 with ``auto``
+    (CuTe selection and backward, the Triton forward: CuTe's has no map yet), anchor heads:
+    each "rank"'s local queries against the whole batch's keys, no communication. bf16 runs
+    that select independently may differ by a near-tie block (an O(1) change of a row), so, as
+    tests/test_distributed.py's ``_real_worker`` does: each rank's selection against the single
+    process's at its tokens (near-ties only), then out, the KL share and the q-side gradients
+    by the rule over **the rank's selection** (the reference with the map and those indices),
+    and the key gradients summed over the ranks against the references' sums."""
+    from flash_msa import distributed as cp
+    from flash_msa.problem import problem_of
+
+    cute_be, _ = _backends()
+    monkeypatch.setenv("FLASH_MSA_BACKEND", "auto")
+    declare_cute_q_map(monkeypatch)  # (not declared until these tests pass on the H200)
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = (3000, 777, 5200), 16, 2, 4, 1, 128, 128, 128, 8
+    (qp, kp, q, k, v), cu = packed_inputs(
+        lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=torch.bfloat16, device="cuda", seed=17
+    )
+    cfg = config(max(lengths), D, Dp, b, top_k)
+    prob = problem_of("cuda", torch.bfloat16, (H, Hkv, D, Hp, Hpk, Dp), 3, True, cfg, q_map=True)
+    picks = {op: backends.choose(op, prob)[0] for op in ("select", "fwd", "bwd")}
+    assert picks == {"select": "cute", "fwd": "triton", "bwd": "cute"}, picks
+    T = q.shape[0]
+    dout, w = testing.loss_weights((T, H, D), Hp * T, 17, "cuda")
+    alone = cute_be.select(qp, kp, cu, cfg)  # the single process's selection
+    sums = {n: [0.0, 0.0, 0.0] for n in ("dk_proxy", "dk", "dv")}  # mine, exact, same
+    for r in range(P):
+        lay = cp.layout(P, r, cu_seqlens=cu.cpu(), block_size=b, device="cuda")
+        frac = lay.local_tokens / lay.total_tokens
+        qp_l, q_l = (cp.shard(x, lay).requires_grad_() for x in (qp, q))
+        keys = [x.detach().clone().requires_grad_() for x in (kp, k, v)]
+        out, kl = flash_msa.msa_attention(
+            qp_l, keys[0], q_l, keys[1], keys[2], top_k, block_size=b, cu_seqlens=cu,
+            max_seqlen=max(lengths), q_map=lay.q_map,
+        )  # fmt: skip
+        dout_l = cp.shard(dout, lay)
+        loss = (out.float() * dout_l).sum() + w * kl * frac
+        grads = torch.autograd.grad(loss, (qp_l, keys[0], q_l, keys[1], keys[2]))
+        mine = dict(out=out, kl=kl * frac, dq_proxy=grads[0], dq=grads[2])
+        idx = cute_be.select(qp_l.detach(), kp, cu, cfg, q_map=lay.q_map)  # the op's (exact)
+        bad = testing.selection_mismatch(
+            _on_tokens(idx, lay.q_map, alone), alone.cpu(), qp.cpu(), kp.cpu(), b,
+            cfg.proxy_scale, cu.cpu(),
+        )  # fmt: skip
+        assert bad == 0, f"rank {r}: {bad} rows differ from one process's selection"
+        dkl = torch.tensor(w * frac, dtype=torch.float32, device="cuda")
+        exact, same = _mapped_references(
+            qp_l.detach(), kp, q_l.detach(), k, v, idx, cu, cfg, dout_l.to(q.dtype), dkl,
+            lay.q_map,
+        )  # fmt: skip
+        for ref in (exact, same):
+            ref["kl"] = ref["kl"] * frac
+        real = lay.q_map >= 0
+        assert (out[~real] == 0).all(), "padding rows: out = 0"
+        for name in ("out", "dq_proxy", "dq"):
+            m, ex, sm = mine[name][real], exact[name][real], same[name][real]
+            testing.assert_close(f"{name}[{r}]", m, ex, sm)
+        testing.assert_close(f"kl[{r}]", mine["kl"], exact["kl"], same["kl"], dtype=q.dtype)
+        for i, name in ((1, "dk_proxy"), (3, "dk"), (4, "dv")):  # summed in fp32 / fp64
+            for j, x in enumerate((grads[i].float(), exact[name], same[name].float())):
+                sums[name][j] = sums[name][j] + x
+    for name, (m, ex, sm) in sums.items():  # (the tolerance of the gradients' dtype)
+        testing.assert_close(name, m, ex, sm, dtype=q.dtype)
+
+
+def _on_tokens(idx, q_map, base):
+    """The mapped rows of ``idx`` ``(Tq, Hp, K)`` at their tokens' rows of ``base`` (a selection
+    of every token), on the CPU: what ``testing.selection_mismatch`` compares."""
+    real = q_map >= 0
+    out = base.clone()
+    out[q_map[real].long()] = idx[real].to(base.device)
+    return out.cpu()

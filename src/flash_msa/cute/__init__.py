@@ -42,6 +42,13 @@ from ..limits import Limits
 from ..problem import Problem
 
 _SM90 = dict(capabilities=((9, 0),), capability_note="CuTe kernels exist for Hopper only so far")
+# The query map (context parallelism) in the selection and the backward (SelectSm90, BwdSm90,
+# BwdWsSm90 and the KL mode with qmap=True): written and compiled for sm_90a without spills in
+# the seventh session (the map-less kernels' PTX and SASS unchanged), not run on a GPU yet, so
+# not declared: `auto` runs a mapped call on Triton until tests/test_gpu_cute.py and
+# tests/test_gpu_cute_bwd.py (-k q_map) pass on the H200; they declare it for their run
+# (tests/harness.py: declare_cute_q_map).
+Q_MAP_DECLARED = False
 # the fused backward (bwd_sm90.py)
 BWD_LIMITS = Limits(
     **_SM90,
@@ -50,6 +57,7 @@ BWD_LIMITS = Limits(
     # ordered sums of per-slot / per-item partials (BwdSm90(deterministic=True)); bitwise equal
     # across runs and by the rule on the H200 (tests/test_gpu_cute_bwd.py, sixth session)
     deterministic=True,
+    q_map=Q_MAP_DECLARED,  # BwdSm90 / BwdWsSm90(qmap=True): see Q_MAP_DECLARED
     note="one fused kernel for the main and proxy gradients; each selection head's main heads "
     "must share one KV head",
 )
@@ -58,7 +66,9 @@ BWD_LIMITS = Limits(
 # when cfg.deterministic); the fused backward stores partials instead of fp32 atomics and
 # flash_msa.ordered adds them in a fixed order.
 LIMITS = {
-    "select": Limits(**_SM90, proxy_head_dims=(64, 128), max_top_k=64, deterministic=True),
+    "select": Limits(  # the query map: SelectSm90(qmap=True), see Q_MAP_DECLARED
+        **_SM90, proxy_head_dims=(64, 128), max_top_k=64, deterministic=True, q_map=Q_MAP_DECLARED
+    ),
     # the proxy LSE and combine stages (and the KL where kl_fits is false) are borrowed from
     # Triton: their limits are added by flash_msa.sparse_forward.borrowed_reason
     "fwd": Limits(
@@ -112,18 +122,31 @@ KL_ON_CUTE = True
 COMBINE_ON_CUTE = False
 
 
-def forward_stages(kl_fits: bool = True, combine_fits: bool = True):
+# The proxy LSE partials in the CuTe partials' own launch (``FwdPartialsSm90(proxy=True)``:
+# the k_proxy tile by TMA, q_proxy rows gathered, one wgmma chain per 64 tokens, after the
+# main part of each work item) instead of Triton's separate ``proxy_partials`` stage. Off
+# until its H200 run: compiled for sm_90a without spills (compile_check "fwd ... proxy"), not
+# yet run; tests/test_gpu_cute.py (test_cute_proxy_partials_*, the op with the switch on) and
+# benchmarks/cute_fwd_ab.py (lines "partials+proxy ...") are waiting for it.
+PROXY_LSE_ON_CUTE = False
+
+
+def forward_stages(kl_fits: bool = True, combine_fits: bool = True, proxy_fits: bool = True):
     """This backend's stages of the sparse-forward driver (:mod:`flash_msa.sparse_forward`):
-    the per-block attention partials; the KL value when :data:`KL_ON_CUTE` and its kernel can
-    run the call (``kl_fits``: :func:`~flash_msa.cute.bwd_sm90.kl_fits`); the combine when
-    :data:`COMBINE_ON_CUTE` and ``combine_fits``
-    (:func:`~flash_msa.cute.combine_sm90.combine_fits`). The driver borrows the Triton
-    backend's stage for each one left out (the proxy LSE partials always, until CuTe has
-    them)."""
+    the per-block attention partials, which also make the proxy LSE partials when
+    :data:`PROXY_LSE_ON_CUTE` and their kernel can run the call (``proxy_fits``:
+    :func:`~flash_msa.cute.fwd_partials_sm90.proxy_fits`); the KL value when
+    :data:`KL_ON_CUTE` and its kernel can run the call (``kl_fits``:
+    :func:`~flash_msa.cute.bwd_sm90.kl_fits`); the combine when :data:`COMBINE_ON_CUTE` and
+    ``combine_fits`` (:func:`~flash_msa.cute.combine_sm90.combine_fits`). The driver borrows
+    the Triton backend's stage for each one left out (``proxy_partials`` where the partials
+    do not make the proxy LSE)."""
     from ..sparse_forward import Stages
     from .fwd_partials_sm90 import partials
 
     stages = dict(partials=partials)
+    if PROXY_LSE_ON_CUTE and proxy_fits:
+        stages["partials_make_proxy"] = True
     if KL_ON_CUTE and kl_fits:
         from .bwd_sm90 import kl
 
@@ -189,11 +212,12 @@ def bwd_kernel_reason(problem: Problem) -> str | None:
     )  # fmt: skip
 
 
-def select(q_proxy, k_proxy, cu_seqlens, cfg):
-    """Backend op ``select``: see :func:`flash_msa.cute.select_sm90.select`."""
+def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
+    """Backend op ``select``: see :func:`flash_msa.cute.select_sm90.select` (``q_map``: the
+    contract's query map)."""
     from .select_sm90 import select as _select
 
-    return _select(q_proxy, k_proxy, cu_seqlens, cfg)
+    return _select(q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map)
 
 
 def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):
@@ -203,11 +227,12 @@ def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_gra
     return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad)
 
 
-def bwd(dout, dkl, saved, cu_seqlens, cfg):
-    """Backend op ``bwd``: see :func:`flash_msa.cute.bwd_sm90.bwd`."""
+def bwd(dout, dkl, saved, cu_seqlens, cfg, *, q_map=None):
+    """Backend op ``bwd``: see :func:`flash_msa.cute.bwd_sm90.bwd` (``q_map``: the contract's
+    query map)."""
     from .bwd_sm90 import bwd as _bwd
 
-    return _bwd(dout, dkl, saved, cu_seqlens, cfg)
+    return _bwd(dout, dkl, saved, cu_seqlens, cfg, q_map=q_map)
 
 
 # this backend's backward makes the proxy gradient itself: the forward need not

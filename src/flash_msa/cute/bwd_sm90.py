@@ -36,6 +36,15 @@ Limits (:meth:`BwdSm90.can_implement`): bf16 / fp16, D and Dp in {64, 128}, bloc
 or 128, and every main head of a selection head sharing one KV head (``(H / Hkv) % (H / Hs) ==
 0``: the chunk's KV sub-groups then reuse one K/V tile and one dK/dV accumulator).
 
+Query map (:attr:`BwdSm90.qmap`, context parallelism; the contract's ``q_map``, docs/design.md):
+the work list's entries are query rows (``worklist.build(..., q_map)``: ``q``, ``dO``, LSE,
+Delta, ``q_proxy``, proxy LSE, dQ and dQ_proxy have ``Tq`` rows; K, V, K_proxy and their
+gradients the keys' ``T``, blocks by key tokens), and a row's causal position is its token
+``q_map[row]``: the row data's token field (read by the causal mask of both phases) is loaded
+from the map instead of being the row itself; nothing else changes (padding rows have no
+entries). Without the map the kernels' code is the one before the map existed (a compile-time
+branch; PTX identical up to the kernel's name, compile_check ``--dump``).
+
 Version 2 (docs/perf-notes.md "CuTe backward v2"): no warp specialization; two gather buffers
 (``gather_stages``) where shared memory allows; fp32 reductions by ``red.global.add.v2.f32``.
 Deterministic mode (:attr:`BwdSm90.deterministic`, :func:`_ordered`): stores into partials
@@ -117,6 +126,9 @@ class BwdSm90:
     # ``mKL[item]``; with ``proxy`` False no gradient is made. One launch's items partition
     # the rows' kept keys, so the buffer's sum is the KL sum of the work list's rows.
     kl: bool = False
+    # query rows through a query map (module docstring): the row data's token is
+    # ``q_map[row]``; the launch takes the map as its last argument
+    qmap: bool = False
 
     # the A/B switches' combinations (tests/test_gpu_cute_bwd.py checks each by the rule,
     # benchmarks/bwd_ab.py times them as "cute <name>")
@@ -331,6 +343,7 @@ class BwdSm90:
         NB: Int32,
         tok0: Int32,
         stream: cuda.CUstream,
+        q_map: cute.Tensor = None,
     ):
         """Launch one CTA per work item. ``mQ``, ``mDO (T*H, D)``; ``mK``, ``mV`` the ``(T, D,
         Hkv)`` views of k and v; ``mLSE``, ``mDelta (T*H,)`` fp32 (natural-log LSE; Delta =
@@ -341,7 +354,8 @@ class BwdSm90:
         (items,)`` fp32, each item's KL sum (:attr:`kl`; zero-filled: empty items write
         nothing); the scales: softmax scale, its * log2 e, proxy scale * log2 e, coef * proxy
         scale (coef = 1 / (Hs T)); ``NB`` the block count; ``tok0`` the first token of the work
-        list's chunk (deterministic)."""
+        list's chunk (deterministic); ``q_map (Tq,)`` int32 exactly when :attr:`qmap` (the
+        row-indexed tensors then have ``Tq`` query rows, the key-indexed ones the keys' ``T``)."""
         ROWS, D, DP, BLOCK = self.ROWS, self.head_dim, self.proxy_head_dim, self.block_size
         dtype = self.dtype
         mmas = self._mmas(D)
@@ -403,12 +417,14 @@ class BwdSm90:
             dtype.width // 8, D, DP, BLOCK, self.teacher, STAGES, self.deterministic
         )["total"]  # fmt: skip
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
+        assert (q_map is not None) == self.qmap, "q_map given exactly when qmap"
+        qm = (q_map,) if cutlass.const_expr(self.qmap) else ()  # the map's kernel arguments
         self.kernel(
             mQ, mDO, tma_k, tma_mK, tma_v, tma_mV, mLSE, mDelta, mQp, tma_kp, tma_mKp, mPLSE,
             work, mDQ, mDK, mDV, mDQp, mDKp, mKL, (scale, scale_log2, pscale_log2, pcoef, tok0), NB,
             mmas, mmas_p,
             (sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout),
-            (gather_copy(D), gather_copy(DP)), Storage,
+            (gather_copy(D), gather_copy(DP)), Storage, qm,
         ).launch(
             grid=(work.item_list.shape[0], 1, 1),
             block=(self.cta_threads, 1, 1),
@@ -448,6 +464,7 @@ class BwdSm90:
         layouts: tuple,
         gathers: tuple,
         Storage: Constexpr,
+        qm: tuple,  # (q_map,) with the query map, else ()
     ):
         ROWS, BLOCK, D = self.ROWS, self.block_size, self.head_dim
         H, HKV, HS = self.heads, self.kv_heads, self.sel_heads
@@ -499,7 +516,7 @@ class BwdSm90:
             cute.arch.mbarrier_wait(bars, 0)
             self.phase_a(
                 mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, work.perm, mDQ,
-                mDK, mDV, mmas, gathers[0], scales, e0, e1, p, ks, ke, kvh, t_all,
+                mDK, mDV, mmas, gathers[0], scales, e0, e1, p, ks, ke, kvh, t_all, qm,
             )  # fmt: skip
             if cutlass.const_expr(self.teacher):
                 # phase A's MMAs are done (waited, then the CTA barrier closing its last chunk):
@@ -511,7 +528,7 @@ class BwdSm90:
                 cute.arch.mbarrier_wait(bars + 1, 0)
                 self.phase_b(
                     mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, work.perm, mDQp, mDKp,
-                    mmas_p, gathers[1], scales, e0, e1, p, ks, ke, pk, t_all, mKL,
+                    mmas_p, gathers[1], scales, e0, e1, p, ks, ke, pk, t_all, mKL, qm,
                 )  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
@@ -552,10 +569,11 @@ class BwdSm90:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def row_data(self, mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, buf, t_all, tok0=0):
+    def row_data(self, mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, buf, t_all, tok0=0, qm=()):
         """Threads 0..63 write the data of phase A's rows (entries ``c + row / G2``, heads
-        ``h0 + row % G2``) into buffer ``buf``: token (-1: pad), q/dO row, LSE (log2 units,
-        +inf: pad), Delta; deterministic: the row's partial row (:attr:`deterministic`)."""
+        ``h0 + row % G2``) into buffer ``buf``: token (-1: pad; with the query map ``qm`` the
+        query row's token ``q_map[t]``), q/dO row, LSE (log2 units, +inf: pad), Delta;
+        deterministic: the row's partial row (:attr:`deterministic`)."""
         H, HS, K = self.heads, self.sel_heads, self.top_k
         G2 = self.geometry[1]
         if t_all < self.ROWS:
@@ -567,7 +585,10 @@ class BwdSm90:
             if cutlass.const_expr(self.deterministic):
                 sRowI[t_all, 2, buf] = ((t - tok0) * H + h0 + t_all % G2) * K + Int32(flat % K)
             if e < e1:
-                sRowI[t_all, 0, buf] = t
+                if cutlass.const_expr(self.qmap):  # the causal position: the row's token
+                    sRowI[t_all, 0, buf] = qm[0][t]
+                else:
+                    sRowI[t_all, 0, buf] = t
                 sRowF[t_all, 0, buf] = mLSE[qrow] * LOG2E
                 if cutlass.const_expr(self.main):
                     sRowF[t_all, 1, buf] = mDelta[qrow]
@@ -577,10 +598,11 @@ class BwdSm90:
                 sRowF[t_all, 1, buf] = Float32(0.0)
 
     @cute.jit
-    def proxy_row_data(self, mPerm, mPLSE, sRowI, sRowF, c, e1, p, buf, t_all, tok0):
+    def proxy_row_data(self, mPerm, mPLSE, sRowI, sRowF, c, e1, p, buf, t_all, tok0, qm=()):
         """Threads 0..63 write the data of phase B's rows (entries ``c + row``, selection head
-        ``p``) into buffer ``buf``: token (-1: pad), q_proxy row, proxy LSE (log2 units, +inf:
-        pad); deterministic: the row's dQ_proxy partial row."""
+        ``p``) into buffer ``buf``: token (-1: pad; with the query map ``qm`` ``q_map[t]``),
+        q_proxy row, proxy LSE (log2 units, +inf: pad); deterministic: the row's dQ_proxy
+        partial row."""
         HS, K = self.sel_heads, self.top_k
         if t_all < self.ROWS:
             e = c + t_all
@@ -591,7 +613,10 @@ class BwdSm90:
             if cutlass.const_expr(self.deterministic):
                 sRowI[t_all, 2, buf] = ((t - tok0) * HS + p) * K + Int32(flat % K)
             if e < e1:
-                sRowI[t_all, 0, buf] = t
+                if cutlass.const_expr(self.qmap):  # the causal position: the row's token
+                    sRowI[t_all, 0, buf] = qm[0][t]
+                else:
+                    sRowI[t_all, 0, buf] = t
                 sRowF[t_all, 0, buf] = mPLSE[prow] * LOG2E
             else:
                 sRowI[t_all, 0, buf] = Int32(-1)
@@ -600,9 +625,10 @@ class BwdSm90:
     @cute.jit
     def phase_a(
         self, mQ, mDO, mLSE, mDelta, sQ, sdO, sK, sV, sdS, sRowF, sRowI, slab, mPerm, mDQ,
-        mDK, mDV, mmas, gather, scales, e0, e1, p, ks, ke, kvh, t_all,
+        mDK, mDV, mmas, gather, scales, e0, e1, p, ks, ke, kvh, t_all, qm=(),
     ):  # fmt: skip
-        """Main gradients (and the teacher slab) over the item's rows (module docstring)."""
+        """Main gradients (and the teacher slab) over the item's rows (module docstring);
+        ``qm``: the query map's kernel arguments (:attr:`qmap`)."""
         ROWS, D, BLOCK = self.ROWS, self.head_dim, self.block_size
         G, G2, R = self.geometry
         BT = ROWS // G2
@@ -635,7 +661,7 @@ class BwdSm90:
         STAGES = self.gather_stages
         pending = 2 if self.main else 1  # commit groups of one (chunk, sub-group)'s gathers
         if cutlass.const_expr(STAGES == 2):  # prologue: the first (chunk, sub-group)'s rows
-            self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, e0, e1, p * G, 0, t_all, tok0)
+            self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, e0, e1, p * G, 0, t_all, tok0, qm)
             cute.arch.sync_threads()
             self.gather_rows(gather, mQ, sQ, D, sRowI, 0, t_all)
             if cutlass.const_expr(self.main):
@@ -647,7 +673,7 @@ class BwdSm90:
                 b = 0  # this (chunk, sub-group)'s buffer
                 if cutlass.const_expr(STAGES == 1):
                     # rows' data: token (-1 = pad), q/dO row, LSE (log2 units), Delta
-                    self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, 0, t_all, tok0)
+                    self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, 0, t_all, tok0, qm)
                     cute.arch.sync_threads()
                     self.gather_rows(gather, mQ, sQ, D, sRowI, 0, t_all)
                     if cutlass.const_expr(self.main):
@@ -663,7 +689,7 @@ class BwdSm90:
                         h1 = p * G + Int32((it + 1) - nch * R) * G2
                         c1 = e0 + nch * BT
                         self.row_data(
-                            mPerm, mLSE, mDelta, sRowI, sRowF, c1, e1, h1, 1 - b, t_all, tok0
+                            mPerm, mLSE, mDelta, sRowI, sRowF, c1, e1, h1, 1 - b, t_all, tok0, qm
                         )
                         cute.arch.sync_threads()
                         self.gather_rows(gather, mQ, sQ, D, sRowI, 1 - b, t_all)
@@ -871,10 +897,11 @@ class BwdSm90:
     @cute.jit
     def phase_b(
         self, mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, mPerm, mDQp, mDKp, mmas, gather,
-        scales, e0, e1, p, ks, ke, pk, t_all, mKL,
+        scales, e0, e1, p, ks, ke, pk, t_all, mKL, qm=(),
     ):  # fmt: skip
         """The unit proxy gradient over the item's tokens, against the slab's teacher
-        (:attr:`proxy`), and / or the item's KL sum (:attr:`kl`)."""
+        (:attr:`proxy`), and / or the item's KL sum (:attr:`kl`); ``qm`` as in
+        :meth:`phase_a`."""
         ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.block_size
         G = self.geometry[0]
         pcoef, tok0 = scales[3], scales[4]
@@ -898,7 +925,7 @@ class BwdSm90:
         n_chunks = (e1 - e0 + ROWS - 1) // ROWS
         for ch in cutlass.range(n_chunks, unroll=1):
             c = e0 + ch * ROWS
-            self.proxy_row_data(mPerm, mPLSE, sRowI, sRowF, c, e1, p, 0, t_all, tok0)
+            self.proxy_row_data(mPerm, mPLSE, sRowI, sRowF, c, e1, p, 0, t_all, tok0, qm)
             cute.arch.sync_threads()
             self.gather_rows(gather, mQp, sQp, DP, sRowI, 0, t_all)
             cute.arch.cp_async_wait_group(0)
@@ -994,20 +1021,22 @@ class BwdSm90:
 # ---------------------------------------------------------------------------------------------
 # host: the backward op
 # ---------------------------------------------------------------------------------------------
-def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
+def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, *, q_map=None, **variant) -> Grads:
     """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup): the main
     gradients when ``dout`` is given, the proxy gradients (``dkl`` times the unit gradient made
     here; the forward's ``Saved.proxy_grad`` is not used) when ``dkl`` is given, in one launch
     of :class:`BwdSm90`. ``variant``: the kernel's A/B switches (``BwdSm90.VARIANTS``: tests and
     ``benchmarks/bwd_ab.py``; the defaults are the measured choice). Deterministic mode
     (``cfg.deterministic`` or ``variant["deterministic"]``): :func:`_ordered`.
+    ``q_map``: ``None`` or the forward's ``(Tq,)`` int32 query map: ``dq``/``dq_proxy`` then
+    have ``Tq`` rows (0 for a padding row), ``dk``/``dv``/``dk_proxy`` the keys' ``T``.
     Limits: ``flash_msa.cute.unsupported_reason("bwd", ...)``."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
     main, proxy = dout is not None, dkl is not None
     if not (main or proxy):
         return Grads(None, None, None, None, None)
-    T, H, D = q.shape
-    Hkv = k.shape[1]
+    T, H, D = q.shape  # query rows (Tq with a query map)
+    Tk, Hkv = k.shape[:2]  # the keys' tokens: T without a query map
     Hs, K = indices.shape[1:]
     Hpk, Dp = (k_proxy.shape[1], k_proxy.shape[2]) if proxy else (Hs, D)
     det = bool(variant.pop("deterministic", False) or cfg.deterministic)
@@ -1024,6 +1053,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
         main,
         proxy,
         deterministic=det,
+        qmap=q_map is not None,
         **variant,
     )  # raises ValueError with the reason if the kernel cannot run this configuration
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -1064,18 +1094,20 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, **variant) -> Grads:
 
     if det:
         dq, dk, dv, dqp, dkp = _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg,
-                                        main, proxy)  # fmt: skip
+                                        main, proxy, q_map)  # fmt: skip
     else:
         dq = dk = dv = dqp = dkp = None
         if main:
             dq = torch.zeros((T, H, D), **f32)
-            dk = torch.zeros((T, Hkv, D), **f32)
-            dv = torch.zeros((T, Hkv, D), **f32)
+            dk = torch.zeros((Tk, Hkv, D), **f32)
+            dv = torch.zeros((Tk, Hkv, D), **f32)
         if proxy:
             dqp = torch.zeros((T, Hs, Dp), **f32)
-            dkp = torch.zeros((T, Hpk, Dp), **f32)
+            dkp = torch.zeros((Tk, Hpk, Dp), **f32)
         if T > 0:  # (no tokens: zero gradients, no launch)
-            wl = worklist.build(indices, cu_seqlens, cfg.block_size, BwdSm90.ITEM_TOKENS)
+            wl = worklist.build(
+                indices, cu_seqlens, cfg.block_size, BwdSm90.ITEM_TOKENS, 0, Tk, q_map
+            )
             outs = [None if x is None else x.view(-1, x.shape[-1]) for x in (dq, dk, dv, dqp, dkp)]
             launch(wl, outs)  # 2-D fp32 views: > 2**31 elements at 1M tokens
     if proxy:
@@ -1101,7 +1133,12 @@ def launch_items(kernel, inputs, scalars, wl, outs, tok0=0, w0=0, w1=None):
     """One launch of ``kernel`` (a :class:`BwdSm90`) over items ``w0 .. w1`` of work list
     ``wl``: ``inputs`` its tensor views up to ``mPLSE``, ``outs`` the dq, dk, dv, dqp, dkp
     buffers and the per-item KL buffer (``None``: a part not made), ``scalars`` the four
-    scales."""
+    scales; the query map ``wl.q_map`` goes to a ``qmap`` kernel (and only there)."""
+    if kernel.qmap != (wl.q_map is not None):
+        raise ValueError(
+            f"CuTe backward: a kernel with qmap={kernel.qmap} for a work list "
+            f"{'with' if wl.q_map is not None else 'without'} a query map"
+        )
     dev = wl.perm.device
     w1 = wl.num_items if w1 is None else w1
     items = (wl.item_list[w0:w1], wl.item_start[w0:w1], wl.item_end[w0:w1])
@@ -1110,9 +1147,10 @@ def launch_items(kernel, inputs, scalars, wl, outs, tok0=0, w0=0, w1=None):
     dummy = unused_buffer(dev)  # a part not made
     views = [cute_tensor(dummy) if x is None else cute_tensor(x) for x in outs[:5]]
     views.append(cute_tensor(dummy.view(-1) if outs[5] is None else outs[5]))  # (items,)
+    extra = () if wl.q_map is None else (cute_tensor(aligned(wl.q_map.contiguous())),)
     run(
         kernel, dev, *inputs, work, *views, *scalars, Int32(wl.num_blocks), Int32(tok0),
-        stream(dev),
+        stream(dev), *extra,
     )  # fmt: skip
 
 
@@ -1147,7 +1185,8 @@ def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
     phase A builds the teacher from S alone, phase B the proxy scores and the terms; no
     gradient), one fp32 sum per work item added by ``torch.sum`` (the same order every run).
     ``unit`` must be ``None``: this backend's backward makes the proxy gradient
-    (``FUSED_PROXY_GRAD``). ``wl``'s items (``wl.item_tokens`` entries at most) are cut to the
+    (``FUSED_PROXY_GRAD``). With a query map (``wl.q_map``) the rows are query rows (the
+    kernel's ``qmap`` mode). ``wl``'s items (``wl.item_tokens`` entries at most) are cut to the
     kernel's ``ITEM_TOKENS`` (:func:`flash_msa.worklist.split_items`)."""
     if unit is not None:
         raise ValueError("unit: the CuTe KL stage does not make the proxy gradient")
@@ -1156,7 +1195,7 @@ def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
     Hkv, Hpk = k.shape[1], k_proxy.shape[1]
     kernel = BwdSm90.make(
         cutlass_dtype(q.dtype), H, Hkv, Hs, Hpk, D, Dp, wl.slots, cfg.block_size, False, False,
-        kl=True,
+        kl=True, qmap=wl.q_map is not None,
     )  # fmt: skip
     wl = worklist.split_items(wl, BwdSm90.ITEM_TOKENS)
     sums = torch.zeros((max(wl.num_items, 1),), dtype=torch.float32, device=q.device)
@@ -1181,7 +1220,7 @@ def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
     return sums.sum()
 
 
-def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, proxy):
+def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, proxy, q_map=None):
     """The deterministic backward: ``(dq, dk, dv, dqp, dkp)`` (fp32 but ``dq``, ``None`` where
     not made), by :func:`bwd`'s ``launch`` of the deterministic kernel and the fixed-order sums
     of :mod:`flash_msa.ordered`, as the Triton backward does (triton_ref/sparse_bwd.py).
@@ -1193,9 +1232,10 @@ def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, pro
     which ``ordered.item_sum`` adds after each range (per key head: its selection heads in
     order, each list's items in token order); ``ordered.slot_sum`` then sums the chunk's row
     partials over slots in order. C and the ranges keep each buffer within
-    ``ordered.PARTIAL_BYTES``."""
+    ``ordered.PARTIAL_BYTES``. With ``q_map`` the chunks are chunks of query rows (padding
+    rows: no entries, zero dQ rows) and the key gradients have the keys' ``T``."""
     T, H, D = q.shape
-    Hkv = k.shape[1]
+    Tk, Hkv = k.shape[:2]  # the keys' tokens: T without a query map
     Hs, K = indices.shape[1:]
     block = cfg.block_size
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -1203,14 +1243,14 @@ def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, pro
     per_token = per_item = 0
     if main:
         dq = torch.empty_like(q)  # slot_sum writes every row
-        dk = torch.zeros((T, Hkv, D), **f32)
-        dv = torch.zeros((T, Hkv, D), **f32)
+        dk = torch.zeros((Tk, Hkv, D), **f32)
+        dv = torch.zeros((Tk, Hkv, D), **f32)
         per_token += H * K * D * 4
         per_item += 2 * block * D * 4
     if proxy:
         Hpk, Dp = k_proxy.shape[1:]
         dqp = torch.empty((T, Hs, Dp), **f32)
-        dkp = torch.zeros((T, Hpk, Dp), **f32)
+        dkp = torch.zeros((Tk, Hpk, Dp), **f32)
         per_token += Hs * K * Dp * 4
         per_item += block * Dp * 4
     if T == 0:
@@ -1222,7 +1262,9 @@ def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, pro
     for c0 in range(0, T, C):
         c1 = min(T, c0 + C)
         idx = indices[c0:c1]
-        wl = worklist.build(idx, cu_seqlens, block, BwdSm90.ITEM_TOKENS, c0, T)
+        if q_map is not None:  # padding rows: no keys, whatever their slots hold (slot_sum)
+            idx = worklist.drop_padding_rows(idx, q_map[c0:c1])
+        wl = worklist.build(idx, cu_seqlens, block, BwdSm90.ITEM_TOKENS, c0, Tk, q_map)
         items = ordered.list_items(wl)
         ranges = ordered.item_ranges(wl.num_items, per_item)
         most = max((w1 - w0 for w0, w1 in ranges), default=0)

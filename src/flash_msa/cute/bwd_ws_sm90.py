@@ -147,6 +147,7 @@ class BwdWsSm90(BwdSm90):
         layouts: tuple,
         gathers: tuple,
         Storage: Constexpr,
+        qm: tuple,  # (q_map,) with the query map, else () (BwdSm90.qmap)
     ):
         ROWS, BLOCK, D = self.ROWS, self.block_size, self.head_dim
         H, HKV = self.heads, self.kv_heads
@@ -201,7 +202,7 @@ class BwdWsSm90(BwdSm90):
                     self.load_tile(tma_k, mK, sK, D, ks, kvh, bars, warp_idx, 1)
                 self.producer(
                     mQ, mDO, mLSE, mDelta, mQp, mPLSE, sQ, sdO, sQp, sRowF, sRowI, work.perm,
-                    gathers, bars, e0, e1, p, scales[4], t_all,
+                    gathers, bars, e0, e1, p, scales[4], t_all, qm,
                 )  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
@@ -238,9 +239,10 @@ class BwdWsSm90(BwdSm90):
     @cute.jit
     def producer(
         self, mQ, mDO, mLSE, mDelta, mQp, mPLSE, sQ, sdO, sQp, sRowF, sRowI, mPerm, gathers,
-        bars, e0, e1, p, tok0, tp,
+        bars, e0, e1, p, tok0, tp, qm=(),
     ):  # fmt: skip
-        """Fill the ring: phase A's (chunk, sub-group) iterations, then phase B's chunks."""
+        """Fill the ring: phase A's (chunk, sub-group) iterations, then phase B's chunks
+        (``qm``: the query map's kernel arguments, read by the row data)."""
         ROWS, D, DP = self.ROWS, self.head_dim, self.proxy_head_dim
         G, G2, R = self.geometry
         BT = ROWS // G2
@@ -252,7 +254,7 @@ class BwdWsSm90(BwdSm90):
                 s = it % 2
                 cute.arch.mbarrier_wait(bars + 4 + s, (it // 2) % 2 ^ 1)
                 h0 = p * G + r * G2
-                self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, s, tp, tok0)
+                self.row_data(mPerm, mLSE, mDelta, sRowI, sRowF, c, e1, h0, s, tp, tok0, qm)
                 self.producer_sync()
                 self.gather_rows(gathers[0], mQ, sQ, D, sRowI, s, tp)
                 if cutlass.const_expr(self.main):
@@ -265,7 +267,7 @@ class BwdWsSm90(BwdSm90):
                 c = e0 + ch * ROWS
                 s = it % 2
                 cute.arch.mbarrier_wait(bars + 4 + s, (it // 2) % 2 ^ 1)
-                self.proxy_row_data(mPerm, mPLSE, sRowI, sRowF, c, e1, p, s, tp, tok0)
+                self.proxy_row_data(mPerm, mPLSE, sRowI, sRowF, c, e1, p, s, tp, tok0, qm)
                 self.producer_sync()
                 self.gather_rows(gathers[1], mQp, sQp, DP, sRowI, s, tp)
                 self.publish(bars + 2 + s)

@@ -46,7 +46,10 @@ def _compile(kernel, *args, dump: str | None = None, name: str = "") -> dict:
 
 
 def configurations():
-    """(name, dtype, Dp, Hp, Hpk, top_k, block) of the selection kernels checked."""
+    """(name, dtype, Dp, Hp, Hpk, top_k, block[, qmap]) of the selection kernels checked; the
+    ``qmap`` ones (``SelectSm90(qmap=True)``, context parallelism's query map): anchor / paper
+    (their selections have the same shape), both dims and blocks, top_k 64 (the most
+    registers), a split list, fp16, several key heads."""
     for Dp in (64, 128):
         for block in (64, 128):
             yield f"select bf16 Dp={Dp} b={block} k=16 Hp=4 Hpk=1", "bf16", Dp, 4, 1, 16, block
@@ -55,12 +58,19 @@ def configurations():
     yield "select bf16 Dp=64 b=64 k=8 Hp=8 Hpk=2", "bf16", 64, 8, 2, 8, 64
     for Dp, block, K in ((128, 128, 64), (128, 64, 64), (64, 128, 32), (64, 64, 17)):
         yield f"select bf16 Dp={Dp} b={block} k={K} Hp=4 Hpk=1", "bf16", Dp, 4, 1, K, block
+    for dt, Dp, Hp, Hpk, K, block in (
+        ("bf16", 128, 4, 1, 16, 128), ("bf16", 64, 4, 1, 16, 64), ("bf16", 128, 4, 1, 64, 64),
+        ("bf16", 64, 4, 1, 32, 128), ("fp16", 128, 4, 1, 16, 128), ("bf16", 64, 8, 2, 8, 64),
+    ):  # fmt: skip
+        name = f"select {dt} qmap Dp={Dp} b={block} k={K} Hp={Hp} Hpk={Hpk}"
+        yield name, dt, Dp, Hp, Hpk, K, block, True
 
 
 def fwd_configurations():
-    """(name, dtype, H, Hkv, Hs, D, K, block, warpgroups) of the forward-partials kernels
-    checked: the head layouts, dims and blocks with the default 3 warpgroups, and each also
-    with 1 and 2 (the constructor argument the A/B script and the GPU tests vary)."""
+    """(name, dtype, H, Hkv, Hs, D, K, block, warpgroups[, (Hpk, Dp)]) of the forward-partials
+    kernels checked: the head layouts, dims and blocks with the default 3 warpgroups, and each
+    also with 1 and 2 (the constructor argument the A/B script and the GPU tests vary); with
+    ``(Hpk, Dp)`` the kernel that also makes the proxy LSE partials (``proxy=True``)."""
     layouts = [
         (f"fwd bf16 anchor D={D} b={block}", "bf16", 16, 2, 4, D, 16, block)
         for D in (64, 128)
@@ -73,12 +83,25 @@ def fwd_configurations():
     for wgs in (1, 2):
         for name, *cfg in layouts:
             yield f"{name} wg{wgs}", *cfg, wgs
+    proxy = [  # (name, dtype, H, Hkv, Hs, D, K, block, Hpk, Dp): FwdPartialsSm90(proxy=True)
+        ("anchor D=128 b=128", "bf16", 16, 2, 4, 128, 16, 128, 1, 128),
+        ("paper D=128 b=128", "bf16", 64, 4, 4, 128, 16, 128, 1, 128),
+        ("anchor D=64 b=64", "bf16", 16, 2, 4, 64, 16, 64, 1, 64),
+        ("Hp>Hpk>1 D=64 b=64", "bf16", 8, 2, 4, 64, 8, 64, 2, 64),
+        ("anchor D=128 Dp=64 b=128", "bf16", 16, 2, 4, 128, 16, 128, 1, 64),
+        ("anchor D=64 Dp=128 b=128", "bf16", 16, 2, 4, 64, 16, 128, 1, 128),
+        ("Hs<Hkv D=64 b=64", "fp16", 8, 4, 2, 64, 8, 64, 1, 64),
+    ]
+    for name, dtype, *cfg, hpk, dp in proxy:
+        yield f"fwd {dtype} proxy {name}", dtype, *cfg, 3, (hpk, dp)
+    yield "fwd bf16 proxy anchor D=128 b=128 wg1", "bf16", 16, 2, 4, 128, 16, 128, 1, (1, 128)
 
 
 def bwd_configurations():
     """(name, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy[, variant]) of the backward
     kernels checked: the anchor and paper head layouts, both head dims and blocks, fp16, the
-    main- or proxy-only variants, and the A/B switches (``variant``: constructor arguments)."""
+    main- or proxy-only variants, and the A/B switches (``variant``: constructor arguments);
+    the ``qmap`` ones (context parallelism's query map) over both kernels and every mode."""
     for D in (64, 128):
         for block in (64, 128):
             yield f"bwd bf16 anchor D={D} b={block}", "bf16", 16, 2, 4, 1, D, D, 16, block, 1, 1
@@ -113,6 +136,18 @@ def bwd_configurations():
     yield "bwd fp16 anchor D=64 b=64 kl", "fp16", 16, 2, 4, 1, 64, 64, 16, 64, 0, 0, kl
     yield "bwd bf16 Hp>Hpk>1 G2=2 D=64 b=64 kl", "bf16", 8, 2, 4, 2, 64, 64, 8, 64, 0, 0, kl
     yield "bwd bf16 G2=1 Dp>D kl", "bf16", 4, 4, 4, 2, 64, 128, 8, 128, 0, 0, kl
+    qm = dict(qmap=True)  # the query map (context parallelism): the row data's token from it
+    yield "bwd bf16 qmap anchor", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, qm
+    yield "bwd bf16 qmap paper", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 1, 1, qm
+    yield "bwd fp16 qmap anchor", "fp16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, qm
+    yield "bwd bf16 qmap anchor D=64 b=64", "bf16", 16, 2, 4, 1, 64, 64, 16, 64, 1, 1, qm
+    yield "bwd bf16 qmap G2=1", "bf16", 4, 4, 4, 2, 128, 128, 8, 128, 1, 1, qm
+    yield "bwd bf16 qmap anchor main-only", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 0, qm
+    yield "bwd bf16 qmap anchor proxy-only", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 0, 1, qm
+    yield "bwd bf16 qmap anchor v2", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, dict(qm, **v2)
+    qdet = dict(qm, **det)
+    yield "bwd bf16 qmap anchor deterministic", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, qdet
+    yield "bwd bf16 qmap anchor kl", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 0, 0, dict(qm, **kl)
 
 
 def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=None, **dump) -> dict:
@@ -158,6 +193,8 @@ def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=No
         Float32(1.0), Float32(1.0), Float32(1.0), Float32(1.0), Int32(1), Int32(0),
         make_fake_stream(),
     )  # fmt: skip
+    if kernel.qmap:  # the query map (Tq,) int32, after the stream
+        args += (flat(Int32, "TQ"),)
     return _compile(kernel, *args, **dump)
 
 
@@ -168,19 +205,24 @@ def _dtype(name: str):
 
 
 def compile_fwd(
-    dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: int, wgs: int, **dump
-) -> dict:
+    dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: int, wgs: int, proxy=None,
+    **dump,
+) -> dict:  # fmt: skip
     """Compile :class:`~flash_msa.cute.fwd_partials_sm90.FwdPartialsSm90` on specimen tensors
-    of the layouts :func:`~flash_msa.cute.fwd_partials_sm90.partials` passes."""
+    of the layouts :func:`~flash_msa.cute.fwd_partials_sm90.partials` passes; ``proxy = (Hpk,
+    Dp)``: the kernel with the proxy LSE part."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     from .common import WorkItems
-    from .fwd_partials_sm90 import FwdPartialsSm90
+    from .fwd_partials_sm90 import FwdPartialsSm90, ProxyArgs
 
     dt = _dtype(dtype)
-    kernel = FwdPartialsSm90(dt, H, Hkv, Hs, D, K, block, wgs)
+    variant = {}
+    if proxy is not None:
+        variant = dict(proxy=True, proxy_k_heads=proxy[0], proxy_head_dim=proxy[1])
+    kernel = FwdPartialsSm90(dt, H, Hkv, Hs, D, K, block, wgs, **variant)
     sym = cute.sym_int32
     T = sym(symbol="T")
     q = make_fake_tensor(dt, (sym(symbol="TH"), D), stride=(D, 1), assumed_align=16)
@@ -197,29 +239,42 @@ def compile_fwd(
     )  # fmt: skip
     o = make_fake_tensor(dt, (sym(symbol="P"), D), stride=(D, 1), assumed_align=16)
     lse = make_fake_compact_tensor(Float32, (sym(symbol="P"),), assumed_align=16)
-    return _compile(
-        kernel, q, k, v, work, o, lse, Float32(1.0), Int32(0), Int32(1), make_fake_stream(),
-        **dump,
-    )  # fmt: skip
+    args = [q, k, v, work, o, lse, Float32(1.0), Int32(0), Int32(1), make_fake_stream()]
+    if proxy is not None:
+        Hpk, Dp = proxy
+        qp = make_fake_tensor(dt, (sym(symbol="TS"), Dp), stride=(Dp, 1), assumed_align=16)
+        kp = make_fake_tensor(dt, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16)
+        pl = make_fake_compact_tensor(Float32, (sym(symbol="PS"),), assumed_align=16)
+        args.append(ProxyArgs(qp, kp, pl, Float32(1.0)))
+    return _compile(kernel, *args, **dump)
 
 
-def compile_select(dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, **dump) -> dict:
+def compile_select(
+    dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False, **dump
+) -> dict:
     """Compile :class:`~flash_msa.cute.select_sm90.SelectSm90` on specimen tensors of the
-    layouts :func:`~flash_msa.cute.select_sm90.select` passes."""
+    layouts :func:`~flash_msa.cute.select_sm90.select` passes (``qmap``: the query-map kernel,
+    ``Tq`` query rows against ``T`` keys)."""
     import cutlass.cute as cute
     from cutlass import Int32
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-    from .select_sm90 import SelectSm90
+    from .select_sm90 import QueryMap, SelectSm90
 
     dt = _dtype(dtype)
-    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block)
+    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block, qmap=qmap)
     T = cute.sym_int32(symbol="T")
-    q = make_fake_tensor(dt, (T, Dp, Hp), stride=(Hp * Dp, 1, Dp), assumed_align=16)
+    Tq = cute.sym_int32(symbol="Tq") if qmap else T
+    n1 = cute.sym_int32(symbol="N1")
+    q = make_fake_tensor(dt, (Tq, Dp, Hp), stride=(Hp * Dp, 1, Dp), assumed_align=16)
     k = make_fake_tensor(dt, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16)
-    cu = make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="N1"),), assumed_align=16)
-    idx = make_fake_tensor(Int32, (T, Hp, K), stride=(Hp * K, K, 1), assumed_align=16)
-    return _compile(kernel, q, k, cu, idx, Int32(1), make_fake_stream(), **dump)
+    cu = make_fake_compact_tensor(Int32, (n1,), assumed_align=16)
+    idx = make_fake_tensor(Int32, (Tq, Hp, K), stride=(Hp * K, K, 1), assumed_align=16)
+    args = [q, k, cu, idx, Int32(1), make_fake_stream()]
+    if qmap:  # q_map, the sorted rows (Tq,) and each sequence's first one (N+1,)
+        maps = (make_fake_compact_tensor(Int32, (n,), assumed_align=16) for n in (Tq, Tq, n1))
+        args.append(QueryMap(*maps))
+    return _compile(kernel, *args, **dump)
 
 
 def main(argv: list[str]) -> int:

@@ -1,9 +1,11 @@
 """Sparse main forward on Hopper (sm_90a) in CuTe DSL: per-block attention partials, key-outer.
 
 The CuTe backend's ``fwd`` (:func:`fwd`): the kernel :class:`FwdPartialsSm90` makes the
-per-block partials (the driver stage :func:`partials`), Triton's combine, proxy-LSE and KL
-passes do the rest. Checked on an H200 against the Triton kernel (same work list, same partial
-buffers) and the reference (tests/test_gpu_cute.py).
+per-block partials (the driver stage :func:`partials`), the stages of ``cute.forward_stages``
+and Triton's do the rest (the proxy LSE partials: Triton's stage unless
+``cute.PROXY_LSE_ON_CUTE``, "Proxy LSE" below). Checked on an H200 against the Triton kernel
+(same work list, same partial buffers) and the reference (tests/test_gpu_cute.py); the proxy
+LSE part is compiled and not yet run (its GPU tests wait for the next H200 session).
 
 Same decomposition as the Triton forward (docs/algorithm.md, "Main attention: key-outer over a
 reverse index"): one CTA per work item = (selection head p, key block, up to TW query tokens
@@ -28,6 +30,24 @@ warpgroup
 
 One block per item means no online softmax: the combine merges a query's K partials by LSE.
 
+Proxy LSE (``proxy=True``; the driver's ``partials_make_proxy``): the same launch also writes
+the proxy LSE partials ``pl_part (C, Hs, K)``, the natural-log LSE of ``proxy_scale * q_proxy .
+k_proxy`` over the slot's block keys visible to the token (same causal and block-end mask as
+the main part). Per item, warp 0 issues the block's k_proxy tile (``BLOCK x Dp``, head ``p //
+(Hs / Hpk)``) by TMA on a second mbarrier together with the first K/V tile, into a buffer of
+its own, so it has landed long before it is read. After the last KV sub-group's closing CTA
+barrier the warpgroups take turns at chunks of 64 tokens (one row each, head ``p``), as in the
+main part: the rows' q_proxy gathered by cp.async into the (now free) Q buffers, double
+buffered, one ``m64nBLOCKk16`` wgmma chain of Dp / 16 steps into the main part's S registers,
+the main part's mask / row max / exp2-sum, and the LSE stored by the quad leader into the
+row's slot; no P V, no O. Why after the main part and not inside it: a main chunk holds BT =
+64 / G2 tokens of G2 heads while a proxy row is one per token, so the proxy needs its own
+chunks; after the main part every Q buffer is free, whatever Dp (the Q region is sized for
+max(D, Dp)), and the main part's code is unchanged (``proxy=False`` compiles to the same PTX).
+Its cost per item is one exposed gather latency plus Dp / (2 G D) of the main part's MMA work
+and 1/G of its exp2 (one proxy row per G main rows, and no P V).
+Unused slots have no work-list entry and are never written (the partial-buffer contract).
+
 Measured variants that left this file (H200, docs/perf-notes.md "CuTe forward partials
 v2-v5", same-run gains of the kept choice, 8 cases): two Q buffers per warpgroup against one
 (-1..+12%), partials staged through shared memory against each thread's 4-byte column-pair
@@ -39,12 +59,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass import Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
@@ -102,6 +123,15 @@ def _staged(row, unit):
     return (unit // 8) * seg + row * 64 + ((unit % 8) ^ (row % 8)) * 8
 
 
+class ProxyArgs(NamedTuple):
+    """The run-time arguments of the proxy LSE part (``FwdPartialsSm90(proxy=True)``)."""
+
+    q_proxy: cute.Tensor  # (T * Hs, Dp): row t * Hs + p
+    k_proxy: cute.Tensor  # (T, Dp, Hpk) view of k_proxy: a TMA box = one head's block
+    pl_part: cute.Tensor  # (C * Hs * K,) fp32 proxy LSE partials
+    scale_log2: Float32  # proxy scale * log2(e)
+
+
 def _loads_before(r: int, g2: int, kv_group: int) -> int:
     """K/V tile loads issued before sub-group ``r``'s (trace time): one per new KV head."""
     return sum(1 for i in range(r) if i == 0 or (i * g2) % kv_group == 0)
@@ -125,6 +155,11 @@ class FwdPartialsSm90:
     # (each with its own two Q buffers); 3 fills the register file (168 registers x 384
     # threads). 3 vs 1: +12..+31% at the paper head layout, a tie (-9..+1%) at the anchor one.
     warpgroups: int = 3
+    # also the proxy LSE partials of the same items (module docstring, "Proxy LSE"); False
+    # compiles to the main-only kernel (the same PTX as before the field existed)
+    proxy: bool = False
+    proxy_head_dim: int = 128  # Dp (read only when ``proxy``)
+    proxy_k_heads: int = 1  # Hpk: proxy key heads (read only when ``proxy``)
 
     ROWS: ClassVar[int] = 64  # rows per chunk: one warpgroup's MMA M
     THREADS: ClassVar[int] = 128  # threads per warpgroup
@@ -134,35 +169,46 @@ class FwdPartialsSm90:
     # static limits
     # -----------------------------------------------------------------------------------------
     @staticmethod
-    def shared_bytes(elem_bytes: int, head_dim: int, block_size: int, warpgroups: int) -> dict:
+    def shared_bytes(
+        elem_bytes: int, head_dim: int, block_size: int, warpgroups: int, proxy_head_dim: int = 0
+    ) -> dict:
         """Bytes of each shared-memory buffer, in the order of the ``Storage`` struct (the
-        operand tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum."""
+        operand tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum.
+        ``proxy_head_dim``: Dp of the proxy LSE part (0: none): a second mbarrier, the Q
+        buffers sized for max(D, Dp) (they take the q_proxy rows after the main part) and the
+        k_proxy tile."""
+        dq = max(head_dim, proxy_head_dim)
         sizes = {
-            "kv_mbar": 8,  # one mbarrier
+            "kv_mbar": 8 * (2 if proxy_head_dim else 1),  # K/V tiles' mbarrier (+ k_proxy's)
             "sPart": 8 * FwdPartialsSm90.ROWS * warpgroups,  # a row's partial index (int64)
-            "sQ": FwdPartialsSm90.ROWS * head_dim * elem_bytes * FwdPartialsSm90.Q_BUFFERS
-            * warpgroups,
+            "sQ": FwdPartialsSm90.ROWS * dq * elem_bytes * FwdPartialsSm90.Q_BUFFERS * warpgroups,
             "sK": block_size * head_dim * elem_bytes,
             "sV": block_size * head_dim * elem_bytes,
         }  # fmt: skip
+        if proxy_head_dim:
+            sizes["sKp"] = block_size * proxy_head_dim * elem_bytes
         end = 0
         for name, size in sizes.items():
-            if name in ("sQ", "sK", "sV"):
+            if name in ("sQ", "sK", "sV", "sKp"):
                 end = -(-end // 1024) * 1024
             end += size
         return {**sizes, "total": end}
 
     @classmethod
     def can_implement(
-        cls, dtype, heads, kv_heads, sel_heads, head_dim, top_k, block_size, warpgroups=3
-    ) -> str | None:
+        cls, dtype, heads, kv_heads, sel_heads, head_dim, top_k, block_size, warpgroups=3,
+        proxy=False, proxy_head_dim=128, proxy_k_heads=1,
+    ) -> str | None:  # fmt: skip
         """Why this configuration cannot be compiled or run (``None``: it can).
 
         Shared memory (:meth:`shared_bytes`) at D = 128, block 128, bf16, 3 warpgroups: 6 Q
         buffers of 64 x 128 x 2 = 16 KB (96 KB) + K and V tiles of 128 x 128 x 2 = 32 KB each
         (64 KB) + 1.5 KB of row indices + the mbarrier, aligned: 165,888 bytes of the sm_90
-        capacity of 232,448 (SHARED_LIMIT). Registers: 168 per thread with 3 warpgroups
-        (384 threads x 168 = 64,512 of 65,536; compile_check asserts no spills)."""
+        capacity of 232,448 (SHARED_LIMIT). With the proxy part at Dp = 128, + the 32 KB
+        k_proxy tile: 198,656, the most of any configuration (D = 64, Dp = 128: Q buffers of
+        64 x max(D, Dp), 165,888), so every supported layout fits. Registers: 168 per thread
+        with 3 warpgroups (384 threads x 168 = 64,512 of 65,536; compile_check asserts no
+        spills, with and without the proxy part)."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"the CuTe forward needs bf16 or fp16, not {dtype}"
         if head_dim not in (64, 128):
@@ -176,7 +222,15 @@ class FwdPartialsSm90:
         why = head_geometry_reason(heads, kv_heads, sel_heads)
         if why is not None:
             return why
-        smem = cls.shared_bytes(dtype.width // 8, head_dim, block_size, warpgroups)["total"]
+        if proxy and proxy_head_dim not in (64, 128):
+            return f"the CuTe proxy LSE needs proxy_head_dim 64 or 128, not {proxy_head_dim}"
+        if proxy and (proxy_k_heads < 1 or sel_heads % proxy_k_heads):
+            return (
+                f"the selection heads ({sel_heads}) must be a multiple of the proxy key heads "
+                f"({proxy_k_heads})"
+            )
+        dp = proxy_head_dim if proxy else 0
+        smem = cls.shared_bytes(dtype.width // 8, head_dim, block_size, warpgroups, dp)["total"]
         if smem > SHARED_LIMIT:
             return f"{smem} bytes of shared memory exceed the sm_90 capacity ({SHARED_LIMIT})"
         return None
@@ -184,7 +238,7 @@ class FwdPartialsSm90:
     def __post_init__(self):
         why = self.can_implement(
             self.dtype, self.heads, self.kv_heads, self.sel_heads, self.head_dim, self.top_k,
-            self.block_size, self.warpgroups,
+            self.block_size, self.warpgroups, self.proxy, self.proxy_head_dim, self.proxy_k_heads,
         )  # fmt: skip
         if why is not None:
             raise ValueError(f"CuTe forward partials: {why}")
@@ -210,11 +264,13 @@ class FwdPartialsSm90:
         tok0: Int32,
         NB: Int32,
         stream: cuda.CUstream,
+        proxy: ProxyArgs = None,
     ):
         """Launch one CTA per work item. ``mQ (T*H, D)``; ``mK``, ``mV`` the ``(T, D, Hkv)``
         views of k and v; ``work`` the work list; partial buffers ``mO (C*H*K, D)`` and
         ``mL (C*H*K,)``; ``scale_log2`` = softmax scale * log2(e); ``tok0`` the chunk's first
-        packed token; ``NB`` the work list's block count."""
+        packed token; ``NB`` the work list's block count; ``proxy`` (:class:`ProxyArgs`) exactly
+        when :attr:`proxy`."""
         ROWS, D, BLOCK, WGS = self.ROWS, self.head_dim, self.block_size, self.warpgroups
         dtype = self.dtype
         assert mQ.element_type == dtype and mQ.shape[1] == D and mK.shape[1:] == (D, self.kv_heads)
@@ -255,22 +311,69 @@ class FwdPartialsSm90:
             cute.make_layout((1, 8)),
         )  # fmt: skip
 
-        @cute.struct
-        class Storage:  # sizes: shared_bytes
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, 1]
-            sPart: cute.struct.MemRange[cutlass.Int64, ROWS * WGS]
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-
-        smem = self.shared_bytes(dtype.width // 8, D, BLOCK, WGS)["total"]
+        pargs = self.proxy_host(proxy)
+        Storage = self.storage(sQ_layout, sK_layout, pargs)
+        dp = self.proxy_head_dim if self.proxy else 0
+        smem = self.shared_bytes(dtype.width // 8, D, BLOCK, WGS, dp)["total"]
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
         self.kernel(
             mQ, tma_k, tma_mK, tma_v, tma_mV, work, mO, mL, scale_log2, tok0, NB, mmas,
-            sQ_layout, sK_layout, gather, Storage,
+            sQ_layout, sK_layout, gather, Storage, pargs,
         ).launch(
             grid=(work.item_list.shape[0], 1, 1), block=(self.THREADS * WGS, 1, 1), stream=stream
         )  # fmt: skip
+
+    def proxy_host(self, proxy):
+        """The proxy part's kernel arguments (traced inline into ``__call__``; ``()`` without
+        it): the k_proxy TMA atom and coordinates, q_proxy, pl_part, the scale, the q_proxy
+        gather and the q_proxy / k_proxy tile layouts."""
+        if not self.proxy:
+            assert proxy is None, "proxy arguments given to a kernel without the proxy part"
+            return ()
+        ROWS, BLOCK, DP, dtype = self.ROWS, self.block_size, self.proxy_head_dim, self.dtype
+        mQp, mKp, mPL, pscale_log2 = proxy
+        assert mQp.element_type == dtype and mQp.shape[1] == DP
+        assert mKp.shape[1:] == (DP, self.proxy_k_heads)
+        sQp_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (ROWS, BLOCK, DP), dtype, self.warpgroups * self.Q_BUFFERS
+        )
+        sKp_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (ROWS, BLOCK, DP), dtype, 1
+        )
+        tma_kp, tma_mKp = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mKp, cute.slice_(sKp_layout, (None, None, 0)),
+            (BLOCK, DP),
+        )  # fmt: skip
+        tpr = DP // 8  # threads per row: 16-byte pieces
+        gather_p = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                num_bits_per_copy=128,
+            ),
+            cute.make_layout((self.THREADS // tpr, tpr), stride=(tpr, 1)),
+            cute.make_layout((1, 8)),
+        )  # fmt: skip
+        return (tma_kp, tma_mKp, mQp, mPL, pscale_log2, gather_p, sQp_layout, sKp_layout)
+
+    def storage(self, sQ_layout, sK_layout, pargs):
+        """The shared-memory struct (sizes: :meth:`shared_bytes`); with the proxy part
+        (``pargs`` from :meth:`proxy_host`) a second mbarrier, Q buffers that also hold a
+        q_proxy tile each, and the k_proxy tile. (Built from an annotation dict: this module's
+        postponed annotations would reach ``cute.struct`` as strings.)"""
+        MemRange, Align = cute.struct.MemRange, cute.struct.Align
+        q_elems = cute.cosize(sQ_layout)
+        if self.proxy:
+            q_elems = max(q_elems, cute.cosize(pargs[6]))
+        fields = {
+            "kv_mbar": MemRange[cutlass.Int64, 2 if self.proxy else 1],  # K/V's (+ k_proxy's)
+            "sPart": MemRange[cutlass.Int64, self.ROWS * self.warpgroups],
+            "sQ": Align[MemRange[self.dtype, q_elems], 1024],
+            "sK": Align[MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
+            "sV": Align[MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
+        }
+        if self.proxy:
+            fields["sKp"] = Align[MemRange[self.dtype, cute.cosize(pargs[7])], 1024]
+        return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     # -----------------------------------------------------------------------------------------
     # device
@@ -294,6 +397,7 @@ class FwdPartialsSm90:
         sK_layout: cute.ComposedLayout,
         gather: cute.TiledCopy,
         Storage: Constexpr,
+        pargs: tuple,  # the proxy part's arguments (proxy_host), () without it
     ):
         ROWS, THREADS, D, BLOCK, WGS = (
             self.ROWS, self.THREADS, self.head_dim, self.block_size, self.warpgroups
@@ -322,6 +426,8 @@ class FwdPartialsSm90:
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(kv_bar, 1)
+                if cutlass.const_expr(self.proxy):
+                    cute.arch.mbarrier_init(kv_bar + 1, 1)  # the k_proxy tile's
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -333,6 +439,9 @@ class FwdPartialsSm90:
             gb = lst % NB
             ks = work.block_start[gb]  # packed position of the block's first key
             ke = work.block_end[gb]
+            if cutlass.const_expr(self.proxy):  # lands during the main part, read after it
+                sKp = st.sKp.get_tensor(pargs[7].outer, swizzle=pargs[7].inner)
+                self.load_kp(pargs[0], pargs[1], sKp, ks, p, kv_bar + 1, warp_idx)
 
             thr_qk = mma_qk.get_slice(tidx)
             thr_pv = mma_pv.get_slice(tidx)
@@ -359,7 +468,7 @@ class FwdPartialsSm90:
             for r in cutlass.range_constexpr(R):
                 h0 = p * G + r * G2  # first main head of this KV sub-group
                 kvh = h0 // (H // HKV)
-                gq = (gather, mQ, work.perm, tGsQ, tGcQ, g_col, e0, e1, h0)
+                gq = (gather, mQ, work.perm, tGsQ, tGcQ, g_col, e0, e1, h0, G2, H)
                 # buffer 0 is free (the barriers closing the last sub-group): the first chunk's
                 # rows land during the K/V load
                 if wg < n_chunks:
@@ -375,7 +484,7 @@ class FwdPartialsSm90:
                     # validity. Loaded first so the global-load latency overlaps the gather
                     # wait and the MMA.
                     row_tok, row_part, row_ok = self.row_info(
-                        work.perm, cS, e0 + ch * BT, e1, h0, tok0
+                        work.perm, cS, e0 + ch * BT, e1, h0, tok0, G2, H
                     )
                     # 1. this chunk's query rows in shared memory. The next chunk's gather is
                     # issued first and lands while this chunk computes (its buffer was last read
@@ -405,6 +514,16 @@ class FwdPartialsSm90:
                     self.wg_sync(wg)  # this Q buffer is overwritten by a later gather
                 cute.arch.sync_threads()  # sK / sV may be overwritten by the next sub-group's TMA
 
+            if cutlass.const_expr(self.proxy):  # every Q buffer is free (the barrier above)
+                sQp = st.sQ.get_tensor(pargs[6].outer, swizzle=pargs[6].inner)  # (64, Dp, WGS*2)
+                # p reloaded (an L1 hit), not kept live through the main part: with it live,
+                # ptxas spilled 16-32 bytes at 168 registers (paper; D = 128, Dp = 64)
+                pp = work.item_list[w] // NB
+                self.proxy_part(
+                    pargs, sQp, sKp, mma_qk, mma_qk_acc, acc_S, S_rc, cS, work.perm, e0, e1, pp,
+                    ks, ke, tok0, kv_bar + 1, wg, tidx,
+                )  # fmt: skip
+
     # -----------------------------------------------------------------------------------------
     # device roles (traced inline into the kernel)
     # -----------------------------------------------------------------------------------------
@@ -417,17 +536,18 @@ class FwdPartialsSm90:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.THREADS)
 
     @cute.jit
-    def gather(self, gather, mQ, mPerm, tGsQ, tGcQ, g_col, e0, e1, h0, ch, buf):
+    def gather(self, gather, mQ, mPerm, tGsQ, tGcQ, g_col, e0, e1, h0, G2, H, ch, buf):
         """cp.async the query rows of chunk ``ch`` of a work item into Q buffer ``buf`` (one
-        commit group); pad rows (past the item's end) re-load the last valid row."""
-        G2 = self.geometry[1]
+        commit group); pad rows (past the item's end) re-load the last valid row. A chunk row
+        is (token, head): ``64 / G2`` tokens x ``G2`` heads from ``h0`` of the ``H`` heads of
+        ``mQ`` (the proxy part: G2 = 1, ``h0`` = p, H = Hs)."""
         BT = self.ROWS // G2
         c = e0 + ch * BT
         for ps in cutlass.range_constexpr(cute.size(tGsQ, mode=[1])):
             row = tGcQ[0, ps, 0][0]
             e = cutlass.min(c + row // G2, e1 - 1)
             t = mPerm[e] // (self.sel_heads * self.top_k)
-            qrow = t * self.heads + h0 + row % G2
+            qrow = t * H + h0 + row % G2
             off = cute.assume(Int64(qrow) * mQ.stride[0] + g_col, divby=8)
             src = cute.make_tensor(mQ.iterator + off, cute.make_layout(((8, 1),)))
             cute.copy(gather, src, tGsQ[None, ps, 0, buf])
@@ -455,11 +575,69 @@ class FwdPartialsSm90:
             cute.copy(tma_v, tVgV, tVsV[(None, 0)], tma_bar_ptr=kv_bar)
 
     @cute.jit
-    def row_info(self, mPerm, cS, c, e1, h0, tok0):
-        """For each of this thread's two rows of the chunk whose first entry is ``c``: its token,
-        its partial index ``((t - tok0) * H + h) * K + slot`` and whether it is a real entry."""
+    def load_kp(self, tma_kp, mKp, sKp, ks, p, kp_bar, warp_idx):
+        """Issue the TMA load of the k_proxy tile of selection head ``p``'s proxy key head for
+        the block starting at packed position ``ks`` (warp 0), completing on ``kp_bar``."""
+        BLOCK, DP = self.block_size, self.proxy_head_dim
+        pk = p // (self.sel_heads // self.proxy_k_heads)
+        gKp = cute.local_tile(
+            cute.domain_offset((ks, 0, 0), mKp)[None, None, pk], (BLOCK, DP), (0, 0)
+        )
+        tKsK, tKgK = tma_tiles(tma_kp, sKp, gKp)
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    kp_bar, BLOCK * DP * (self.dtype.width // 8)
+                )
+            cute.copy(tma_kp, tKgK, tKsK[(None, 0)], tma_bar_ptr=kp_bar)
+
+    @cute.jit
+    def proxy_part(
+        self, pargs, sQp, sKp, mma_qk, mma_qk_acc, acc_S, S_rc, cS, mPerm, e0, e1, p, ks, ke,
+        tok0, kp_bar, wg, tidx,
+    ):  # fmt: skip
+        """The item's proxy LSE partials: chunks of 64 tokens (row = token, head ``p``) taken
+        in turn by the warpgroups, each ``S = q_proxy k_proxy^T`` into the main part's S
+        registers, masked like the main part, and the natural-log LSE of ``proxy_scale * S``
+        stored at the row's slot of ``pl_part``. Q buffers and double buffering as in the main
+        part; called after a CTA barrier (every Q buffer free)."""
+        ROWS, WGS, HS, DP = self.ROWS, self.warpgroups, self.sel_heads, self.proxy_head_dim
+        mQp, mPL, pscale_log2, gather_p = pargs[2], pargs[3], pargs[4], pargs[5]
+        thr_qk = mma_qk.get_slice(tidx)
+        tSrQp = mma_qk.make_fragment_A(thr_qk.partition_A(sQp))
+        tSrKp = mma_qk.make_fragment_B(thr_qk.partition_B(sKp))
+        thr_g = gather_p.get_slice(tidx)
+        tGsQp = thr_g.partition_D(sQp)  # ((8, 1), passes, 1, WGS * 2)
+        tGcQp = thr_g.partition_D(cute.make_identity_tensor((ROWS, DP)))
+        gq = (gather_p, mQp, mPerm, tGsQp, tGcQp, tGcQp[0, 0, 0][1], e0, e1, p, 1, HS)
+        n_chunks = (e1 - e0 + ROWS - 1) // ROWS
+        if wg < n_chunks:
+            self.gather(*gq, wg, wg * self.Q_BUFFERS)
+        cute.arch.mbarrier_wait(kp_bar, 0)  # one k_proxy tile per CTA: phase 0
+        for ch in cutlass.range(wg, n_chunks, WGS, unroll=1):
+            row_tok, row_part, row_ok = self.row_info(mPerm, cS, e0 + ch * ROWS, e1, p, tok0, 1, HS)
+            stage = (ch // WGS) % 2
+            qb = wg * self.Q_BUFFERS + stage
+            if ch + WGS < n_chunks:
+                self.gather(*gq, ch + WGS, wg * self.Q_BUFFERS + 1 - stage)
+                cute.arch.cp_async_wait_group(1)  # all but the newest group
+            else:
+                cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.wg_sync(wg)
+            self.qk(mma_qk, mma_qk_acc, acc_S, tSrQp, tSrKp, qb)
+            row_max, row_sum = self.softmax(S_rc, cS, ks, ke, row_tok, pscale_log2)
+            for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
+                if cS[i, 0][1] == 0 and row_ok[i]:  # the quad's leader stores the row's LSE
+                    self.store_lse(mPL, row_part[i], row_max[i], row_sum[i], pscale_log2)
+            self.wg_sync(wg)  # this Q buffer is overwritten by a later gather
+
+    @cute.jit
+    def row_info(self, mPerm, cS, c, e1, h0, tok0, G2, H):
+        """For each of this thread's two rows of the chunk whose first entry is ``c`` (rows as
+        in :meth:`gather`): its token, its partial index ``((t - tok0) * H + h) * K + slot`` and
+        whether it is a real entry."""
         HS, K = self.sel_heads, self.top_k
-        G2 = self.geometry[1]
         row_tok = []
         row_part = []
         row_ok = []
@@ -469,7 +647,7 @@ class FwdPartialsSm90:
             flat = mPerm[cutlass.min(e, e1 - 1)]
             t = flat // (HS * K)
             row_tok.append(t)
-            row_part.append(((t - tok0) * self.heads + h0 + row % G2) * K + flat % K)
+            row_part.append(((t - tok0) * H + h0 + row % G2) * K + flat % K)
             row_ok.append(e < e1)
         return row_tok, row_part, row_ok
 
@@ -592,30 +770,37 @@ def partials(
 ):  # fmt: skip
     """Driver stage ``partials`` (:mod:`flash_msa.sparse_forward`, which states the buffers'
     contract): fill ``o_part (C, H, K, D)`` and ``l_part (C, H, K)`` for packed tokens
-    ``tok0 .. tok0 + C`` from work list ``wl`` (:func:`flash_msa.worklist.build`). The main
-    partials only: ``proxy`` must be ``None`` (the proxy LSE partials are another stage).
-    ``warpgroups``: the kernel's constructor argument (A/B runs and tests; the default is the
-    measured choice)."""
-    if proxy is not None:
-        raise ValueError("CuTe forward partials: the proxy LSE partials are not made here")
+    ``tok0 .. tok0 + C`` from work list ``wl`` (:func:`flash_msa.worklist.build`); with
+    ``proxy = (q_proxy, k_proxy, pl_part)`` also the proxy LSE partials ``pl_part (C, Hs, K)``
+    in the same launch (``FwdPartialsSm90(proxy=True)``; :func:`proxy_fits` says where it
+    can run). ``warpgroups``: the kernel's constructor argument (A/B runs and tests; the
+    default is the measured choice)."""
     T, H, D = q.shape
     Hkv = k.shape[1]
+    variant = {}
+    if proxy is not None:
+        q_proxy, k_proxy, pl_part = proxy
+        _check_proxy_inputs(q, k, q_proxy, k_proxy, wl.heads)  # before their shapes are read
+        variant = dict(proxy=True, proxy_head_dim=q_proxy.shape[2], proxy_k_heads=k_proxy.shape[1])
+    # (raises ValueError with the reason if the kernel cannot run this configuration)
     kernel = FwdPartialsSm90(
-        cutlass_dtype(q.dtype), H, Hkv, wl.heads, D, wl.slots, cfg.block_size, warpgroups
-    )  # raises ValueError with the reason if the kernel cannot run this configuration
-    for name, buf, shape in (
-        ("o_part", o_part, (H, wl.slots, D)),
-        ("l_part", l_part, (H, wl.slots)),
-    ):
+        cutlass_dtype(q.dtype), H, Hkv, wl.heads, D, wl.slots, cfg.block_size, warpgroups,
+        **variant,
+    )  # fmt: skip
+    buffers = [("o_part", o_part, (H, wl.slots, D)), ("l_part", l_part, (H, wl.slots))]
+    if proxy is not None:
+        buffers.append(("pl_part", pl_part, (wl.heads, wl.slots)))
+    for name, buf, shape in buffers:
+        dtype = q.dtype if name == "o_part" else torch.float32
+        if buf.dtype != dtype:
+            raise ValueError(f"CuTe forward partials: {name} must be {dtype}, not {buf.dtype}")
         if tuple(buf.shape[1:]) != shape or not buf.is_contiguous() or buf.data_ptr() % 16:
             raise ValueError(
                 f"CuTe forward partials: {name} must be a contiguous, 16-byte aligned (C, "
                 f"{', '.join(map(str, shape))}) buffer; got shape {tuple(buf.shape)}, strides "
                 f"{buf.stride()}, address % 16 = {buf.data_ptr() % 16}"
             )
-    run(
-        kernel,
-        q.device,
+    args = [
         cute_tensor(aligned(q).view(T * H, D)),
         cute_tensor(aligned(k).permute(0, 2, 1)),  # (T, D, Hkv): a TMA box = one head's block
         cute_tensor(aligned(v).permute(0, 2, 1)),
@@ -626,14 +811,62 @@ def partials(
         Int32(tok0),
         Int32(wl.num_blocks),
         stream(q.device),
-    )
+    ]
+    if proxy is not None:
+        Hs, Dp = q_proxy.shape[1:]
+        args.append(
+            ProxyArgs(
+                cute_tensor(aligned(q_proxy).view(T * Hs, Dp)),
+                cute_tensor(aligned(k_proxy).permute(0, 2, 1)),  # (T, Dp, Hpk)
+                cute_tensor(pl_part.view(-1)),
+                Float32((cfg.proxy_scale or 1.0) * math.log2(math.e)),
+            )
+        )
+    run(kernel, q.device, *args)
+
+
+def _check_proxy_inputs(q, k, q_proxy, k_proxy, Hs):
+    """ValueError naming the argument unless q_proxy ``(T, Hs, Dp)`` and k_proxy ``(T, Hpk,
+    Dp)`` match q's dtype and token count (the kernel has one element type)."""
+    T = q.shape[0]
+    if q_proxy.dim() != 3:
+        raise ValueError(
+            f"CuTe forward partials: q_proxy must be (T, Hs, Dp); got {tuple(q_proxy.shape)}"
+        )
+    for name, x, rows in (("q_proxy", q_proxy, T), ("k_proxy", k_proxy, k.shape[0])):
+        if x.dtype != q.dtype:
+            raise ValueError(f"CuTe forward partials: {name} must be {q.dtype}, not {x.dtype}")
+        if x.dim() != 3 or x.shape[0] != rows or x.shape[2] != q_proxy.shape[2]:
+            raise ValueError(
+                f"CuTe forward partials: {name} must be ({rows}, heads, {q_proxy.shape[2]}); "
+                f"got {tuple(x.shape)}"
+            )
+    if q_proxy.shape[1] != Hs:
+        raise ValueError(
+            f"CuTe forward partials: q_proxy has {q_proxy.shape[1]} heads, the work list {Hs}"
+        )
+
+
+def proxy_fits(q, k, q_proxy, k_proxy, indices, cfg) -> bool:
+    """Whether :func:`partials` can make this call's proxy LSE partials in its own launch (a
+    proxy in q's dtype, and the head layout, dims, block and shared memory that
+    ``FwdPartialsSm90.can_implement(proxy=True)`` accepts)."""
+    if q_proxy is None or q_proxy.dtype != q.dtype or k_proxy.dtype != q.dtype:
+        return False
+    why = FwdPartialsSm90.can_implement(
+        cutlass_dtype(q.dtype), q.shape[1], k.shape[1], q_proxy.shape[1], q.shape[2],
+        indices.shape[2], cfg.block_size, FwdPartialsSm90.warpgroups, True, q_proxy.shape[2],
+        k_proxy.shape[1],
+    )  # fmt: skip
+    return why is None
 
 
 def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):
     """Backend op ``fwd`` for given indices: the sparse-forward driver
-    (:mod:`flash_msa.sparse_forward`) with :func:`partials` as its per-block attention stage;
-    the proxy LSE partials, combine and KL stages are borrowed from the Triton backend through
-    the driver until CuTe has its own. Limits: ``flash_msa.cute.unsupported_reason("fwd", ...)``."""
+    (:mod:`flash_msa.sparse_forward`) with :func:`partials` as its per-block attention stage
+    (and its proxy LSE partials where ``cute.PROXY_LSE_ON_CUTE`` and :func:`proxy_fits`), the
+    KL stage and combine of ``cute.forward_stages``; the others are borrowed from the Triton
+    backend through the driver. Limits: ``flash_msa.cute.unsupported_reason("fwd", ...)``."""
     from .. import sparse_forward
     from . import forward_stages
     from .bwd_sm90 import kl_fits
@@ -642,7 +875,9 @@ def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_gra
     H, D = q.shape[1:]
     Hs, K = indices.shape[1:]
     stages = forward_stages(
-        kl_fits(q, k, q_proxy, k_proxy, indices, cfg), combine_fits(q.dtype, H, Hs, K, D)
+        kl_fits(q, k, q_proxy, k_proxy, indices, cfg),
+        combine_fits(q.dtype, H, Hs, K, D),
+        proxy_fits(q, k, q_proxy, k_proxy, indices, cfg),
     )
     return sparse_forward.fwd(
         stages, q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad

@@ -22,6 +22,20 @@ Layouts: ``q_proxy (T, Hp, Dp)`` and ``k_proxy (T, Hpk, Dp)`` are seen as ``(T, 
 (strides ``(heads*Dp, 1, Dp)``) so that one TMA box is 128 tokens x Dp of one head; a sequence
 starts at ``cu_seqlens[s]`` through a domain offset of the TMA coordinates.
 
+Query map (``SelectSm90(qmap=True)``, context parallelism; the contract's ``q_map``,
+docs/design.md): ``q_proxy`` and ``indices`` have ``Tq`` query rows whose tokens ``q_map[row]``
+lie anywhere among the keys. As in the Triton kernel (``HAS_QMAP``), the host groups the rows by
+sequence (:func:`flash_msa.worklist.query_order`: sorted by token, ``seq_start``), and a CTA owns
+128 consecutive rows of its sequence's group instead of 128 consecutive tokens. Its query tile
+is gathered by the consumer threads (16-byte ``cp.async`` pieces, one row per query row: the
+rows need not be contiguous, so no TMA box fits them); each row's position (causal limit, own
+block) is ``q_map[row] - start``; the CTA walks the key tiles up to its last (largest) row's
+and masks every tile from its first row's on (a tile's rows may span several key tiles); the
+lists are written to the rows themselves. Padding rows (``-1``) belong to no sequence: no CTA
+visits them and :func:`select` fills them with -1. Without the map the kernel's code is the one
+before the map existed (the map's parts are compile-time branches; its PTX is identical up to
+the kernel's name, compile_check ``--dump``).
+
 Limits (:meth:`SelectSm90.can_implement`): Dp in {64, 128}, block size in {64, 128},
 top_k <= 64 (the lists live in registers: a lane keeps one row's list, or half of it beyond 16
 entries), bf16 or fp16.
@@ -30,7 +44,7 @@ entries), bf16 or fp16.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -43,6 +57,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from .. import worklist
 from ..cubin import SHARED_LIMIT
 from .common import acc_rows_cols, aligned, cute_tensor, cutlass_dtype, run, stream, tma_tiles
 
@@ -80,6 +95,14 @@ def _sort_ascending(keys):
     return keys
 
 
+class QueryMap(NamedTuple):
+    """The run-time arguments of the query map (``SelectSm90(qmap=True)``)."""
+
+    q_map: cute.Tensor  # (Tq,) int32: each query row's packed key token (-1: padding row)
+    rows: cute.Tensor  # (Tq,) int32: query rows sorted by token (worklist.query_order)
+    seq_start: cute.Tensor  # (N+1,) int32: sequence n's sorted rows rows[seq_start[n]:...[n+1]]
+
+
 @dataclass(frozen=True)
 class SelectSm90:
     """Proxy block selection (module docstring), one static configuration; the fields are all
@@ -95,10 +118,15 @@ class SelectSm90:
     top_k: int  # K
     block_size: int  # keys per block: one or two blocks per key tile
     stages: int = 4  # key tiles in flight (the TMA pipeline's depth)
+    # query rows through a query map (module docstring): the query tile is gathered, positions
+    # come from the map; False: the kernel compiles as before the map existed
+    qmap: bool = False
 
     TILE_M: ClassVar[int] = TILE_M
     TILE_N: ClassVar[int] = 128  # keys per pipeline stage (one or two key blocks)
     THREADS: ClassVar[int] = 384  # producer warpgroup + two consumer warpgroups
+    CONSUMERS: ClassVar[int] = 256  # the consumer warpgroups' threads
+    QUERY_BAR: ClassVar[int] = 1  # named barrier of the consumers: the gathered query tile
     PRODUCER_REGS: ClassVar[int] = 24  # 128 * 24 + 256 * 240 = 168 * 384: the register file
     CONSUMER_REGS: ClassVar[int] = 240
 
@@ -172,9 +200,13 @@ class SelectSm90:
         mIdx: cute.Tensor,
         n_mblk: Int32,
         stream: cuda.CUstream,
+        query_map: QueryMap = None,
     ):
         """Launch: ``mQ (T, Dp, Hp)``, ``mK (T, Dp, Hpk)`` views of the proxy tensors,
-        ``mCu (N+1,)``, ``mIdx (T, Hp, K)``; grid (Hp * N, n_mblk = ceil(max_seqlen / 128))."""
+        ``mCu (N+1,)``, ``mIdx (T, Hp, K)``; grid (Hp * N, n_mblk = ceil(max_seqlen / 128)).
+        ``query_map`` (:class:`QueryMap`) exactly when :attr:`qmap`: ``mQ`` and ``mIdx`` then
+        have ``Tq`` query rows, ``mK`` the keys' ``T``, and ``n_mblk`` bounds the query rows
+        of one sequence (ceil(min(Tq, max_seqlen) / 128))."""
         DP, TILE_N, dtype = self.proxy_head_dim, self.TILE_N, self.dtype
         assert mQ.element_type == dtype and mQ.shape[1:] == (DP, self.heads)
         assert mK.shape[1:] == (DP, self.k_heads) and mIdx.shape[1:] == (self.heads, self.top_k)
@@ -208,9 +240,25 @@ class SelectSm90:
         smem = self.shared_bytes(dtype.width // 8, DP, self.stages)["total"]
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
         grid = (self.heads * (mCu.shape[0] - 1), n_mblk, 1)
+        qm = ()  # the query map's kernel arguments (none without it)
+        if cutlass.const_expr(self.qmap):
+            assert query_map is not None, "a query-map kernel needs its QueryMap"
+            # the consumers gather the query tile: 16-byte pieces, Dp / 8 threads per row
+            tpr = DP // 8
+            gather = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(
+                    cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                    num_bits_per_copy=128,
+                ),
+                cute.make_layout((self.CONSUMERS // tpr, tpr), stride=(tpr, 1)),
+                cute.make_layout((1, 8)),
+            )  # fmt: skip
+            qm = (mQ, *query_map, gather)
+        else:
+            assert query_map is None, "a QueryMap given to a kernel without the query map"
         self.kernel(
             tma_q, tma_mQ, tma_k, tma_mK, mCu, mIdx, mma_first, mma_rest, sQ_layout, sK_layout,
-            Storage,
+            Storage, qm,
         ).launch(grid=grid, block=(self.THREADS, 1, 1), stream=stream)  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
@@ -230,6 +278,7 @@ class SelectSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         Storage: Constexpr,
+        qm: tuple,  # (q_proxy (Tq, Dp, Hp), q_map, rows, seq_start, gather) with the map, else ()
     ):
         TILE_M, TILE_N, DP, BLOCK, TOPK = (
             self.TILE_M, self.TILE_N, self.proxy_head_dim, self.block_size, self.top_k
@@ -244,6 +293,10 @@ class SelectSm90:
         seq = head_seq // self.heads
         start = mCu[seq]
         L = mCu[seq + 1] - start
+        n_rows = L  # query rows of the sequence: its tokens, or its group of mapped rows
+        if cutlass.const_expr(self.qmap):
+            qs = qm[3][seq]  # the sequence's first sorted row
+            n_rows = qm[3][seq + 1] - qs
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = warp_idx // 4
 
@@ -252,7 +305,8 @@ class SelectSm90:
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (128, Dp, stages)
         q_bar = st.q_mbar.data_ptr()
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_q)
+            if cutlass.const_expr(not self.qmap):  # (with the map the query tile is gathered)
+                cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_bar, 1)
@@ -266,12 +320,19 @@ class SelectSm90:
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
 
-        if m_blk * TILE_M < L:  # CTA-uniform: tiles past this sequence's end do nothing
+        if m_blk * TILE_M < n_rows:  # CTA-uniform: tiles past this sequence's end do nothing
             n_tiles = m_blk + 1  # key tiles 0..m_blk (causal)
+            mask_from = None  # with the map: the first key tile that needs the causal mask
+            if cutlass.const_expr(self.qmap):  # from the tile's first and last rows' tokens
+                first, last = self.qmap_positions(qm, qs, n_rows, start, m_blk)
+                n_tiles = last // TILE_N + 1
+                mask_from = first // TILE_N
             if wg_idx == 0:
                 cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
                 if warp_idx == 0:
                     self.load(tma_q, mQ, tma_k, mK, sQ, sK, q_bar, k_pipe, start, p, m_blk, n_tiles)
+                # (with the map the consumers gather the query tile: this warpgroup runs at
+                # 24 registers, the consumers' are free before their key loop)
             else:  # consumer warpgroups: scores, block maxima, top-k lists, sorted write-out
                 cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
                 wg_mma = mma_first.get_slice((wg_idx - 1) * 128)
@@ -299,8 +360,11 @@ class SelectSm90:
                 topv.fill(-Float32.inf)
                 topi.fill(-1)
                 q0 = m_blk * TILE_M  # sequence-local position of the tile's first query
-
-                cute.arch.mbarrier_wait(q_bar, 0)
+                pos = None  # with the map: the positions of the thread's two rows
+                if cutlass.const_expr(self.qmap):
+                    pos = self.gather_queries(qm, sQ, qs, n_rows, start, q0, p, crd, tidx - 128)
+                else:
+                    cute.arch.mbarrier_wait(q_bar, 0)
                 cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 k_pipe.consumer_wait(cons)
                 self.scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
@@ -308,7 +372,7 @@ class SelectSm90:
                     warpgroup.wait_group(0)
                     k_pipe.consumer_release(cons)  # the stage is free: the scores are in registers
                     cons.advance()
-                    cand = self.block_maxima(acc_rc, crd, j, n_tiles, q0, L)
+                    cand = self.block_maxima(acc_rc, crd, j, n_tiles, q0, L, pos, mask_from)
                     if j + 1 < n_tiles:  # the next tile's MMA runs during this tile's insertion
                         k_pipe.consumer_wait(cons)
                         self.scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
@@ -320,6 +384,8 @@ class SelectSm90:
                                 mx, cute.arch.shuffle_sync_bfly(mx, offset=2)
                             )
                     row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
+                    if cutlass.const_expr(self.qmap):
+                        row = pos[0] if my_row == 0 else pos[1]
                     own = row // BLOCK
                     for sl in cutlass.range_constexpr(SLABS):
                         cv = cand[0][sl] if my_row == 0 else cand[1][sl]
@@ -329,7 +395,11 @@ class SelectSm90:
                         self.offer(topv, topi, cv, blk, lower)
 
                 row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
-                self.write_out(topi, mIdx, start, row, p, L, tidx)
+                if cutlass.const_expr(self.qmap):  # the row's place in the group, its query row
+                    qrow = qm[2][qs + cutlass.min(row, n_rows - 1)]
+                    self.write_out(topi, mIdx, 0, qrow, p, L, tidx, row < n_rows)
+                else:
+                    self.write_out(topi, mIdx, start, row, p, L, tidx)
 
     # -----------------------------------------------------------------------------------------
     # device roles (traced inline into the kernel)
@@ -347,9 +417,12 @@ class SelectSm90:
         )
         tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
         tKsK, tKgK = tma_tiles(tma_k, sK, gK)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(q_bar, TILE_M * DP * (self.dtype.width // 8))
-        cute.copy(tma_q, tQgQ, tQsQ[(None, 0)], tma_bar_ptr=q_bar)
+        if cutlass.const_expr(not self.qmap):  # (with the map the consumers gather it)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    q_bar, TILE_M * DP * (self.dtype.width // 8)
+                )
+            cute.copy(tma_q, tQgQ, tQsQ[(None, 0)], tma_bar_ptr=q_bar)
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for j in cutlass.range(n_tiles, unroll=1):
             k_pipe.producer_acquire(prod)
@@ -375,36 +448,105 @@ class SelectSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def block_maxima(self, acc_rc, crd, j, n_tiles, q0, L):
+    def block_maxima(self, acc_rc, crd, j, n_tiles, q0, L, pos=None, mask_from=None):
         """This thread's maximum of each of its two rows over each key block of tile ``j``
         (``cand[row][block]``); keys after the row's token or past the sequence end ``L`` are
-        masked on the diagonal tile (the last)."""
+        masked on the diagonal tile (the last). With the query map (``pos``: the two rows'
+        positions) keys after the row's position are masked on tiles ``mask_from`` and later
+        (a position is within the sequence: that also masks its end)."""
         n_cols = cute.size(crd, mode=[1])  # 32
         SLABS = self.TILE_N // self.block_size
         per_slab = n_cols // SLABS  # a thread's columns of one block (columns ascend with c)
         cand = []  # per row and block: this thread's maximum
         for r in cutlass.range_constexpr(cute.size(crd, mode=[0])):
-            row = q0 + crd[r, 0][0]
             cand.append([])
-            for sl in cutlass.range_constexpr(SLABS):
-                mx = -Float32.inf
-                if j == n_tiles - 1:  # diagonal tile: causal mask, sequence end
-                    vals = []
-                    for cc in cutlass.range_constexpr(per_slab):
-                        c = sl * per_slab + cc
-                        col = j * self.TILE_N + crd[r, c][1]
-                        v = acc_rc[r, c]
-                        if col > row or col >= L:
-                            v = -Float32.inf
-                        vals.append(v)
-                    mx = _max_of(vals)
-                else:
-                    vals = []
-                    for cc in cutlass.range_constexpr(per_slab):
-                        vals.append(acc_rc[r, sl * per_slab + cc])
-                    mx = _max_of(vals)
-                cand[r].append(mx)
+            if cutlass.const_expr(self.qmap):
+                for sl in cutlass.range_constexpr(SLABS):
+                    cand[r].append(self.masked_max(acc_rc, crd, r, sl, j, pos[r], j >= mask_from))
+            else:
+                row = q0 + crd[r, 0][0]
+                for sl in cutlass.range_constexpr(SLABS):
+                    mx = -Float32.inf
+                    if j == n_tiles - 1:  # diagonal tile: causal mask, sequence end
+                        vals = []
+                        for cc in cutlass.range_constexpr(per_slab):
+                            c = sl * per_slab + cc
+                            col = j * self.TILE_N + crd[r, c][1]
+                            v = acc_rc[r, c]
+                            if col > row or col >= L:
+                                v = -Float32.inf
+                            vals.append(v)
+                        mx = _max_of(vals)
+                    else:
+                        vals = []
+                        for cc in cutlass.range_constexpr(per_slab):
+                            vals.append(acc_rc[r, sl * per_slab + cc])
+                        mx = _max_of(vals)
+                    cand[r].append(mx)
         return cand
+
+    @cute.jit
+    def masked_max(self, acc_rc, crd, r, sl, j, pos, masked):
+        """The query map's block maximum: this thread's maximum of row ``r`` over key block
+        ``sl`` of tile ``j``, keys after position ``pos`` masked where ``masked``."""
+        n_cols = cute.size(crd, mode=[1])
+        per_slab = n_cols // (self.TILE_N // self.block_size)
+        mx = -Float32.inf
+        if masked:
+            vals = []
+            for cc in cutlass.range_constexpr(per_slab):
+                c = sl * per_slab + cc
+                v = acc_rc[r, c]
+                if j * self.TILE_N + crd[r, c][1] > pos:
+                    v = -Float32.inf
+                vals.append(v)
+            mx = _max_of(vals)
+        else:
+            vals = []
+            for cc in cutlass.range_constexpr(per_slab):
+                vals.append(acc_rc[r, sl * per_slab + cc])
+            mx = _max_of(vals)
+        return mx
+
+    @cute.jit
+    def qmap_positions(self, qm, qs, n_rows, start, m_blk):
+        """Sequence-local positions of the first and the last row of query tile ``m_blk`` of
+        the sequence's group (sorted rows ``qs ..``, ``n_rows`` of them, the sequence starting
+        at packed key ``start``): the group is sorted by token, so they bound every row's."""
+        q_map, rows = qm[1], qm[2]
+        i0 = qs + m_blk * self.TILE_M
+        i1 = qs + cutlass.min((m_blk + 1) * self.TILE_M, n_rows) - 1
+        return q_map[rows[i0]] - start, q_map[rows[i1]] - start
+
+    @cute.jit
+    def gather_queries(self, qm, sQ, qs, n_rows, start, q0, p, crd, tc):
+        """Consumer thread ``tc`` (0..255): gather the query tile (sorted rows ``qs + q0 ..``
+        of the group, head ``p``; rows past ``n_rows`` repeat the last one) into ``sQ`` by
+        cp.async, wait for the whole tile (named barrier of the consumers: each warpgroup's
+        MMA reads rows another one gathered), and return the positions of the thread's two
+        accumulator rows (``crd``), ``q_map[row] - start``."""
+        mQ, q_map, rows, _, gather = qm
+        DP = self.proxy_head_dim
+        thr = gather.get_slice(tc)
+        tGsQ = thr.partition_D(sQ)  # ((8, 1), passes, 1, 1)
+        tGcQ = thr.partition_D(cute.make_identity_tensor((self.TILE_M, DP)))
+        col = tGcQ[0, 0, 0][1]
+        for ps in cutlass.range_constexpr(cute.size(tGsQ, mode=[1])):
+            r = tGcQ[0, ps, 0][0]
+            qrow = rows[qs + cutlass.min(q0 + r, n_rows - 1)]
+            # q_proxy (Tq, Dp, Hp) with strides (Hp * Dp, 1, Dp): row qrow, head p
+            off = cute.assume(Int64(qrow) * mQ.stride[0] + p * mQ.stride[2] + col, divby=8)
+            src = cute.make_tensor(mQ.iterator + off, cute.make_layout(((8, 1),)))
+            cute.copy(gather, src, tGsQ[None, ps, 0, 0])
+        cute.arch.cp_async_commit_group()
+        pos = []
+        for r in cutlass.range_constexpr(cute.size(crd, mode=[0])):
+            qrow = rows[qs + cutlass.min(q0 + crd[r, 0][0], n_rows - 1)]
+            pos.append(q_map[qrow] - start)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_proxy("async.shared", space="cta")  # read by wgmma (async proxy)
+        cute.arch.barrier(barrier_id=self.QUERY_BAR, number_of_threads=self.CONSUMERS)
+        return pos
 
     @cute.jit
     def offer(self, topv, topi, cv, ci, lower):
@@ -436,9 +578,11 @@ class SelectSm90:
                     shift = Boolean(True)
 
     @cute.jit
-    def write_out(self, topi, mIdx, start, row, p, L, tidx):
+    def write_out(self, topi, mIdx, start, row, p, L, tidx, valid=None):
         """Sort the row's kept blocks ascending (-1 last) and write them (lanes 4q and 4q+2,
-        the upper lane gathering the lower half's entries first when the list is split)."""
+        the upper lane gathering the lower half's entries first when the list is split) to
+        row ``start + row`` where ``row < L``; with the query map to query row ``row`` where
+        ``valid``."""
         TOPK = self.top_k
         HALF = cute.size(topi)
         big = Int32(2147483647)  # -1 read as +inf by the sort
@@ -453,27 +597,41 @@ class SelectSm90:
             keys[t] = big if keys[t] < 0 else keys[t]
         P2 = 1 << (TOPK - 1).bit_length()  # the network needs a power of two
         keys = _sort_ascending(keys + [big] * (P2 - TOPK))
-        if tidx % 2 == 0 and row < L:  # lanes 4q (row 0) and 4q+2 (row 1) write
-            for t in cutlass.range_constexpr(TOPK):
-                k = keys[t]
-                mIdx[Int64(start + row), p, t] = -1 if k == big else k  # 64-bit offset
+        if cutlass.const_expr(self.qmap):
+            if tidx % 2 == 0 and valid:
+                for t in cutlass.range_constexpr(TOPK):
+                    k = keys[t]
+                    mIdx[Int64(row), p, t] = -1 if k == big else k
+        else:
+            if tidx % 2 == 0 and row < L:  # lanes 4q (row 0) and 4q+2 (row 1) write
+                for t in cutlass.range_constexpr(TOPK):
+                    k = keys[t]
+                    mIdx[Int64(start + row), p, t] = -1 if k == big else k  # 64-bit offset
 
 
 # ---------------------------------------------------------------------------------------------
 # host: torch tensors in, indices out
 # ---------------------------------------------------------------------------------------------
-def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages):
+def select_into(
+    indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages, q_map=None
+):
     """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written):
     ascending sequence-local block numbers, -1 in unused slots. Returns ``indices``.
 
     ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` contiguous bf16/fp16 CUDA tensors,
     ``cu_seqlens (N+1,)`` int32; ``cfg.max_seqlen`` bounds the grid (no host synchronization).
     ``stages``: the kernel's constructor argument (A/B runs; the default is the shipped one).
+    ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map): ``q_proxy`` and
+    ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of a mapped row is
+    written, those of padding rows (``-1``) are left as they are (:func:`select` fills them
+    with -1).
     """
     T, Hp, Dp = q_proxy.shape
     Hpk = k_proxy.shape[1]
     K = cfg.top_k
-    kernel = SelectSm90(cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages)
+    kernel = SelectSm90(
+        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages, q_map is not None
+    )
     if tuple(indices.shape) != (T, Hp, K) or indices.dtype != torch.int32:
         raise ValueError(
             f"CuTe selection: indices must be an int32 ({T}, {Hp}, {K}) tensor, got "
@@ -483,6 +641,18 @@ def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = Sel
         raise ValueError("CuTe selection: indices must be contiguous and 16-byte aligned")
     if T == 0:
         return indices
+    rows = cfg.max_seqlen  # query rows per sequence: at most its tokens
+    extra = ()
+    if q_map is not None:
+        if q_map.shape != (T,) or q_map.dtype != torch.int32:
+            raise ValueError(
+                f"CuTe selection: q_map must be an int32 ({T},) tensor, got {q_map.dtype} "
+                f"{tuple(q_map.shape)}"
+            )
+        order = worklist.query_order(q_map, cu_seqlens, k_proxy.shape[0])
+        maps = (aligned(q_map.contiguous()), order.rows, order.seq_start)
+        extra = (QueryMap(*(cute_tensor(aligned(x)) for x in maps)),)
+        rows = min(T, cfg.max_seqlen)  # and at most the query rows (a host bound: no sync)
     run(
         kernel,
         q_proxy.device,
@@ -490,15 +660,21 @@ def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = Sel
         cute_tensor(aligned(k_proxy).permute(0, 2, 1)),
         cute_tensor(cu_seqlens),
         cute_tensor(indices),
-        Int32(max(1, -(-cfg.max_seqlen // TILE_M))),
+        Int32(max(1, -(-rows // TILE_M))),
         stream(q_proxy.device),
+        *extra,
     )
     return indices
 
 
-def select(q_proxy, k_proxy, cu_seqlens, cfg):
+def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
     """Backend op ``select`` (docs/design.md): ``indices (T, Hp, top_k)`` int32, ascending
-    sequence-local block numbers, -1 in unused slots (:func:`select_into` a new tensor)."""
+    sequence-local block numbers, -1 in unused slots (:func:`select_into` a new tensor); with
+    ``q_map`` ``(Tq, Hp, top_k)``, all -1 for a padding row."""
     T, Hp, _ = q_proxy.shape
-    idx = torch.empty((T, Hp, cfg.top_k), dtype=torch.int32, device=q_proxy.device)
-    return select_into(idx, q_proxy, k_proxy, cu_seqlens, cfg)
+    shape, dev = (T, Hp, cfg.top_k), q_proxy.device
+    if q_map is None:
+        idx = torch.empty(shape, dtype=torch.int32, device=dev)
+    else:  # padding rows are never visited
+        idx = torch.full(shape, -1, dtype=torch.int32, device=dev)
+    return select_into(idx, q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map)
