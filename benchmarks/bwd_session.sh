@@ -2,7 +2,8 @@
 # One GPU session's backward work, in priority order, each step time-boxed; logs under OUTDIR.
 # Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
 #   STEPS: any of tests det ab ncu bench sanitizer hypothesis kl cache combine bench_stages
-#   host small_tiles (default: tests det ab ncu bench sanitizer hypothesis, in that order);
+#   host small_tiles qmap proxy_lse (default: tests det ab ncu bench sanitizer hypothesis,
+#   in that order);
 #   bench_anchor / bench_paper: one half of bench
 #   BWD_TESTS_K / BWD_TESTS_LIMIT: override the test steps' pytest -k selection and time limit
 #   BWD_TESTS_N: run the test steps (not det, whose timing ratio needs the GPU alone) on N
@@ -82,6 +83,16 @@ PY
           --json "$out/bench_triton_smem${cap:-default}.json" > "$out/bench_triton_smem${cap:-default}.log" 2>&1
         tail -2 "$out/bench_triton_smem${cap:-default}.log"
       done ;;
+    qmap)  # the query map in the CuTe selection and backward (cute.Q_MAP_DECLARED off until this passes)
+      t timeout 420 python3 -m pytest -m gpu -v -p no:cacheprovider ${BWD_TESTS_N:+-n "$BWD_TESTS_N"} \
+        tests/test_gpu_cute.py tests/test_gpu_cute_bwd.py -k q_map > "$out/test_qmap.log" 2>&1
+      grep -E "FAILED|ERROR" "$out/test_qmap.log" | head -5; tail -1 "$out/test_qmap.log" ;;
+    proxy_lse)  # the proxy LSE in the CuTe partials (cute.PROXY_LSE_ON_CUTE off until this passes and wins)
+      t timeout 300 python3 -m pytest -m gpu -v -p no:cacheprovider ${BWD_TESTS_N:+-n "$BWD_TESTS_N"} \
+        tests/test_gpu_cute.py -k "proxy_partials or proxy_lse" > "$out/test_proxy_lse.log" 2>&1
+      grep -E "FAILED|ERROR" "$out/test_proxy_lse.log" | head -5; tail -1 "$out/test_proxy_lse.log"
+      t timeout 300 python3 benchmarks/cute_fwd_ab.py --quick > "$out/cute_fwd_ab_proxy.log" 2>&1
+      grep -E "proxy|FAIL" "$out/cute_fwd_ab_proxy.log" | head -20 ;;
     bench_stages)  # the training step with the CuTe KL and combine stages on (cute.KL_ON_CUTE, COMBINE_ON_CUTE)
       on='import sys, flash_msa.cute as c; c.KL_ON_CUTE = c.COMBINE_ON_CUTE = True; from flash_msa.cli import main; sys.exit(main(sys.argv[1:]))'
       t timeout 240 python3 -c "$on" bench --shape anchor --seqlen 16384 32768 --backends cute \
