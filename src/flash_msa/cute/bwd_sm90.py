@@ -1037,6 +1037,13 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, *, q_map=None, **variant) -> G
         return Grads(None, None, None, None, None)
     T, H, D = q.shape  # query rows (Tq with a query map)
     Tk, Hkv = k.shape[:2]  # the keys' tokens: T without a query map
+    if q_map is not None and (
+        q_map.shape != (T,) or q_map.dtype != torch.int32 or q_map.device != q.device
+    ):  # (the kernel reads it by pointer: a host tensor or a short one must not reach it)
+        raise ValueError(
+            f"CuTe backward: q_map must be an int32 ({T},) tensor on {q.device}, got "
+            f"{q_map.dtype} {tuple(q_map.shape)} on {q_map.device}"
+        )
     Hs, K = indices.shape[1:]
     Hpk, Dp = (k_proxy.shape[1], k_proxy.shape[2]) if proxy else (Hs, D)
     det = bool(variant.pop("deterministic", False) or cfg.deterministic)

@@ -344,7 +344,9 @@ class SelectSm90:
                 crd = acc_rows_cols(
                     thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
                 )
-                n_rows = cute.size(crd, mode=[0])  # 2
+                # the thread's accumulator rows (2); not n_rows, the sequence's query rows, which
+                # the map's gather, positions and write-out below read (review, seventh session)
+                ACC_ROWS = cute.size(crd, mode=[0])
                 SLABS = TILE_N // BLOCK  # key blocks per tile
 
                 # a quad's four lanes hold the same two rows: lanes 4q, 4q+1 keep row 0's top-k
@@ -376,7 +378,7 @@ class SelectSm90:
                     if j + 1 < n_tiles:  # the next tile's MMA runs during this tile's insertion
                         k_pipe.consumer_wait(cons)
                         self.scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
-                    for r in cutlass.range_constexpr(n_rows):  # the quad's 4 lanes share a row
+                    for r in cutlass.range_constexpr(ACC_ROWS):  # the quad's 4 lanes share a row
                         for sl in cutlass.range_constexpr(SLABS):
                             mx = cand[r][sl]
                             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
@@ -644,10 +646,10 @@ def select_into(
     rows = cfg.max_seqlen  # query rows per sequence: at most its tokens
     extra = ()
     if q_map is not None:
-        if q_map.shape != (T,) or q_map.dtype != torch.int32:
+        if q_map.shape != (T,) or q_map.dtype != torch.int32 or q_map.device != q_proxy.device:
             raise ValueError(
-                f"CuTe selection: q_map must be an int32 ({T},) tensor, got {q_map.dtype} "
-                f"{tuple(q_map.shape)}"
+                f"CuTe selection: q_map must be an int32 ({T},) tensor on {q_proxy.device}, got "
+                f"{q_map.dtype} {tuple(q_map.shape)} on {q_map.device}"
             )
         order = worklist.query_order(q_map, cu_seqlens, k_proxy.shape[0])
         maps = (aligned(q_map.contiguous()), order.rows, order.seq_start)
