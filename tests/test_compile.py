@@ -373,6 +373,19 @@ def test_cute_compile_cache_key_has_the_static_argument_layout():
     t = torch.zeros(8, 2, 64)
     assert static_signature(cute_tensor(t.permute(0, 2, 1))) != sig(8, 64, 2, dtype=torch.float32)
     assert static_signature((Int32(1), Float32(2.0))) == static_signature((Int32(5), Float32(0)))
+    # the signature cute_tensor attaches (kept per dtype, inner sizes and strides) is the one
+    # read from the view, whatever the token count, for plain, permuted and flat layouts
+    from flash_msa.cute.common import view_signature
+
+    for T in (1, 2, 300):
+        for x in (
+            torch.zeros(T, 4, 128, dtype=torch.bfloat16),
+            torch.zeros(T, 2, 64, dtype=torch.float16).permute(0, 2, 1),
+            torch.zeros(T, 1, 128, dtype=torch.bfloat16).permute(0, 2, 1),
+            torch.zeros(T, dtype=torch.int64),
+        ):
+            view = cute_tensor(x)
+            assert static_signature(view) == view_signature(view), (T, x.shape, x.stride())
     with pytest.raises(TypeError):
         static_signature(object())
 
