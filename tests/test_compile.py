@@ -103,6 +103,8 @@ def test_cute_kernels_compile_for_sm90_without_spills():
         # (the combine is a memory-bound merge: no MMA, no TMA)
         assert r["kernel"].startswith("combine") or (r["wgmma"] and r["tma"]), r
         assert r.get("setmaxnreg_kept", True), r  # ptxas may drop a setmaxnreg, warning only
+        if r["kernel"].startswith("select e4m3"):  # the FP8 selection: e4m3 products, k 32
+            assert r["mma"] == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"], r
     assert res.returncode == 0, res.stderr
 
 
@@ -113,7 +115,7 @@ def test_cute_kernel_limits_and_shared_memory_arithmetic():
     pytest.importorskip("cutlass")
     import dataclasses
 
-    from cutlass import BFloat16, Float16, Float32
+    from cutlass import BFloat16, Float8E4M3FN, Float16, Float32
 
     from flash_msa.cute.fwd_partials_sm90 import FwdPartialsSm90
     from flash_msa.cute.select_sm90 import SelectSm90
@@ -145,6 +147,20 @@ def test_cute_kernel_limits_and_shared_memory_arithmetic():
     assert FwdPartialsSm90.can_implement(BFloat16, 16, 2, 4, 128, 16, 128, 3, False, 96) is None
     with pytest.raises(ValueError, match="top_k"):
         SelectSm90(BFloat16, 128, 4, 1, 65, 128)
+    # the FP8 selection (e4m3 operands with key scales): half the bytes per tile, 8 stages
+    assert SelectSm90.shared_bytes(1, 128, 8)["total"] == 148480
+    assert SelectSm90.can_implement(Float8E4M3FN, 128, 4, 1, 64, 64, 13, "token") is None
+    assert "shared memory" in SelectSm90.can_implement(
+        Float8E4M3FN, 128, 4, 1, 16, 128, 14, "block"
+    )
+    assert "e4m3 with a key_scale" in SelectSm90.can_implement(Float8E4M3FN, 128, 4, 1, 16, 128)
+    assert "needs e4m3" in SelectSm90.can_implement(BFloat16, 128, 4, 1, 16, 128, 8, "block")
+    assert "key_scale" in SelectSm90.can_implement(Float8E4M3FN, 128, 4, 1, 16, 128, 8, "row")
+    with pytest.raises(ValueError, match="no query map"):
+        SelectSm90(Float8E4M3FN, 128, 4, 1, 16, 128, 8, qmap=True, key_scale="block")
+    fp8 = SelectSm90(Float8E4M3FN, 128, 4, 1, 16, 128, 8, key_scale="block")
+    for other in (dataclasses.replace(fp8, key_scale="token"), dataclasses.replace(fp8, stages=4)):
+        assert other != fp8 and hash(other) != hash(fp8)
 
     base = FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 16, 128)
     assert base == FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 16, 128, warpgroups=3)
@@ -352,6 +368,73 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
         launch_items(BwdSm90.make(*args), (), (), wl, (None,) * 6)
     with pytest.raises(ValueError, match="qmap=True for a work list without"):
         launch_items(ws, (), (), wl._replace(q_map=None), (None,) * 6)
+
+
+def test_cute_fp8_selection_host_and_switch(monkeypatch):
+    """The CuTe FP8 selection's host code on CPU tensors (no GPU): ``select`` with
+    ``selection_precision="fp8"`` quantizes and hands the kernel e4m3 views and the key scales,
+    which compile for sm_90a (the launch replaced by ``cute.compile``: the host and kernel
+    agree on every argument), per block (the shipped quantization, ``FP8_STAGES``) and per
+    token; the refusals (a query map, an fp8 Config on the exact entry, operands that are not
+    e4m3); and the switch: off, the backend entry refuses fp8 by the switch's name and
+    ``LIMITS`` does not declare ``fp8_selection``, so ``auto`` keeps fp8 selections on torch.
+    (The kernel's GPU tests: tests/test_gpu_cute_fp8.py. CPU time about 3 s.)"""
+    pytest.importorskip("cutlass")
+    import dataclasses
+
+    import cutlass.cute as cute_dsl
+    import torch
+    from cutlass.cute.runtime import make_fake_stream
+
+    from flash_msa import backends, cute, quant, testing
+    from flash_msa.cute import select_sm90
+    from flash_msa.cute.common import static_signature
+    from flash_msa.problem import Config, Problem
+
+    compiled = []
+
+    def compile_instead(kernel, device, *args):
+        # run's compile-cache key of the e4m3 views and KeyScales (args[5]: the fake stream)
+        hash(static_signature(args[:5] + args[6:]))
+        cute_dsl.compile(kernel, *args, options="--gpu-arch sm_90a")
+        compiled.append(kernel)
+
+    monkeypatch.setattr(select_sm90, "run", compile_instead)
+    monkeypatch.setattr(select_sm90, "stream", lambda device: make_fake_stream())
+    cu = testing.cu([300, 129])
+    qp, kp = (x[0] for x in testing.make_inputs(1, 429, 1, 1, 4, 1, 1, 128)[:2])
+    cfg = Config(block_size=128, softmax_scale=0.1, max_seqlen=300, proxy_scale=128**-0.5,
+                 top_k=16, selection_precision="fp8")  # fmt: skip
+    out = select_sm90.select(qp, kp, cu, cfg)
+    assert out.shape == (429, 4, 16) and out.dtype == torch.int32
+    assert compiled[-1].dtype.__name__ == "Float8E4M3FN"
+    assert (compiled[-1].key_scale, compiled[-1].stages) == (
+        quant.KEY_SCALE,
+        select_sm90.FP8_STAGES,
+    )
+    qz = quant.quantize(qp, kp, cu, 64, key_scale="token")
+    cfg64 = dataclasses.replace(cfg, block_size=64)
+    select_sm90.select_fp8_into(torch.empty(429, 4, 16, dtype=torch.int32), qz, cu, cfg64)
+    assert compiled[-1].key_scale == "token" and compiled[-1].block_size == 64
+    with pytest.raises(ValueError, match="q_map"):
+        select_sm90.select(qp, kp, cu, cfg, q_map=torch.arange(429, dtype=torch.int32))
+    with pytest.raises(ValueError, match="exact selection"):
+        select_sm90.select_into(torch.empty(429, 4, 16, dtype=torch.int32), qp, kp, cu, cfg)
+    with pytest.raises(ValueError, match="quantized.k must be e4m3"):
+        bad = qz._replace(k=qz.k.float())
+        select_sm90.select_fp8_into(torch.empty(429, 4, 16, dtype=torch.int32), bad, cu, cfg64)
+    assert len(compiled) == 2
+
+    assert not cute.FP8_SELECTION_ON_CUTE
+    with pytest.raises(backends.BackendError, match="FP8_SELECTION_ON_CUTE"):
+        cute.select(qp, kp, cu, cfg)
+    prob = Problem(
+        device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, num_heads=16,
+        num_kv_heads=2, head_dim=128, num_sel_heads=4, num_proxy_k_heads=1, proxy_head_dim=128,
+        varlen=True, cfg=cfg,
+    )  # fmt: skip
+    assert not cute.LIMITS["select"].fp8_selection
+    assert "selection_precision" in cute.unsupported_reason("select", prob)
 
 
 def test_cute_compile_cache_key_has_the_static_argument_layout():

@@ -118,8 +118,8 @@ def test_second_process_loads_instead_of_compiling(tmp_path):
     print(f"slowest kernel: cold {cold_s:.2f} s (compile), warm {warm_s:.3f} s (load)")
     assert warm_s < 0.5 < cold_s, (cold_s, warm_s)
     for k in warm["kernels"]:  # ready to launch: the arguments select_into passes are accepted
-        # (query_map: the optional last parameter a map-less call leaves at its default)
-        params = ["mQ", "mK", "mCu", "mIdx", "n_mblk", "stream", "query_map"]
+        # (mode_args: the optional last parameter a plain call leaves at its default)
+        params = ["mQ", "mK", "mCu", "mIdx", "n_mblk", "stream", "mode_args"]
         assert k["params"] == params, k
         assert k["packed"] >= len(params) - 1, k
 

@@ -212,11 +212,30 @@ def bwd_kernel_reason(problem: Problem) -> str | None:
     )  # fmt: skip
 
 
+# The FP8 selection (``selection_precision="fp8"``, issue 15: ``SelectSm90`` with e4m3 operands
+# and ``key_scale``, after the quantize pass ``flash_msa.quant.quantize``): written and compiled
+# for sm_90a without spills (compile_check "select e4m3 ...": 10 configurations, the bf16
+# kernel's PTX and SASS unchanged), not run on a GPU yet. Off: ``select`` refuses an fp8 call
+# and ``LIMITS["select"]`` does not declare ``fp8_selection``, so ``auto`` keeps running fp8
+# selections on the torch backend. tests/test_gpu_cute_fp8.py (which calls the kernel's
+# functions directly) and benchmarks/cute_select_ab.py (lines "cute-fp8 ...") are waiting for
+# the H200 run; turning it on is this switch plus ``fp8_selection=True`` in ``LIMITS["select"]``.
+FP8_SELECTION_ON_CUTE = False
+
+
 def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
     """Backend op ``select``: see :func:`flash_msa.cute.select_sm90.select` (``q_map``: the
-    contract's query map)."""
+    contract's query map). ``cfg.selection_precision == "fp8"`` raises
+    :class:`~flash_msa.BackendError` while :data:`FP8_SELECTION_ON_CUTE` is off."""
     from .select_sm90 import select as _select
 
+    if cfg.selection_precision == "fp8" and not FP8_SELECTION_ON_CUTE:
+        from ..backends import BackendError
+
+        raise BackendError(
+            'selection_precision="fp8" on the CuTe backend is off until its H200 run '
+            "(flash_msa.cute.FP8_SELECTION_ON_CUTE)"
+        )
     return _select(q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map)
 
 

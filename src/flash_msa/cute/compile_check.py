@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 
 
-def _compile(kernel, *args, dump: str | None = None, name: str = "") -> dict:
+def _compile(kernel, *args, dump: str | None = None, name: str = "", mma=False) -> dict:
     """Compile kernel object ``kernel`` for sm_90a on specimen ``args``; cuobjdump's counts and
-    whether the PTX uses wgmma and TMA."""
+    whether the PTX uses wgmma and TMA; ``mma``: also the distinct wgmma instructions (e.g.
+    ``wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3``)."""
     import cutlass.cute as cute
 
     from ..cubin import resources as cubin_resources
@@ -38,6 +40,8 @@ def _compile(kernel, *args, dump: str | None = None, name: str = "") -> dict:
         wgmma="wgmma.mma_async" in ptx,
         tma="cp.async.bulk.tensor" in ptx,
     )
+    if mma:
+        res["mma"] = sorted(set(re.findall(r"\bwgmma\.mma_async[\w.]*", ptx)))
     if "setmaxnreg" in ptx:  # kept by ptxas? (it drops one it cannot honour, with a warning)
         res["setmaxnreg_kept"] = sass_count(c.artifacts.CUBIN, "USETMAXREG") == ptx.count(
             "setmaxnreg."
@@ -46,10 +50,13 @@ def _compile(kernel, *args, dump: str | None = None, name: str = "") -> dict:
 
 
 def configurations():
-    """(name, dtype, Dp, Hp, Hpk, top_k, block[, qmap]) of the selection kernels checked; the
-    ``qmap`` ones (``SelectSm90(qmap=True)``, context parallelism's query map): anchor / paper
-    (their selections have the same shape), both dims and blocks, top_k 64 (the most
-    registers), a split list, fp16, several key heads."""
+    """(name, dtype, Dp, Hp, Hpk, top_k, block[, qmap[, key_scale[, stages]]]) of the
+    selection kernels checked; the ``qmap`` ones (``SelectSm90(qmap=True)``, context
+    parallelism's query map): anchor / paper (their selections have the same shape), both dims
+    and blocks, top_k 64 (the most registers), a split list, fp16, several key heads; the
+    ``e4m3`` ones (the FP8 mode, ``key_scale`` "block" or "token"): anchor / paper, Dp 64,
+    blocks 64 and 128, top_k 1, 16 and 64, both key scales, several key heads, and the deepest
+    pipeline the A/B times (12 stages; the default is ``select_sm90.FP8_STAGES``)."""
     for Dp in (64, 128):
         for block in (64, 128):
             yield f"select bf16 Dp={Dp} b={block} k=16 Hp=4 Hpk=1", "bf16", Dp, 4, 1, 16, block
@@ -64,6 +71,17 @@ def configurations():
     ):  # fmt: skip
         name = f"select {dt} qmap Dp={Dp} b={block} k={K} Hp={Hp} Hpk={Hpk}"
         yield name, dt, Dp, Hp, Hpk, K, block, True
+    for scale, Dp, Hp, Hpk, K, block in (
+        ("block", 128, 4, 1, 16, 128), ("block", 128, 4, 1, 64, 128),
+        ("block", 128, 4, 1, 64, 64), ("block", 64, 4, 1, 16, 128),
+        ("block", 128, 2, 2, 1, 128), ("block", 64, 8, 2, 8, 64),
+        ("token", 128, 4, 1, 16, 128), ("token", 128, 4, 1, 64, 64),
+        ("token", 64, 4, 1, 16, 64),
+    ):  # fmt: skip
+        name = f"select e4m3 scale={scale} Dp={Dp} b={block} k={K} Hp={Hp} Hpk={Hpk}"
+        yield name, "e4m3", Dp, Hp, Hpk, K, block, False, scale
+    name = "select e4m3 scale=block Dp=128 b=128 k=16 Hp=4 Hpk=1 stages=12"
+    yield name, "e4m3", 128, 4, 1, 16, 128, False, "block", 12
 
 
 def fwd_configurations():
@@ -199,9 +217,9 @@ def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=No
 
 
 def _dtype(name: str):
-    from cutlass import BFloat16, Float16
+    from cutlass import BFloat16, Float8E4M3FN, Float16
 
-    return {"bf16": BFloat16, "fp16": Float16}[name]
+    return {"bf16": BFloat16, "fp16": Float16, "e4m3": Float8E4M3FN}[name]
 
 
 def compile_fwd(
@@ -250,19 +268,24 @@ def compile_fwd(
 
 
 def compile_select(
-    dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False, **dump
-) -> dict:
+    dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
+    key_scale: str | None = None, stages: int | None = None, **dump,
+) -> dict:  # fmt: skip
     """Compile :class:`~flash_msa.cute.select_sm90.SelectSm90` on specimen tensors of the
     layouts :func:`~flash_msa.cute.select_sm90.select` passes (``qmap``: the query-map kernel,
-    ``Tq`` query rows against ``T`` keys)."""
+    ``Tq`` query rows against ``T`` keys; ``key_scale``: the FP8 mode, ``dtype`` "e4m3", with
+    the key scales ``(T, Hpk)`` fp32 and the wgmma instructions reported as ``mma``;
+    ``stages``: the pipeline depth, default the mode's)."""
     import cutlass.cute as cute
-    from cutlass import Int32
+    from cutlass import Float32, Int32
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-    from .select_sm90 import QueryMap, SelectSm90
+    from .select_sm90 import FP8_STAGES, KeyScales, QueryMap, SelectSm90
 
     dt = _dtype(dtype)
-    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block, qmap=qmap)
+    if stages is None:
+        stages = SelectSm90.stages if key_scale is None else FP8_STAGES
+    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale)
     T = cute.sym_int32(symbol="T")
     Tq = cute.sym_int32(symbol="Tq") if qmap else T
     n1 = cute.sym_int32(symbol="N1")
@@ -274,7 +297,10 @@ def compile_select(
     if qmap:  # q_map, the sorted rows (Tq,) and each sequence's first one (N+1,)
         maps = (make_fake_compact_tensor(Int32, (n,), assumed_align=16) for n in (Tq, Tq, n1))
         args.append(QueryMap(*maps))
-    return _compile(kernel, *args, **dump)
+    if key_scale is not None:  # the key scales (T, Hpk) fp32
+        ks = make_fake_tensor(Float32, (T, Hpk), stride=(Hpk, 1), assumed_align=16)
+        args.append(KeyScales(ks))
+    return _compile(kernel, *args, mma=key_scale is not None, **dump)
 
 
 def main(argv: list[str]) -> int:

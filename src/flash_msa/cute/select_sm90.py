@@ -36,9 +36,25 @@ visits them and :func:`select` fills them with -1. Without the map the kernel's 
 before the map existed (the map's parts are compile-time branches; its PTX is identical up to
 the kernel's name, compile_check ``--dump``).
 
+FP8 mode (``SelectSm90(dtype=Float8E4M3FN, key_scale="block" | "token")``,
+``selection_precision="fp8"``, issue 15; docs/algorithm.md, "FP8 selection"): the operands are
+the e4m3 ``q8 (T, Hp, Dp)``, ``k8 (T, Hpk, Dp)`` of :func:`flash_msa.quant.quantize` (the pass
+the torch reference and the Triton oracle read), the score tile is ``m64n128k32 .f32.e4m3.e4m3``
+wgmmas (K-major A and B in swizzled shared memory, as in bf16: FP8 wgmma has no transposed
+operand), and the key scales ``(T, Hpk)`` fp32 (:class:`KeyScales`) enter the epilogue: per
+block, one multiply of the lane's quad-reduced block maximum (``max_j(s * acc_j) = s *
+max_j(acc_j)``, ``s > 0``; read at the block's first token, loaded before the tile's MMA wait);
+per token, one multiply per score before the max (the thread's 32 columns, loaded likewise).
+The query scale is not applied (a positive row constant). Everything else is the bf16
+kernel's code: the same 128 x 128 score tile (two consumer warpgroups x 64 rows) and top-k
+epilogue; an e4m3 tile of 128 keys takes half the bytes, so the default pipeline is twice as
+deep (:data:`FP8_STAGES`, the same bytes in flight). The bf16/fp16 kernel's PTX is identical to
+the one before this mode existed (its parts are compile-time branches; compile_check
+``--dump``). No query map in this mode.
+
 Limits (:meth:`SelectSm90.can_implement`): Dp in {64, 128}, block size in {64, 128},
 top_k <= 64 (the lists live in registers: a lane keeps one row's list, or half of it beyond 16
-entries), bf16 or fp16.
+entries), bf16 or fp16 (e4m3 in the FP8 mode).
 """
 
 from __future__ import annotations
@@ -57,12 +73,17 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from .. import worklist
+from .. import quant, worklist
 from ..cubin import SHARED_LIMIT
 from .common import acc_rows_cols, aligned, cute_tensor, cutlass_dtype, run, stream, tma_tiles
 
 TILE_M = 128  # query tokens per CTA (two consumer warpgroups x 64 rows); the grid's y
 MAX_TOPK = 64  # the top-k lists live in registers (two lanes per row beyond 16 entries)
+# key-pipeline depth of the FP8 mode: an e4m3 key tile is half a bf16 one (16 KB at Dp 128), so
+# 8 stages keep the bf16 default's bytes (128 KB) in flight and cover the same latency when the
+# tile's MMA takes half the time; 16 + 8 x 16 KB = 144 KB of shared memory (not measured yet:
+# benchmarks/cute_select_ab.py times 4 and 12 beside it)
+FP8_STAGES = 8
 
 
 def _max_of(vals):
@@ -103,6 +124,13 @@ class QueryMap(NamedTuple):
     seq_start: cute.Tensor  # (N+1,) int32: sequence n's sorted rows rows[seq_start[n]:...[n+1]]
 
 
+class KeyScales(NamedTuple):
+    """The run-time argument of the FP8 mode (``SelectSm90(key_scale=...)``)."""
+
+    # (T, Hpk) fp32: quant.Quantized.k_scale, per token (per block: each token holds its block's)
+    k_scale: cute.Tensor
+
+
 @dataclass(frozen=True)
 class SelectSm90:
     """Proxy block selection (module docstring), one static configuration; the fields are all
@@ -111,7 +139,7 @@ class SelectSm90:
     Run-time values: the token count, the number of sequences and their lengths, the number of
     query tiles of the longest one (the grid's y)."""
 
-    dtype: type[cutlass.Numeric]  # BFloat16 or Float16: q_proxy and k_proxy
+    dtype: type[cutlass.Numeric]  # BFloat16 or Float16: q_proxy and k_proxy (FP8: Float8E4M3FN)
     proxy_head_dim: int  # Dp
     heads: int  # Hp: proxy query heads (one selection per head)
     k_heads: int  # Hpk: proxy key heads (Hp / Hpk query heads share one)
@@ -121,6 +149,9 @@ class SelectSm90:
     # query rows through a query map (module docstring): the query tile is gathered, positions
     # come from the map; False: the kernel compiles as before the map existed
     qmap: bool = False
+    # FP8 mode (module docstring): the key scales' granularity, "block" or "token"
+    # (quant.KEY_SCALES), with e4m3 operands; None: the exact bf16/fp16 selection
+    key_scale: str | None = None
 
     TILE_M: ClassVar[int] = TILE_M
     TILE_N: ClassVar[int] = 128  # keys per pipeline stage (one or two key blocks)
@@ -152,7 +183,7 @@ class SelectSm90:
 
     @classmethod
     def can_implement(
-        cls, dtype, proxy_head_dim, heads, k_heads, top_k, block_size, stages=4
+        cls, dtype, proxy_head_dim, heads, k_heads, top_k, block_size, stages=4, key_scale=None
     ) -> str | None:
         """Why this configuration cannot be compiled or run (``None``: it can).
 
@@ -160,9 +191,16 @@ class SelectSm90:
         128 x 128 x 2 = 32 KB + 4 key tiles of 32 KB (128 KB) + 9 mbarriers, aligned: 164,864
         bytes of the sm_90 capacity of 232,448 (SHARED_LIMIT; 6 stages fit, 7 do not).
         Registers: 24 per producer and 240 per consumer thread (``setmaxnreg``), the whole
-        file of 168 x 384; top_k > 64 would not fit there (compile_check asserts no spills)."""
-        if dtype not in (cutlass.BFloat16, cutlass.Float16):
-            return f"CuTe selection needs bf16 or fp16, not {dtype}"
+        file of 168 x 384; top_k > 64 would not fit there (compile_check asserts no spills).
+        FP8 mode (``key_scale``): e4m3 tiles, 16 KB + 8 stages of 16 KB at Dp = 128
+        (:data:`FP8_STAGES`): 148,480 bytes; 13 stages fit (230,400), 14 do not."""
+        if key_scale is not None:
+            if key_scale not in quant.KEY_SCALES:
+                return f"key_scale must be one of {quant.KEY_SCALES}, not {key_scale!r}"
+            if dtype is not cutlass.Float8E4M3FN:
+                return f"the CuTe fp8 selection needs e4m3 operands (quant.quantize), not {dtype}"
+        elif dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"CuTe selection needs bf16 or fp16 (e4m3 with a key_scale), not {dtype}"
         if proxy_head_dim not in (64, 128):
             return f"CuTe selection needs Dp in (64, 128), not {proxy_head_dim}"
         if block_size not in (64, 128):
@@ -183,8 +221,10 @@ class SelectSm90:
     def __post_init__(self):
         why = self.can_implement(
             self.dtype, self.proxy_head_dim, self.heads, self.k_heads, self.top_k,
-            self.block_size, self.stages,
+            self.block_size, self.stages, self.key_scale,
         )  # fmt: skip
+        if why is None and self.qmap and self.key_scale is not None:
+            why = "the fp8 selection has no query map"
         if why is not None:
             raise ValueError(f"CuTe selection: {why}")
 
@@ -200,13 +240,14 @@ class SelectSm90:
         mIdx: cute.Tensor,
         n_mblk: Int32,
         stream: cuda.CUstream,
-        query_map: QueryMap = None,
+        mode_args: QueryMap | KeyScales | None = None,
     ):
         """Launch: ``mQ (T, Dp, Hp)``, ``mK (T, Dp, Hpk)`` views of the proxy tensors,
         ``mCu (N+1,)``, ``mIdx (T, Hp, K)``; grid (Hp * N, n_mblk = ceil(max_seqlen / 128)).
-        ``query_map`` (:class:`QueryMap`) exactly when :attr:`qmap`: ``mQ`` and ``mIdx`` then
+        ``mode_args``: a :class:`QueryMap` exactly when :attr:`qmap` (``mQ`` and ``mIdx`` then
         have ``Tq`` query rows, ``mK`` the keys' ``T``, and ``n_mblk`` bounds the query rows
-        of one sequence (ceil(min(Tq, max_seqlen) / 128))."""
+        of one sequence, ceil(min(Tq, max_seqlen) / 128)); :class:`KeyScales` exactly in the
+        FP8 mode (:attr:`key_scale`); else none."""
         DP, TILE_N, dtype = self.proxy_head_dim, self.TILE_N, self.dtype
         assert mQ.element_type == dtype and mQ.shape[1:] == (DP, self.heads)
         assert mK.shape[1:] == (DP, self.k_heads) and mIdx.shape[1:] == (self.heads, self.top_k)
@@ -241,8 +282,13 @@ class SelectSm90:
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
         grid = (self.heads * (mCu.shape[0] - 1), n_mblk, 1)
         qm = ()  # the query map's kernel arguments (none without it)
-        if cutlass.const_expr(self.qmap):
-            assert query_map is not None, "a query-map kernel needs its QueryMap"
+        ks = ()  # the FP8 mode's: the key scales (none without it)
+        if cutlass.const_expr(self.key_scale is not None):
+            assert isinstance(mode_args, KeyScales), "the FP8 mode needs its KeyScales"
+            ks = (mode_args.k_scale,)
+        elif cutlass.const_expr(self.qmap):
+            query_map = mode_args
+            assert isinstance(query_map, QueryMap), "a query-map kernel needs its QueryMap"
             # the consumers gather the query tile: 16-byte pieces, Dp / 8 threads per row
             tpr = DP // 8
             gather = cute.make_tiled_copy_tv(
@@ -255,10 +301,10 @@ class SelectSm90:
             )  # fmt: skip
             qm = (mQ, *query_map, gather)
         else:
-            assert query_map is None, "a QueryMap given to a kernel without the query map"
+            assert mode_args is None, "a QueryMap or KeyScales given to a kernel without its mode"
         self.kernel(
             tma_q, tma_mQ, tma_k, tma_mK, mCu, mIdx, mma_first, mma_rest, sQ_layout, sK_layout,
-            Storage, qm,
+            Storage, qm, ks,
         ).launch(grid=grid, block=(self.THREADS, 1, 1), stream=stream)  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
@@ -279,6 +325,7 @@ class SelectSm90:
         sK_layout: cute.ComposedLayout,
         Storage: Constexpr,
         qm: tuple,  # (q_proxy (Tq, Dp, Hp), q_map, rows, seq_start, gather) with the map, else ()
+        ks: tuple,  # (k_scale (T, Hpk) fp32,) in the FP8 mode, else ()
     ):
         TILE_M, TILE_N, DP, BLOCK, TOPK = (
             self.TILE_M, self.TILE_N, self.proxy_head_dim, self.block_size, self.top_k
@@ -371,10 +418,17 @@ class SelectSm90:
                 k_pipe.consumer_wait(cons)
                 self.scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
                 for j in cutlass.range(n_tiles, unroll=1):
+                    scale = None  # FP8: the key scales of this tile (block's or columns')
+                    if cutlass.const_expr(self.key_scale is not None):  # loads under the MMA
+                        kh = p // (self.heads // self.k_heads)  # the proxy key head
+                        scale = self.tile_scales(ks[0], crd, j, start, L, kh)
                     warpgroup.wait_group(0)
                     k_pipe.consumer_release(cons)  # the stage is free: the scores are in registers
                     cons.advance()
-                    cand = self.block_maxima(acc_rc, crd, j, n_tiles, q0, L, pos, mask_from)
+                    col_scale = scale if cutlass.const_expr(self.key_scale == "token") else None
+                    cand = self.block_maxima(
+                        acc_rc, crd, j, n_tiles, q0, L, pos, mask_from, col_scale
+                    )
                     if j + 1 < n_tiles:  # the next tile's MMA runs during this tile's insertion
                         k_pipe.consumer_wait(cons)
                         self.scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
@@ -391,6 +445,8 @@ class SelectSm90:
                     own = row // BLOCK
                     for sl in cutlass.range_constexpr(SLABS):
                         cv = cand[0][sl] if my_row == 0 else cand[1][sl]
+                        if cutlass.const_expr(self.key_scale == "block"):
+                            cv = cv * scale[sl]  # one multiply per (row, block): s_b > 0
                         blk = j * SLABS + sl
                         if blk == own:
                             cv = Float32.inf  # the own block is always kept
@@ -444,18 +500,21 @@ class SelectSm90:
         the kernel's top level (setting it inside a runtime branch does not dominate later
         uses)."""
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):  # Dp / 16
+        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):  # Dp / 16 (e4m3: / 32)
             mma = mma_first if kb == 0 else mma_rest
             cute.gemm(mma, acc, tSrQ[None, None, kb, 0], tSrK[None, None, kb, stage], acc)
         warpgroup.commit_group()
 
     @cute.jit
-    def block_maxima(self, acc_rc, crd, j, n_tiles, q0, L, pos=None, mask_from=None):
+    def block_maxima(
+        self, acc_rc, crd, j, n_tiles, q0, L, pos=None, mask_from=None, col_scale=None
+    ):
         """This thread's maximum of each of its two rows over each key block of tile ``j``
         (``cand[row][block]``); keys after the row's token or past the sequence end ``L`` are
         masked on the diagonal tile (the last). With the query map (``pos``: the two rows'
         positions) keys after the row's position are masked on tiles ``mask_from`` and later
-        (a position is within the sequence: that also masks its end)."""
+        (a position is within the sequence: that also masks its end). ``col_scale`` (FP8 mode,
+        per-token key scales: one per column of the thread) multiplies each score first."""
         n_cols = cute.size(crd, mode=[1])  # 32
         SLABS = self.TILE_N // self.block_size
         per_slab = n_cols // SLABS  # a thread's columns of one block (columns ascend with c)
@@ -474,7 +533,7 @@ class SelectSm90:
                         for cc in cutlass.range_constexpr(per_slab):
                             c = sl * per_slab + cc
                             col = j * self.TILE_N + crd[r, c][1]
-                            v = acc_rc[r, c]
+                            v = self.scaled(acc_rc, r, c, col_scale)
                             if col > row or col >= L:
                                 v = -Float32.inf
                             vals.append(v)
@@ -482,10 +541,36 @@ class SelectSm90:
                     else:
                         vals = []
                         for cc in cutlass.range_constexpr(per_slab):
-                            vals.append(acc_rc[r, sl * per_slab + cc])
+                            vals.append(self.scaled(acc_rc, r, sl * per_slab + cc, col_scale))
                         mx = _max_of(vals)
                     cand[r].append(mx)
         return cand
+
+    def scaled(self, acc_rc, r, c, col_scale):
+        """Score ``(r, c)`` of the thread's tile, times its column's key scale when given
+        (FP8 mode, per token); traced inline."""
+        if col_scale is None:
+            return acc_rc[r, c]
+        return acc_rc[r, c] * col_scale[c]
+
+    @cute.jit
+    def tile_scales(self, mKS, crd, j, start, L, kh):
+        """FP8 mode: the key scales ``mKS (T, Hpk)`` of key tile ``j`` (head ``kh``) this thread
+        applies, loaded before the tile's MMA is waited for: per block (``"block"``), the
+        value at each of the tile's blocks' first token; per token, the value of each of the
+        thread's columns (``crd``: the same for its two rows). Positions are clamped to the
+        sequence's last token ``L - 1``: a block or key past the end is masked to ``-inf``
+        anyway, and the load must stay inside ``mKS``."""
+        out = []
+        if cutlass.const_expr(self.key_scale == "block"):
+            for sl in cutlass.range_constexpr(self.TILE_N // self.block_size):
+                first = (j * (self.TILE_N // self.block_size) + sl) * self.block_size
+                out.append(mKS[start + cutlass.min(first, L - 1), kh])
+        else:
+            for c in cutlass.range_constexpr(cute.size(crd, mode=[1])):
+                col = j * self.TILE_N + crd[0, c][1]
+                out.append(mKS[start + cutlass.min(col, L - 1), kh])
+        return out
 
     @cute.jit
     def masked_max(self, acc_rc, crd, r, sl, j, pos, masked):
@@ -626,21 +711,21 @@ def select_into(
     ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map): ``q_proxy`` and
     ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of a mapped row is
     written, those of padding rows (``-1``) are left as they are (:func:`select` fills them
-    with -1).
+    with -1). The exact selection only: ``cfg.selection_precision == "fp8"`` raises
+    (:func:`select_fp8_into` is that one).
     """
+    if cfg.selection_precision != "bf16":
+        raise ValueError(
+            f"CuTe selection: select_into is the exact selection, cfg.selection_precision is "
+            f"{cfg.selection_precision!r} (select or select_fp8_into run the fp8 one)"
+        )
     T, Hp, Dp = q_proxy.shape
     Hpk = k_proxy.shape[1]
     K = cfg.top_k
     kernel = SelectSm90(
         cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages, q_map is not None
     )
-    if tuple(indices.shape) != (T, Hp, K) or indices.dtype != torch.int32:
-        raise ValueError(
-            f"CuTe selection: indices must be an int32 ({T}, {Hp}, {K}) tensor, got "
-            f"{indices.dtype} {tuple(indices.shape)}"
-        )
-    if not indices.is_contiguous() or indices.data_ptr() % 16:
-        raise ValueError("CuTe selection: indices must be contiguous and 16-byte aligned")
+    _check_indices(indices, T, Hp, K)
     if T == 0:
         return indices
     rows = cfg.max_seqlen  # query rows per sequence: at most its tokens
@@ -655,26 +740,91 @@ def select_into(
         maps = (aligned(q_map.contiguous()), order.rows, order.seq_start)
         extra = (QueryMap(*(cute_tensor(aligned(x)) for x in maps)),)
         rows = min(T, cfg.max_seqlen)  # and at most the query rows (a host bound: no sync)
+    _launch(kernel, q_proxy, k_proxy, cu_seqlens, indices, rows, *extra)
+    return indices
+
+
+def select_fp8_into(indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_STAGES):
+    """The fp8 selection (``selection_precision="fp8"``) of quantized operands into
+    ``indices`` ``(T, Hp, top_k)`` int32 (every entry written, as :func:`select_into`).
+    Returns ``indices``.
+
+    ``quantized``: :class:`flash_msa.quant.Quantized` of :func:`flash_msa.quant.quantize`
+    with ``cfg.block_size`` (its block scales are per selection block): e4m3 ``q (T, Hp, Dp)``
+    and ``k (T, Hpk, Dp)``, fp32 ``k_scale (T, Hpk)`` on one CUDA device, per block or per token
+    (``key_scale``, compiled in); ``q_scale`` is not read (a positive row constant). No query
+    map. ``stages``: the key-pipeline depth (A/B runs; the default is the shipped one).
+    """
+    qz = quantized
+    T, Hp, Dp = qz.q.shape
+    Hpk = qz.k.shape[1]
+    K = cfg.top_k
+    for name, x in (("q", qz.q), ("k", qz.k)):
+        if x.dtype != quant.E4M3 or x.dim() != 3 or x.shape[0] != T or x.shape[2] != Dp:
+            raise ValueError(
+                f"CuTe fp8 selection: quantized.{name} must be e4m3 ({T}, heads, {Dp}), got "
+                f"{x.dtype} {tuple(x.shape)}"
+            )
+    if qz.k_scale.dtype != torch.float32 or tuple(qz.k_scale.shape) != (T, Hpk):
+        raise ValueError(
+            f"CuTe fp8 selection: quantized.k_scale must be fp32 ({T}, {Hpk}), got "
+            f"{qz.k_scale.dtype} {tuple(qz.k_scale.shape)}"
+        )
+    kernel = SelectSm90(
+        cutlass.Float8E4M3FN, Dp, Hp, Hpk, K, cfg.block_size, stages, key_scale=qz.key_scale
+    )
+    _check_indices(indices, T, Hp, K)
+    if T == 0:
+        return indices
+    scales = KeyScales(cute_tensor(aligned(qz.k_scale.contiguous())))
+    q, k = qz.q.contiguous(), qz.k.contiguous()
+    _launch(kernel, q, k, cu_seqlens, indices, cfg.max_seqlen, scales)
+    return indices
+
+
+def _check_indices(indices, T, Hp, K):
+    """Raise ValueError unless ``indices`` is a contiguous, 16-byte aligned int32 ``(T, Hp,
+    K)`` tensor (the kernel writes it through a 16-byte aligned view)."""
+    if tuple(indices.shape) != (T, Hp, K) or indices.dtype != torch.int32:
+        raise ValueError(
+            f"CuTe selection: indices must be an int32 ({T}, {Hp}, {K}) tensor, got "
+            f"{indices.dtype} {tuple(indices.shape)}"
+        )
+    if not indices.is_contiguous() or indices.data_ptr() % 16:
+        raise ValueError("CuTe selection: indices must be contiguous and 16-byte aligned")
+
+
+def _launch(kernel, q, k, cu_seqlens, indices, rows, *mode_args):
+    """Run ``kernel`` on ``q (Tq, Hp, Dp)``, ``k (T, Hpk, Dp)`` (contiguous), its grid's y
+    bounding ``rows`` query rows per sequence."""
     run(
         kernel,
-        q_proxy.device,
-        cute_tensor(aligned(q_proxy).permute(0, 2, 1)),  # (T, Dp, Hp): a TMA box = one head
-        cute_tensor(aligned(k_proxy).permute(0, 2, 1)),
+        q.device,
+        cute_tensor(aligned(q).permute(0, 2, 1)),  # (T, Dp, Hp): a TMA box = one head
+        cute_tensor(aligned(k).permute(0, 2, 1)),
         cute_tensor(cu_seqlens),
         cute_tensor(indices),
         Int32(max(1, -(-rows // TILE_M))),
-        stream(q_proxy.device),
-        *extra,
+        stream(q.device),
+        *mode_args,
     )
-    return indices
 
 
 def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
     """Backend op ``select`` (docs/design.md): ``indices (T, Hp, top_k)`` int32, ascending
     sequence-local block numbers, -1 in unused slots (:func:`select_into` a new tensor); with
-    ``q_map`` ``(Tq, Hp, top_k)``, all -1 for a padding row."""
+    ``q_map`` ``(Tq, Hp, top_k)``, all -1 for a padding row.
+
+    ``cfg.selection_precision == "fp8"``: the quantize pass (:func:`flash_msa.quant.quantize`,
+    the shipped key scale and rotation), then :func:`select_fp8_into`; no query map."""
     T, Hp, _ = q_proxy.shape
     shape, dev = (T, Hp, cfg.top_k), q_proxy.device
+    if cfg.selection_precision == "fp8":
+        if q_map is not None:
+            raise ValueError("CuTe fp8 selection: no query map (q_map) in the fp8 kernel")
+        qz = quant.quantize(q_proxy, k_proxy, cu_seqlens, cfg.block_size)
+        idx = torch.empty(shape, dtype=torch.int32, device=dev)
+        return select_fp8_into(idx, qz, cu_seqlens, cfg)
     if q_map is None:
         idx = torch.empty(shape, dtype=torch.int32, device=dev)
     else:  # padding rows are never visited

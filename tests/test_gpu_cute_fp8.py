@@ -1,0 +1,237 @@
+"""GPU tests of the CuTe FP8 selection (``selection_precision="fp8"``, issue 15; ``pytest -m gpu``
+on Hopper with nvidia-cutlass-dsl): ``SelectSm90`` with e4m3 operands and key scales, called
+directly (``select_sm90.select_fp8_into`` / ``select``: it is not registered for ``auto`` until
+these pass, ``cute.FP8_SELECTION_ON_CUTE``).
+
+Every check compares index sets on **identical quantized operands** (``quant.quantize`` once,
+given to every implementation): the Triton fp8 oracle (``triton_ref/selection_fp8.py``, the same
+``wgmma ... .e4m3.e4m3`` products) and the torch reference (``reference.select(...,
+quantized=)``, exact e4m3 products summed in fp32). They may differ only by near-ties:
+``testing.selection_mismatch`` on the dequantized operands (``quant.dequantize``: their fp64
+products are the fp8 scores times a positive row constant), as tests/test_fp8_selection.py
+checks the oracle. Inputs: random, local and ``gain`` (each key block scaled by its own factor in
+[1/8, 8], so that the key scales decide the ranking; a kernel that ignored them fails, which
+the test shows on the same input). The index buffer starts poisoned (``testing.POISON_INT``),
+so a slot the kernel forgot fails the format check.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flash_msa import backends, quant, reference, testing
+from harness import config, packed_inputs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs an sm_90 GPU",
+    ),
+]
+
+
+def _select_sm90():
+    pytest.importorskip("cutlass")
+    module, why = backends.load("cute")
+    assert module is not None, why
+    from flash_msa.cute import select_sm90
+
+    return select_sm90
+
+
+def _case(lengths, Hp, Hpk, Dp, b, top_k, dtype, seed=0, kind="random", key_scale="block"):
+    """``(qp, kp, cu, cfg, qz)``: packed proxies on the GPU (``kind`` random, local or gain),
+    the fp8 ``Config`` and the quantized operands every implementation ranks."""
+    gain = kind == "gain"
+    (qp, kp, *_), cu = packed_inputs(
+        lengths, 1, 1, Hp, Hpk, 1, Dp, dtype=torch.float32, device="cuda", seed=seed,
+        kind="random" if gain else kind,
+    )  # fmt: skip
+    if gain:  # per key block a factor in [1/8, 8]: the key scales decide the ranking
+        blk = quant.block_of_token(cu, kp.shape[0], b)
+        g = torch.Generator().manual_seed(seed + 1)
+        f = 2.0 ** (6 * torch.rand(int(blk.max()) + 1, generator=g) - 3)
+        kp = kp * f.to("cuda")[blk][:, None, None]
+    qp, kp = qp.to(dtype).contiguous(), kp.to(dtype).contiguous()
+    cfg = dataclasses.replace(config(max(lengths), 16, Dp, b, top_k), selection_precision="fp8")
+    return qp, kp, cu, cfg, quant.quantize(qp, kp, cu, b, key_scale=key_scale)
+
+
+def _cute_fp8(qz, cu, cfg, **variant):
+    """The CuTe fp8 kernel into a poisoned index buffer (every slot must be written)."""
+    T, Hp, _ = qz.q.shape
+    out = testing.poisoned((T, Hp, cfg.top_k), torch.int32, "cuda")
+    return _select_sm90().select_fp8_into(out, qz, cu, cfg, **variant)
+
+
+def _check_format(idx, cu, b):
+    """Ascending valid entries, then -1; min(K, own + 1) of them; the own block among them."""
+    K = idx.shape[2]
+    lens = (cu[1:] - cu[:-1]).tolist()
+    pos = torch.cat([torch.arange(n, device=idx.device) for n in lens])  # sequence-local
+    own = (pos // b)[:, None, None]
+    valid = idx >= 0
+    assert (valid.sum(-1) == torch.clamp(own[..., 0] + 1, max=K)).all(), "entry count"
+    assert (valid[..., 1:] <= valid[..., :-1]).all(), "-1 only after the valid entries"
+    big = torch.where(valid, idx, torch.iinfo(torch.int32).max)
+    assert (big[..., 1:] > big[..., :-1])[valid[..., 1:]].all(), "ascending, no duplicates"
+    assert ((idx == own) & valid).any(-1).all(), "own block kept"
+    assert (idx[valid] <= own.expand_as(idx)[valid]).all(), "no future block"
+
+
+def _mismatch(idx, other, qz, cu, cfg):
+    """Rows of ``idx`` and ``other`` that differ beyond near-ties of the fp8 scores."""
+    qd, kd = quant.dequantize(qz)
+    return testing.selection_mismatch(
+        idx.cpu(), other.cpu(), qd.cpu(), kd.cpu(), cfg.block_size, cfg.proxy_scale, cu.cpu()
+    )
+
+
+def _oracle_and_reference(qp, kp, cu, cfg, qz):
+    from flash_msa.triton_ref import selection_fp8
+
+    return (
+        selection_fp8.select_quantized(qz, cu, cfg),
+        reference.select(qp, kp, cu, cfg, quantized=qz),
+    )
+
+
+CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype, key scale
+    ((8192,), 4, 1, 128, 128, 16, torch.bfloat16, "block"),  # anchor / paper proxy heads
+    ((3000, 1, 700, 129), 2, 1, 64, 64, 8, torch.bfloat16, "block"),  # varlen, Dp 64, block 64
+    ((1500,), 4, 2, 128, 128, 1, torch.float16, "block"),  # top_k 1, Hpk 2, fp16 inputs
+    ((9000, 300), 4, 1, 128, 128, 64, torch.bfloat16, "block"),  # top_k 64: split lists
+    ((5000, 77), 4, 1, 128, 64, 64, torch.float16, "block"),  # two blocks per tile, top_k 64
+    ((2000, 4000), 8, 2, 64, 128, 16, torch.float16, "block"),
+    ((4100,), 4, 4, 128, 64, 16, torch.bfloat16, "token"),  # per-token key scales
+    ((6000, 1, 333), 4, 1, 128, 128, 64, torch.float16, "token"),
+    ((2500,), 2, 1, 64, 64, 1, torch.bfloat16, "token"),
+]
+
+
+def _case_id(c):
+    return "x".join(map(str, c[0])) + f"-Dp{c[3]}-b{c[4]}-k{c[5]}-{str(c[6])[6:]}-{c[7]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("kind", ["random", "local", "gain"])
+def test_cute_fp8_select_matches_oracle_and_reference(case, kind):
+    """The kernel's indices against the Triton oracle and the torch reference on the same
+    quantized operands: equal up to near-ties, in the index format, every slot written."""
+    *shape, key_scale = case
+    qp, kp, cu, cfg, qz = _case(*shape, kind=kind, key_scale=key_scale)
+    idx = _cute_fp8(qz, cu, cfg)
+    _check_format(idx, cu, cfg.block_size)
+    for other in _oracle_and_reference(qp, kp, cu, cfg, qz):
+        assert _mismatch(idx, other, qz, cu, cfg) == 0
+
+
+@pytest.mark.parametrize("key_scale", quant.KEY_SCALES)
+def test_cute_fp8_select_applies_the_key_scales(key_scale):
+    """On ``gain`` inputs the key scales decide the ranking: the kernel given unit scales
+    selects otherwise (so the comparison above can fail) and then agrees with the reference
+    given the same unit scales."""
+    qp, kp, cu, cfg, qz = _case((3000, 1200), 4, 1, 128, 64, 8, torch.bfloat16, 3, "gain",
+                                key_scale)  # fmt: skip
+    unit = qz._replace(k_scale=torch.ones_like(qz.k_scale))
+    scaled, unscaled = _cute_fp8(qz, cu, cfg), _cute_fp8(unit, cu, cfg)
+    assert not torch.equal(scaled, unscaled)
+    for idx, ops in ((scaled, qz), (unscaled, unit)):
+        want = reference.select(qp, kp, cu, cfg, quantized=ops)
+        assert _mismatch(idx, want, ops, cu, cfg) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cute_fp8_select_op_quantizes_then_selects(dtype, monkeypatch):
+    """``select_sm90.select`` with ``selection_precision="fp8"`` (the backend op's body): the
+    quantize pass with the shipped choices (block scale, rotation) and the kernel, against the
+    reference's fp8 selection of the same inputs (which quantizes them the same way); the
+    backend entry refuses it while ``cute.FP8_SELECTION_ON_CUTE`` is off and runs it when on."""
+    from flash_msa import cute
+
+    select_sm90 = _select_sm90()
+    qp, kp, cu, cfg, qz = _case((7000, 900), 4, 1, 128, 128, 16, dtype, 5, "local")
+    got = select_sm90.select(qp, kp, cu, cfg)
+    _check_format(got, cu, cfg.block_size)
+    assert _mismatch(got, reference.select(qp, kp, cu, cfg), qz, cu, cfg) == 0
+    assert torch.equal(got, _cute_fp8(qz, cu, cfg))  # quant.quantize: the same operands
+    exact = select_sm90.select(qp, kp, cu, dataclasses.replace(cfg, selection_precision="bf16"))
+    assert not torch.equal(got, exact)  # the precision reached the kernel
+    with pytest.raises(backends.BackendError, match="FP8_SELECTION_ON_CUTE"):
+        cute.select(qp, kp, cu, cfg)
+    monkeypatch.setattr(cute, "FP8_SELECTION_ON_CUTE", True)
+    assert torch.equal(cute.select(qp, kp, cu, cfg), got)
+
+
+def test_cute_fp8_select_keeps_ties_in_block_order():
+    """Key blocks with identical content quantize identically (the same block scale): every
+    score ties and the lower blocks win, as in the reference (equal indices, no near-tie
+    allowance); also across list evictions at top_k 24."""
+    g = torch.Generator().manual_seed(1)
+    S, Dp = 128 * 40, 128
+    kp = torch.randn(128, 1, Dp, generator=g).repeat(40, 1, 1).to("cuda", torch.bfloat16)
+    qp = torch.randn(S, 2, Dp, generator=g).to("cuda", torch.bfloat16)
+    cu = testing.cu([S], "cuda")
+    qz = quant.quantize(qp, kp, cu, 128)
+    for top_k in (5, 24):
+        cfg = dataclasses.replace(config(S, 16, Dp, 128, top_k), selection_precision="fp8")
+        got = _cute_fp8(qz, cu, cfg)
+        assert torch.equal(got, reference.select(qp, kp, cu, cfg, quantized=qz)), top_k
+
+
+@pytest.mark.parametrize("stages", [2, 4, 12])
+def test_cute_fp8_select_pipeline_depth_does_not_change_the_result(stages):
+    """``SelectSm90(stages=...)`` (default ``select_sm90.FP8_STAGES``): the same scores in the
+    same order, so the same indices."""
+    _, _, cu, cfg, qz = _case((3000, 1, 2100), 4, 1, 128, 64, 24, torch.bfloat16, 2)
+    assert torch.equal(_cute_fp8(qz, cu, cfg, stages=stages), _cute_fp8(qz, cu, cfg))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_cute_fp8_select_hypothesis_runtime_sizes(data):
+    """Run-time sizes (lengths, number of sequences) and a few static ones (top_k, block, key
+    scale) against the Triton oracle on the same quantized operands."""
+    b = data.draw(st.sampled_from([64, 128]), label="block")
+    lengths = data.draw(st.lists(st.integers(1, 900), min_size=1, max_size=5), label="lengths")
+    top_k = data.draw(st.sampled_from([1, 3, 16, 33, 64]), label="top_k")
+    key_scale = data.draw(st.sampled_from(quant.KEY_SCALES), label="key_scale")
+    seed = data.draw(st.integers(0, 10_000), label="seed")
+    qp, kp, cu, cfg, qz = _case(lengths, 4, 1, 64, b, top_k, torch.bfloat16, seed,
+                                key_scale=key_scale)  # fmt: skip
+    idx = _cute_fp8(qz, cu, cfg)
+    _check_format(idx, cu, b)
+    oracle, _ = _oracle_and_reference(qp, kp, cu, cfg, qz)
+    assert _mismatch(idx, oracle, qz, cu, cfg) == 0
+
+
+def test_cute_fp8_select_is_sync_free():
+    """The op (quantize pass and kernel) makes no host synchronization, and repeats itself."""
+    select_sm90 = _select_sm90()
+    qp, kp, cu, cfg, _ = _case((3000, 700), 4, 1, 128, 128, 16, torch.bfloat16)
+    first = select_sm90.select(qp, kp, cu, cfg)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = select_sm90.select(qp, kp, cu, cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first, again)
+
+
+def test_cute_fp8_select_is_graph_capturable():
+    """The op captured in a CUDA graph and replayed on new inputs equals an eager call."""
+    select_sm90 = _select_sm90()
+    qp, kp, cu, cfg, _ = _case((3000, 700), 4, 1, 128, 128, 16, torch.bfloat16)
+    select_sm90.select(qp, kp, cu, cfg)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = select_sm90.select(qp, kp, cu, cfg)
+    qp.copy_(torch.randn_like(qp))
+    graph.replay()
+    assert torch.equal(captured, select_sm90.select(qp, kp, cu, cfg))
