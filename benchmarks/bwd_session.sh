@@ -2,7 +2,7 @@
 # One GPU session's backward work, in priority order, each step time-boxed; logs under OUTDIR.
 # Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
 #   STEPS: any of tests det ab ncu bench sanitizer hypothesis kl cache combine bench_stages
-#   host small_tiles qmap proxy_lse (default: tests det ab ncu bench sanitizer hypothesis,
+#   host small_tiles qmap proxy_lse fp8 (default: tests det ab ncu bench sanitizer hypothesis,
 #   in that order);
 #   bench_anchor / bench_paper: one half of bench
 #   BWD_TESTS_K / BWD_TESTS_LIMIT: override the test steps' pytest -k selection and time limit
@@ -93,6 +93,12 @@ PY
       grep -E "FAILED|ERROR" "$out/test_proxy_lse.log" | head -5; tail -1 "$out/test_proxy_lse.log"
       t timeout 300 python3 benchmarks/cute_fwd_ab.py --quick > "$out/cute_fwd_ab_proxy.log" 2>&1
       grep -E "proxy|FAIL" "$out/cute_fwd_ab_proxy.log" | head -20 ;;
+    fp8)  # issue 15: the CuTe FP8 selection (cute.FP8_SELECTION_ON_CUTE off until this passes), then its A/B
+      t timeout 300 python3 -m pytest -m gpu -v -p no:cacheprovider ${BWD_TESTS_N:+-n "$BWD_TESTS_N"} \
+        tests/test_gpu_cute_fp8.py > "$out/test_gpu_cute_fp8.log" 2>&1
+      grep -E "FAILED|ERROR" "$out/test_gpu_cute_fp8.log" | head -5; tail -1 "$out/test_gpu_cute_fp8.log"
+      t timeout 400 python3 benchmarks/cute_select_ab.py --fp8 > "$out/cute_select_ab_fp8.log" 2>&1
+      tail -15 "$out/cute_select_ab_fp8.log" ;;
     bench_stages)  # the training step with the CuTe KL and combine stages on (cute.KL_ON_CUTE, COMBINE_ON_CUTE)
       on='import sys, flash_msa.cute as c; c.KL_ON_CUTE = c.COMBINE_ON_CUTE = True; from flash_msa.cli import main; sys.exit(main(sys.argv[1:]))'
       t timeout 240 python3 -c "$on" bench --shape anchor --seqlen 16384 32768 --backends cute \
