@@ -6,7 +6,9 @@ these pass, ``cute.FP8_SELECTION_ON_CUTE``).
 Every check compares index sets on **identical quantized operands** (``quant.quantize`` once,
 given to every implementation): the Triton fp8 oracle (``triton_ref/selection_fp8.py``, the same
 ``wgmma ... .e4m3.e4m3`` products) and the torch reference (``reference.select(...,
-quantized=)``, exact e4m3 products summed in fp32). They may differ only by near-ties:
+quantized=)``, exact e4m3 products summed in fp32; Hopper's FP8 MMA accumulates with about 22
+bits, so the kernels' scores are slightly less exact: if only the reference comparison fails,
+look at that before the kernel). They may differ only by near-ties:
 ``testing.selection_mismatch`` on the dequantized operands (``quant.dequantize``: their fp64
 products are the fp8 scores times a positive row constant), as tests/test_fp8_selection.py
 checks the oracle. Inputs: random, local and ``gain`` (each key block scaled by its own factor in
@@ -19,7 +21,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from flash_msa import backends, quant, reference, testing
@@ -197,7 +199,8 @@ def test_cute_fp8_select_hypothesis_runtime_sizes(data):
     """Run-time sizes (lengths, number of sequences) and a few static ones (top_k, block, key
     scale) against the Triton oracle on the same quantized operands."""
     b = data.draw(st.sampled_from([64, 128]), label="block")
-    lengths = data.draw(st.lists(st.integers(1, 900), min_size=1, max_size=5), label="lengths")
+    lengths = data.draw(st.lists(st.integers(0, 900), min_size=1, max_size=5), label="lengths")
+    assume(max(lengths) > 0)  # (an empty sequence among others: the kernel must skip it)
     top_k = data.draw(st.sampled_from([1, 3, 16, 33, 64]), label="top_k")
     key_scale = data.draw(st.sampled_from(quant.KEY_SCALES), label="key_scale")
     seed = data.draw(st.integers(0, 10_000), label="seed")

@@ -4,7 +4,10 @@
 accumulation: what an FP8 tensor-core selection computes. This module is the quantize pass
 (plain torch, any device) that every fp8 selection reads, the torch reference
 (:func:`flash_msa.reference.select`), the Triton oracle (``triton_ref/selection_fp8.py``) and
-the later SM90 kernel alike, so that they differ only in the order of their fp32 sums.
+the SM90 kernel alike, so that they differ only in how they sum the e4m3 products: the
+reference in fp32; FP8 tensor cores on Hopper accumulate with about 22 bits (the low bits
+truncated, as DeepGEMM and SageAttention2 measured), over a chain of at most Dp/32 = 4 wgmma
+steps here, so kernel scores are slightly less exact than fp32 and may swap near-tie blocks.
 
 What is quantized, and why (CPU torch-reference measurements, anchor heads, ``Dp = 128``,
 S 4096, 3 seeds, recall of the bf16 selection: ``benchmarks/fp8_recall.py``, the numbers in

@@ -756,6 +756,12 @@ def select_fp8_into(indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_ST
     map. ``stages``: the key-pipeline depth (A/B runs; the default is the shipped one).
     """
     qz = quantized
+    for name, x in (("q", qz.q), ("k", qz.k)):  # before their shapes are read
+        if x.dim() != 3:
+            raise ValueError(
+                f"CuTe fp8 selection: quantized.{name} must be 3-D (T, heads, Dp), got "
+                f"{tuple(x.shape)}"
+            )
     T, Hp, Dp = qz.q.shape
     Hpk = qz.k.shape[1]
     K = cfg.top_k

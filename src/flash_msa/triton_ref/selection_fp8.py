@@ -10,8 +10,9 @@ Key scale (``quant.KEY_SCALE``): per block, it multiplies the block's pooled max
 per block at the block's first token (every token of a block holds it); per token
 (``TOKEN_SCALE``), it multiplies each score column before the max. The query scale and
 ``proxy_scale`` are not applied (positive per-row constants: the order is unchanged), as in
-:func:`flash_msa.reference.select`, so the two compute the same fp32 numbers up to the order
-of the sum inside ``tl.dot`` and agree up to near-ties.
+:func:`flash_msa.reference.select`, so the two compute the same numbers up to the order and
+precision of the sum inside ``tl.dot`` (Hopper's FP8 tensor cores accumulate with about 22 bits,
+not fp32: :mod:`flash_msa.quant`) and agree up to near-ties.
 
 One program owns (sequence, proxy key head, tile of BT query tokens) with the ``G = Hp/Hpk``
 proxy heads that share the key head packed into its BM rows, as in ``selection.py`` (its
