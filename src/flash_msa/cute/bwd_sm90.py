@@ -78,6 +78,7 @@ from .common import (
     aligned,
     cute_tensor,
     cutlass_dtype,
+    row_gather_copy,
     run,
     stream,
     tma_tiles,
@@ -385,17 +386,7 @@ class BwdSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mKp, cute.slice_(sKp_layout, one), (BLOCK, DP)
         )
         nthreads = self.gather_threads
-
-        def gather_copy(dim):
-            tpr = dim // 8  # threads per row: 16-byte pieces
-            return cute.make_tiled_copy_tv(
-                cute.make_copy_atom(
-                    cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
-                    num_bits_per_copy=128,
-                ),
-                cute.make_layout((nthreads // tpr, tpr), stride=(tpr, 1)),
-                cute.make_layout((1, 8)),
-            )  # fmt: skip
+        gathers = (row_gather_copy(dtype, nthreads, D), row_gather_copy(dtype, nthreads, DP))
 
         smem_q = max(cute.cosize(sQ_layout), cute.cosize(sQp_layout))
         smem_v = max(cute.cosize(sK_layout), cute.cosize(sKp_layout))
@@ -424,7 +415,7 @@ class BwdSm90:
             work, mDQ, mDK, mDV, mDQp, mDKp, mKL, (scale, scale_log2, pscale_log2, pcoef, tok0), NB,
             mmas, mmas_p,
             (sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout),
-            (gather_copy(D), gather_copy(DP)), Storage, qm,
+            gathers, Storage, qm,
         ).launch(
             grid=(work.item_list.shape[0], 1, 1),
             block=(self.cta_threads, 1, 1),

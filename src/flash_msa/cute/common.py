@@ -106,6 +106,24 @@ def view_signature(x) -> tuple:
     return type(x), x.element_type, x.memspace, shape, stride
 
 
+def row_gather_copy(dtype, threads: int, width: int):
+    """The tiled cp.async copy that gathers rows of ``width`` elements of a 2-byte ``dtype``
+    from global into shared memory: 16-byte pieces (8 elements), ``width / 8`` threads per
+    row, ``threads`` threads in all (``threads * 8 / width`` rows per copy); L2 only
+    (``cp.async.cg``: the gathered rows are read once per CTA). Built at trace time, inside a
+    kernel's ``@cute.jit`` launch (the forward partials, the backward and the mapped selection
+    gather their rows with it)."""
+    tpr = width // 8  # threads per row: 16-byte pieces
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+            num_bits_per_copy=128,
+        ),
+        cute.make_layout((threads // tpr, tpr), stride=(tpr, 1)),
+        cute.make_layout((1, 8)),
+    )  # fmt: skip
+
+
 def stream(device: torch.device) -> cuda.CUstream:
     """torch's current stream on ``device``, for a launch."""
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)

@@ -80,6 +80,7 @@ from .common import (
     aligned,
     cute_tensor,
     cutlass_dtype,
+    row_gather_copy,
     run,
     stream,
     tma_tiles,
@@ -301,15 +302,7 @@ class FwdPartialsSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mV, cute.slice_(sK_layout, (None, None, 0)),
             (BLOCK, D),
         )  # fmt: skip
-        tpr = D // 8  # threads per row: 16-byte pieces
-        gather = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
-                num_bits_per_copy=128,
-            ),
-            cute.make_layout((self.THREADS // tpr, tpr), stride=(tpr, 1)),
-            cute.make_layout((1, 8)),
-        )  # fmt: skip
+        gather = row_gather_copy(dtype, self.THREADS, D)
 
         pargs = self.proxy_host(proxy)
         Storage = self.storage(sQ_layout, sK_layout, pargs)
@@ -344,15 +337,7 @@ class FwdPartialsSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mKp, cute.slice_(sKp_layout, (None, None, 0)),
             (BLOCK, DP),
         )  # fmt: skip
-        tpr = DP // 8  # threads per row: 16-byte pieces
-        gather_p = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
-                num_bits_per_copy=128,
-            ),
-            cute.make_layout((self.THREADS // tpr, tpr), stride=(tpr, 1)),
-            cute.make_layout((1, 8)),
-        )  # fmt: skip
+        gather_p = row_gather_copy(dtype, self.THREADS, DP)
         return (tma_kp, tma_mKp, mQp, mPL, pscale_log2, gather_p, sQp_layout, sKp_layout)
 
     def storage(self, sQ_layout, sK_layout, pargs):

@@ -75,7 +75,16 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .. import quant, worklist
 from ..cubin import SHARED_LIMIT
-from .common import acc_rows_cols, aligned, cute_tensor, cutlass_dtype, run, stream, tma_tiles
+from .common import (
+    acc_rows_cols,
+    aligned,
+    cute_tensor,
+    cutlass_dtype,
+    row_gather_copy,
+    run,
+    stream,
+    tma_tiles,
+)
 
 TILE_M = 128  # query tokens per CTA (two consumer warpgroups x 64 rows); the grid's y
 MAX_TOPK = 64  # the top-k lists live in registers (two lanes per row beyond 16 entries)
@@ -290,15 +299,7 @@ class SelectSm90:
             query_map = mode_args
             assert isinstance(query_map, QueryMap), "a query-map kernel needs its QueryMap"
             # the consumers gather the query tile: 16-byte pieces, Dp / 8 threads per row
-            tpr = DP // 8
-            gather = cute.make_tiled_copy_tv(
-                cute.make_copy_atom(
-                    cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
-                    num_bits_per_copy=128,
-                ),
-                cute.make_layout((self.CONSUMERS // tpr, tpr), stride=(tpr, 1)),
-                cute.make_layout((1, 8)),
-            )  # fmt: skip
+            gather = row_gather_copy(dtype, self.CONSUMERS, DP)
             qm = (mQ, *query_map, gather)
         else:
             assert mode_args is None, "a QueryMap or KeyScales given to a kernel without its mode"
