@@ -8,9 +8,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The CuTe disk cache (on by default) off: tests monkeypatch module constants that kernels read
-# while tracing, which its key does not hold; a test of the cache turns it on for itself.
-os.environ.setdefault("FLASH_MSA_CACHE", "0")
+# The CuTe disk cache (on by default) off, whatever the caller's environment says: tests
+# monkeypatch module constants that kernels read while tracing, which its key does not hold; a
+# test of the cache turns it on for its own child processes.
+os.environ["FLASH_MSA_CACHE"] = "0"
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

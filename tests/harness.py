@@ -144,9 +144,5 @@ def declare_cute_q_map(monkeypatch) -> None:
 
     from flash_msa import cute
 
-    bwd = dataclasses.replace(cute.BWD_LIMITS, q_map=True)
-    monkeypatch.setattr(cute, "BWD_LIMITS", bwd)
-    monkeypatch.setitem(cute.LIMITS, "bwd", bwd)
-    monkeypatch.setitem(
-        cute.LIMITS, "select", dataclasses.replace(cute.LIMITS["select"], q_map=True)
-    )
+    for op in ("select", "bwd"):  # (bwd_kernel_reason reads LIMITS["bwd"] too)
+        monkeypatch.setitem(cute.LIMITS, op, dataclasses.replace(cute.LIMITS[op], q_map=True))

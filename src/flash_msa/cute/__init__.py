@@ -17,7 +17,7 @@ included); ``common.py`` holds what they share.
 
 * ``bwd`` (sparse, not warmup): one fused key-outer kernel for the main and the proxy gradients
   (``bwd_ws_sm90.py``: ``BwdWsSm90``, warp-specialized, where it can run; else ``bwd_sm90.py``:
-  ``BwdSm90``; ``BwdSm90.make`` picks), within ``BWD_LIMITS`` and :func:`bwd_kernel_reason` (each
+  ``BwdSm90``; ``BwdSm90.make`` picks), within ``LIMITS["bwd"]`` and :func:`bwd_kernel_reason` (each
   selection head's main heads share one KV head); the forward then does not make the proxy
   gradient (``FUSED_PROXY_GRAD``).
 
@@ -201,7 +201,7 @@ def bwd_kernel_reason(problem: Problem) -> str | None:
     from .bwd_sm90 import BwdSm90
     from .common import cutlass_dtype
 
-    why = limits.reason({"bwd": BWD_LIMITS}, "bwd", problem)
+    why = limits.reason(LIMITS, "bwd", problem)  # (LIMITS["bwd"] is BWD_LIMITS)
     if why is not None:
         return why
     Hs = problem.num_sel_heads

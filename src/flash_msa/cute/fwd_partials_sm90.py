@@ -471,19 +471,8 @@ class FwdPartialsSm90:
                     row_tok, row_part, row_ok = self.row_info(
                         work.perm, cS, e0 + ch * BT, e1, h0, tok0, G2, H
                     )
-                    # 1. this chunk's query rows in shared memory. The next chunk's gather is
-                    # issued first and lands while this chunk computes (its buffer was last read
-                    # in the previous iteration, before its closing barrier).
-                    qb = wg * self.Q_BUFFERS  # this chunk's Q buffer
-                    stage = (ch // WGS) % 2
-                    qb = qb + stage
-                    if ch + WGS < n_chunks:
-                        self.gather(*gq, ch + WGS, wg * self.Q_BUFFERS + 1 - stage)
-                        cute.arch.cp_async_wait_group(1)  # all but the newest group
-                    else:
-                        cute.arch.cp_async_wait_group(0)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self.wg_sync(wg)
+                    # 1. this chunk's query rows in shared memory (the next chunk's issued)
+                    qb = self.chunk_ready(gq, ch, n_chunks, wg)
 
                     # 2. S = Q K^T
                     self.qk(mma_qk, mma_qk_acc, acc_S, tSrQ, tSrK, qb)
@@ -601,21 +590,33 @@ class FwdPartialsSm90:
         cute.arch.mbarrier_wait(kp_bar, 0)  # one k_proxy tile per CTA: phase 0
         for ch in cutlass.range(wg, n_chunks, WGS, unroll=1):
             row_tok, row_part, row_ok = self.row_info(mPerm, cS, e0 + ch * ROWS, e1, p, tok0, 1, HS)
-            stage = (ch // WGS) % 2
-            qb = wg * self.Q_BUFFERS + stage
-            if ch + WGS < n_chunks:
-                self.gather(*gq, ch + WGS, wg * self.Q_BUFFERS + 1 - stage)
-                cute.arch.cp_async_wait_group(1)  # all but the newest group
-            else:
-                cute.arch.cp_async_wait_group(0)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            self.wg_sync(wg)
+            qb = self.chunk_ready(gq, ch, n_chunks, wg)
             self.qk(mma_qk, mma_qk_acc, acc_S, tSrQp, tSrKp, qb)
             row_max, row_sum = self.softmax(S_rc, cS, ks, ke, row_tok, pscale_log2)
             for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
                 if cS[i, 0][1] == 0 and row_ok[i]:  # the quad's leader stores the row's LSE
                     self.store_lse(mPL, row_part[i], row_max[i], row_sum[i], pscale_log2)
             self.wg_sync(wg)  # this Q buffer is overwritten by a later gather
+
+    @cute.jit
+    def chunk_ready(self, gq, ch, n_chunks, wg):
+        """Warpgroup ``wg``'s chunk ``ch`` (of ``n_chunks``, taken every ``warpgroups``) in
+        shared memory, its Q buffer returned: the next chunk's gather (arguments ``gq`` of
+        :meth:`gather`) is issued first into the other buffer, whose rows were last read in the
+        previous iteration before its closing barrier, and lands while this chunk computes;
+        then this chunk's group is waited for, fenced for the async proxy (wgmma reads it) and
+        the warpgroup synchronized. The main and the proxy part's chunk loops both start so."""
+        WGS = self.warpgroups
+        stage = (ch // WGS) % 2
+        qb = wg * self.Q_BUFFERS + stage
+        if ch + WGS < n_chunks:
+            self.gather(*gq, ch + WGS, wg * self.Q_BUFFERS + 1 - stage)
+            cute.arch.cp_async_wait_group(1)  # all but the newest group
+        else:
+            cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.wg_sync(wg)
+        return qb
 
     @cute.jit
     def row_info(self, mPerm, cS, c, e1, h0, tok0, G2, H):

@@ -516,36 +516,48 @@ class SelectSm90:
         positions) keys after the row's position are masked on tiles ``mask_from`` and later
         (a position is within the sequence: that also masks its end). ``col_scale`` (FP8 mode,
         per-token key scales: one per column of the thread) multiplies each score first."""
-        n_cols = cute.size(crd, mode=[1])  # 32
         SLABS = self.TILE_N // self.block_size
-        per_slab = n_cols // SLABS  # a thread's columns of one block (columns ascend with c)
         cand = []  # per row and block: this thread's maximum
         for r in cutlass.range_constexpr(cute.size(crd, mode=[0])):
             cand.append([])
             if cutlass.const_expr(self.qmap):
                 for sl in cutlass.range_constexpr(SLABS):
-                    cand[r].append(self.masked_max(acc_rc, crd, r, sl, j, pos[r], j >= mask_from))
+                    cand[r].append(self.slab_max(acc_rc, crd, r, sl, j, j >= mask_from, pos[r]))
             else:
                 row = q0 + crd[r, 0][0]
-                for sl in cutlass.range_constexpr(SLABS):
-                    mx = -Float32.inf
-                    if j == n_tiles - 1:  # diagonal tile: causal mask, sequence end
-                        vals = []
-                        for cc in cutlass.range_constexpr(per_slab):
-                            c = sl * per_slab + cc
-                            col = j * self.TILE_N + crd[r, c][1]
-                            v = self.scaled(acc_rc, r, c, col_scale)
-                            if col > row or col >= L:
-                                v = -Float32.inf
-                            vals.append(v)
-                        mx = _max_of(vals)
-                    else:
-                        vals = []
-                        for cc in cutlass.range_constexpr(per_slab):
-                            vals.append(self.scaled(acc_rc, r, sl * per_slab + cc, col_scale))
-                        mx = _max_of(vals)
-                    cand[r].append(mx)
+                for sl in cutlass.range_constexpr(SLABS):  # diagonal tile: causal, sequence end
+                    cand[r].append(
+                        self.slab_max(acc_rc, crd, r, sl, j, j == n_tiles - 1, row, L, col_scale)
+                    )
         return cand
+
+    @cute.jit
+    def slab_max(self, acc_rc, crd, r, sl, j, masked, last, end=None, col_scale=None):
+        """This thread's maximum of row ``r`` over key block ``sl`` of tile ``j`` (its columns of
+        the block ascend with ``c``); where ``masked``, keys after position ``last`` (and, given
+        ``end``, keys at or past it) are ``-inf``. ``col_scale``: :meth:`scaled`."""
+        per_slab = cute.size(crd, mode=[1]) // (self.TILE_N // self.block_size)
+        mx = -Float32.inf
+        if masked:
+            vals = []
+            for cc in cutlass.range_constexpr(per_slab):
+                c = sl * per_slab + cc
+                col = j * self.TILE_N + crd[r, c][1]
+                v = self.scaled(acc_rc, r, c, col_scale)
+                if cutlass.const_expr(end is None):  # (a position is within its sequence)
+                    if col > last:
+                        v = -Float32.inf
+                else:  # noqa: PLR5501 (a trace-time branch, then a run-time one)
+                    if col > last or col >= end:
+                        v = -Float32.inf
+                vals.append(v)
+            mx = _max_of(vals)
+        else:
+            vals = []
+            for cc in cutlass.range_constexpr(per_slab):
+                vals.append(self.scaled(acc_rc, r, sl * per_slab + cc, col_scale))
+            mx = _max_of(vals)
+        return mx
 
     def scaled(self, acc_rc, r, c, col_scale):
         """Score ``(r, c)`` of the thread's tile, times its column's key scale when given
@@ -572,29 +584,6 @@ class SelectSm90:
                 col = j * self.TILE_N + crd[0, c][1]
                 out.append(mKS[start + cutlass.min(col, L - 1), kh])
         return out
-
-    @cute.jit
-    def masked_max(self, acc_rc, crd, r, sl, j, pos, masked):
-        """The query map's block maximum: this thread's maximum of row ``r`` over key block
-        ``sl`` of tile ``j``, keys after position ``pos`` masked where ``masked``."""
-        n_cols = cute.size(crd, mode=[1])
-        per_slab = n_cols // (self.TILE_N // self.block_size)
-        mx = -Float32.inf
-        if masked:
-            vals = []
-            for cc in cutlass.range_constexpr(per_slab):
-                c = sl * per_slab + cc
-                v = acc_rc[r, c]
-                if j * self.TILE_N + crd[r, c][1] > pos:
-                    v = -Float32.inf
-                vals.append(v)
-            mx = _max_of(vals)
-        else:
-            vals = []
-            for cc in cutlass.range_constexpr(per_slab):
-                vals.append(acc_rc[r, sl * per_slab + cc])
-            mx = _max_of(vals)
-        return mx
 
     @cute.jit
     def qmap_positions(self, qm, qs, n_rows, start, m_blk):
