@@ -150,17 +150,22 @@ def test_auto_refuses_undeclared_gpus_naming_the_architectures(cap, monkeypatch)
 
 
 @pytest.mark.parametrize("cap", [*SMALL_SMEM_GPUS, (9, 0)], ids=lambda c: f"sm{c[0]}{c[1]}")
-def test_fp8_selection_is_not_auto_on_gpus(cap, monkeypatch):
-    """No GPU backend declares the fp8 selection (torch does: forced only for GPU tensors), so
-    ``auto`` raises for it on every GPU, sm_80/86 (no e4m3 MMA) included, with Triton's
-    reason naming ``selection_precision="fp8"``."""
+def test_fp8_selection_auto_on_gpus(cap, monkeypatch):
+    """The fp8 selection on GPUs: CuTe declares it for sm_90 (``cute.FP8_SELECTION_ON_CUTE``),
+    so ``auto`` runs it there where nvidia-cutlass-dsl is importable; Triton does not declare
+    it (its fp8 kernel is the CuTe kernel's oracle), so elsewhere (sm_80/86: no e4m3 MMA)
+    ``auto`` raises with Triton's reason naming ``selection_precision="fp8"``; torch declares
+    it (forced only, for GPU tensors)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     prob = _gpu_problem(cap, selection_precision="fp8")
     why = backends.reason_not("triton", "select", prob)
     assert why is not None and 'selection_precision="fp8"' in why, why
+    assert backends.reason_not("torch", "select", prob) is None  # FLASH_MSA_BACKEND=torch runs it
+    if cap == (9, 0) and backends.load("cute")[0] is not None:
+        assert backends.resolve("select", prob)[0] == "cute"
+        return
     with pytest.raises(backends.BackendError, match="selection_precision"):
         backends.resolve("select", prob)
-    assert backends.reason_not("torch", "select", prob) is None  # FLASH_MSA_BACKEND=torch runs it
 
 
 def test_readme_backend_table_matches_declarations():

@@ -295,14 +295,15 @@ def test_cute_warp_specialized_backward_limits():
 
 
 def test_cute_query_map_limits_and_kernels(monkeypatch):
-    """The query map (context parallelism) on CuTe: not declared until its GPU tests pass
-    (``cute.Q_MAP_DECLARED``): every CuTe op refuses a mapped call by name and ``auto`` runs it
-    on Triton; declared (as the GPU tests do), select and bwd take it (their kernels' ``qmap``
-    mode), the forward refuses it by name, so ``auto`` picks CuTe for a mapped select and bwd
-    on sm_90 and Triton for the forward; ``qmap`` is part of each kernel object (the
-    compile cache's key), ``BwdSm90.make`` passes it to both backward kernels, and a launch
-    refuses a work list whose map disagrees with its kernel. (No GPU: the kernels' GPU tests
-    are in tests/test_gpu_cute.py / test_gpu_cute_bwd.py; CPU time about 1 s.)"""
+    """The query map (context parallelism) on CuTe: declared (``cute.Q_MAP_DECLARED``, after
+    its GPU tests passed on the H200): select and bwd take a mapped call (their kernels'
+    ``qmap`` mode), the forward refuses it by name, so ``auto`` picks CuTe for a mapped select
+    and bwd on sm_90 and Triton for the forward; undeclared (the switch off), every CuTe op
+    refuses a mapped call by name and ``auto`` runs it on Triton; ``qmap`` is part of each
+    kernel object (the compile cache's key), ``BwdSm90.make`` passes it to both backward
+    kernels, and a launch refuses a work list whose map disagrees with its kernel. (No GPU: the
+    kernels' GPU tests are in tests/test_gpu_cute.py / test_gpu_cute_bwd.py; CPU time about
+    1 s.)"""
     pytest.importorskip("cutlass")
     import dataclasses
 
@@ -324,13 +325,20 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
     mapped = dataclasses.replace(plain, q_map=True)
     for op in ("select", "fwd", "bwd"):
         assert cute.unsupported_reason(op, plain) is None, op
-    assert not cute.Q_MAP_DECLARED
-    for op in ("select", "fwd", "bwd"):
-        assert "q_map" in (cute.unsupported_reason(op, mapped) or ""), op
-        assert backends.choose(op, mapped)[0] == "triton", op
+    assert cute.Q_MAP_DECLARED
+    assert backends.choose("select", mapped)[0] == "cute"
+    assert backends.choose("bwd", mapped)[0] == "cute"
+    assert backends.choose("fwd", mapped)[0] == "triton"
+    with monkeypatch.context() as mp:  # the switch off: every op refuses the map by name
+        for name, lim in (("select", cute.LIMITS["select"]), ("bwd", cute.BWD_LIMITS)):
+            off = dataclasses.replace(lim, q_map=False)
+            mp.setitem(cute.LIMITS, name, off)
+        for op in ("select", "fwd", "bwd"):
+            assert "q_map" in (cute.unsupported_reason(op, mapped) or ""), op
+            assert backends.choose(op, mapped)[0] == "triton", op
     from harness import declare_cute_q_map
 
-    declare_cute_q_map(monkeypatch)
+    declare_cute_q_map(monkeypatch)  # (a no-op now that it is declared; kept for the GPU tests)
     assert cute.unsupported_reason("select", mapped) is None
     assert cute.unsupported_reason("bwd", mapped) is None
     assert cute.bwd_kernel_reason(mapped) is None
@@ -376,8 +384,9 @@ def test_cute_fp8_selection_host_and_switch(monkeypatch):
     which compile for sm_90a (the launch replaced by ``cute.compile``: the host and kernel
     agree on every argument), per block (the shipped quantization, ``FP8_STAGES``) and per
     token; the refusals (a query map, an fp8 Config on the exact entry, operands that are not
-    e4m3); and the switch: off, the backend entry refuses fp8 by the switch's name and
-    ``LIMITS`` does not declare ``fp8_selection``, so ``auto`` keeps fp8 selections on torch.
+    e4m3); and the switch: on (since its H200 run), ``LIMITS`` declares ``fp8_selection`` and
+    ``auto`` runs an fp8 selection on CuTe on sm_90 (a mapped one elsewhere: the fp8 kernel has
+    no query map); off, the backend entry refuses fp8 by the switch's name.
     (The kernel's GPU tests: tests/test_gpu_cute_fp8.py. CPU time about 3 s.)"""
     pytest.importorskip("cutlass")
     import dataclasses
@@ -425,16 +434,25 @@ def test_cute_fp8_selection_host_and_switch(monkeypatch):
         select_sm90.select_fp8_into(torch.empty(429, 4, 16, dtype=torch.int32), bad, cu, cfg64)
     assert len(compiled) == 2
 
-    assert not cute.FP8_SELECTION_ON_CUTE
-    with pytest.raises(backends.BackendError, match="FP8_SELECTION_ON_CUTE"):
-        cute.select(qp, kp, cu, cfg)
+    # on since its H200 run: declared, so auto runs an fp8 selection on CuTe on sm_90, but
+    # not a mapped one (the fp8 kernel has no query map); switched off, the entry refuses it
+    assert cute.FP8_SELECTION_ON_CUTE and cute.LIMITS["select"].fp8_selection
     prob = Problem(
         device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, num_heads=16,
         num_kv_heads=2, head_dim=128, num_sel_heads=4, num_proxy_k_heads=1, proxy_head_dim=128,
         varlen=True, cfg=cfg,
     )  # fmt: skip
-    assert not cute.LIMITS["select"].fp8_selection
-    assert "selection_precision" in cute.unsupported_reason("select", prob)
+    assert prob.selection_precision == "fp8"
+    assert cute.unsupported_reason("select", prob) is None
+    assert backends.choose("select", prob)[0] == "cute"
+    mapped = dataclasses.replace(prob, q_map=True)
+    assert "query map" in cute.unsupported_reason("select", mapped)
+    assert backends.choose("select", mapped)[0] != "cute"
+    odd = dataclasses.replace(prob, num_proxy_k_heads=3)  # the fp8 kernel's own check
+    assert "multiple" in cute.unsupported_reason("select", odd)
+    monkeypatch.setattr(cute, "FP8_SELECTION_ON_CUTE", False)
+    with pytest.raises(backends.BackendError, match="FP8_SELECTION_ON_CUTE"):
+        cute.select(qp, kp, cu, cfg)
 
 
 def test_cute_compile_cache_key_has_the_static_argument_layout():
@@ -523,7 +541,7 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
 
 
 def test_cute_proxy_lse_switch_and_host_checks(monkeypatch):
-    """``cute.PROXY_LSE_ON_CUTE`` (off by default) and ``proxy_fits`` decide whether the CuTe
+    """``cute.PROXY_LSE_ON_CUTE`` (on since its H200 run) and ``proxy_fits`` decide whether the CuTe
     partials make the proxy LSE partials (the driver's ``partials_make_proxy``; else Triton's
     ``proxy_partials`` is borrowed), and ``partials`` refuses proxy inputs it cannot take
     before any launch (no GPU needed)."""
@@ -534,12 +552,12 @@ def test_cute_proxy_lse_switch_and_host_checks(monkeypatch):
     from flash_msa.cute import fwd_partials_sm90
     from flash_msa.problem import Config
 
-    assert not cute.PROXY_LSE_ON_CUTE
-    assert not cute.forward_stages().partials_make_proxy
-    assert sparse_forward.borrowed(cute.forward_stages()).proxy_partials is not None
-    monkeypatch.setattr(cute, "PROXY_LSE_ON_CUTE", True)
+    assert cute.PROXY_LSE_ON_CUTE
     assert cute.forward_stages().partials_make_proxy
     assert not cute.forward_stages(proxy_fits=False).partials_make_proxy
+    monkeypatch.setattr(cute, "PROXY_LSE_ON_CUTE", False)
+    assert not cute.forward_stages().partials_make_proxy
+    assert sparse_forward.borrowed(cute.forward_stages()).proxy_partials is not None
 
     T, H, Hkv, Hs, D, K = 8, 16, 2, 4, 128, 4
     cfg = Config(

@@ -1,7 +1,7 @@
 """GPU tests of the CuTe FP8 selection (``selection_precision="fp8"``, issue 15; ``pytest -m gpu``
 on Hopper with nvidia-cutlass-dsl): ``SelectSm90`` with e4m3 operands and key scales, called
-directly (``select_sm90.select_fp8_into`` / ``select``: it is not registered for ``auto`` until
-these pass, ``cute.FP8_SELECTION_ON_CUTE``).
+directly (``select_sm90.select_fp8_into`` / ``select``; registered for ``auto`` since these
+passed on the H200 in the eighth session, ``cute.FP8_SELECTION_ON_CUTE``).
 
 Every check compares index sets on **identical quantized operands** (``quant.quantize`` once,
 given to every implementation): the Triton fp8 oracle (``triton_ref/selection_fp8.py``, the same
@@ -152,7 +152,7 @@ def test_cute_fp8_select_op_quantizes_then_selects(dtype, monkeypatch):
     """``select_sm90.select`` with ``selection_precision="fp8"`` (the backend op's body): the
     quantize pass with the shipped choices (block scale, rotation) and the kernel, against the
     reference's fp8 selection of the same inputs (which quantizes them the same way); the
-    backend entry refuses it while ``cute.FP8_SELECTION_ON_CUTE`` is off and runs it when on."""
+    backend entry runs it while ``cute.FP8_SELECTION_ON_CUTE`` is on and refuses it when off."""
     from flash_msa import cute
 
     select_sm90 = _select_sm90()
@@ -163,10 +163,10 @@ def test_cute_fp8_select_op_quantizes_then_selects(dtype, monkeypatch):
     assert torch.equal(got, _cute_fp8(qz, cu, cfg))  # quant.quantize: the same operands
     exact = select_sm90.select(qp, kp, cu, dataclasses.replace(cfg, selection_precision="bf16"))
     assert not torch.equal(got, exact)  # the precision reached the kernel
+    assert torch.equal(cute.select(qp, kp, cu, cfg), got)
+    monkeypatch.setattr(cute, "FP8_SELECTION_ON_CUTE", False)
     with pytest.raises(backends.BackendError, match="FP8_SELECTION_ON_CUTE"):
         cute.select(qp, kp, cu, cfg)
-    monkeypatch.setattr(cute, "FP8_SELECTION_ON_CUTE", True)
-    assert torch.equal(cute.select(qp, kp, cu, cfg), got)
 
 
 def test_cute_fp8_select_keeps_ties_in_block_order():

@@ -203,8 +203,12 @@ def _verify_dense(fn, shape):
     return err < 0.05, f"max |out err| {err:.2e}"
 
 
-def run(shapes, seqlens, backends, inputs, iters=5, dense_names=("sdpa", "fa4")):
-    """Yield one result dict per (shape, S, input kind, provider)."""
+def run(
+    shapes, seqlens, backends, inputs, iters=5, dense_names=("sdpa", "fa4"), precisions=("bf16",)
+):
+    """Yield one result dict per (shape, S, input kind, provider, selection precision): each
+    MSA provider runs once per ``precisions`` entry (``selection_precision``: ``"bf16"``
+    exact, ``"fp8"`` the opt-in approximate selection), a dense one once."""
     from . import testing
     from .api import select_blocks
 
@@ -255,23 +259,24 @@ def run(shapes, seqlens, backends, inputs, iters=5, dense_names=("sdpa", "fa4"))
                     top_k=TOP_K,
                 )
                 pairs = None
-                for prov in [*backends, *dense]:
+                runs = [(p, prec) for p in backends for prec in precisions]
+                for prov, prec in [*runs, *((p, None) for p in dense)]:
                     if not verified[prov]:
                         yield dict(base, provider=prov, error=f"verification failed: {why[prov]}")
                         continue
                     if prov in dense and kind == "local":
                         continue  # dense attention does not depend on the proxy inputs
-                    _log(f"[run] {shape_name} S={S} {kind} {prov} ...")
+                    _log(f"[run] {shape_name} S={S} {kind} {prov} {prec or ''} ...")
                     t0 = time.time()
                     try:
-                        res = _measure(prov, xs, dense, iters)
+                        res = _measure(prov, xs, dense, iters, prec or "bf16")
                     except torch.cuda.OutOfMemoryError as e:
                         res = dict(error=f"out of memory: {str(e).splitlines()[0]}")
                     torch.cuda.empty_cache()
                     if prov in backends and "error" not in res:
                         with forced(prov), torch.no_grad():
-                            idx = select_blocks(xs[0], xs[1], TOP_K)
-                        pairs = sparse_pairs(idx, S, BLOCK)
+                            idx = select_blocks(xs[0], xs[1], TOP_K, selection_precision=prec)
+                        pairs = sparse_pairs(idx, S, BLOCK)  # (FLOPs of this selection's pairs)
                         del idx
                     fl = _flops(shape, S, pairs or 0)
                     for key, fkey in (
@@ -285,14 +290,17 @@ def run(shapes, seqlens, backends, inputs, iters=5, dense_names=("sdpa", "fa4"))
                         if res.get(key) and fkey:
                             res[key.replace("_ms", "_tflops")] = fl[fkey] / res[key] / 1e9
                     _log(f"      done in {time.time() - t0:.1f}s: {res}")
-                    yield dict(base, provider=prov, sparse_pairs=pairs, **res)
+                    yield dict(
+                        base, provider=prov, selection_precision=prec, sparse_pairs=pairs, **res
+                    )
                 del xs
                 torch.cuda.empty_cache()
 
 
-def _measure(prov, xs, dense, iters):
+def _measure(prov, xs, dense, iters, precision="bf16"):
     from .api import msa_attention, select_blocks
 
+    sel = dict(selection_precision=precision)
     leaves = [x.detach().requires_grad_() for x in xs]
     res = {}
     if prov in dense:
@@ -307,14 +315,14 @@ def _measure(prov, xs, dense, iters):
         dout = torch.randn_like(leaves[2])
         with forced(prov), torch.no_grad():
             res["select_ms"] = time_ms(
-                lambda: select_blocks(leaves[0], leaves[1], TOP_K), iters=iters
+                lambda: select_blocks(leaves[0], leaves[1], TOP_K, **sel), iters=iters
             )
         with forced(_mix(prov)), torch.no_grad():
-            res["fwd_ms"] = time_ms(lambda: msa_attention(*leaves, TOP_K), iters=iters)
+            res["fwd_ms"] = time_ms(lambda: msa_attention(*leaves, TOP_K, **sel), iters=iters)
 
         def step(compute_kl=True):
             with forced(_mix(prov)):
-                out, kl = msa_attention(*leaves, TOP_K, compute_kl=compute_kl)
+                out, kl = msa_attention(*leaves, TOP_K, compute_kl=compute_kl, **sel)
                 torch.autograd.backward([out, kl], [dout, torch.ones_like(kl)])
 
         # the same step without the KL value (its gradient stays exact): issue 13's target
@@ -361,6 +369,7 @@ def table(rows):
         ("S", "{}"),
         ("inputs", "{}"),
         ("provider", "{}"),
+        ("selection_precision", "{}"),
         ("select_ms", "{:.3f}"),
         ("select_tflops", "{:.0f}"),
         ("fwd_ms", "{:.3f}"),
@@ -427,7 +436,12 @@ def main(args) -> int:
         for n in ("cute", "triton")
         if backends.reason_not(n, "select", sample_problem("cuda")) is None
     ]
-    rows = list(run(args.shape, args.seqlen, names, args.inputs, args.iters, args.dense))
+    rows = list(
+        run(
+            args.shape, args.seqlen, names, args.inputs, args.iters, args.dense,
+            args.selection_precision,
+        )
+    )  # fmt: skip
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

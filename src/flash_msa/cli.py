@@ -122,6 +122,14 @@ def main(argv=None) -> int:
         choices=["sdpa", "fa4"],
         help="dense baselines to run next to MSA (none: --dense with no value)",
     )
+    p.add_argument(
+        "--selection-precision",
+        nargs="+",
+        default=["bf16"],
+        choices=["bf16", "fp8"],
+        help="run each MSA backend with these selection precisions (fp8: the opt-in e4m3 "
+        "selection, approximate)",
+    )
     p.add_argument("--json", help="write results and environment to this JSON file")
     p.add_argument("--plot", help="write a log-log PNG of time vs length (needs matplotlib)")
     p.set_defaults(func=_cmd_bench)

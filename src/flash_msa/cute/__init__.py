@@ -43,12 +43,21 @@ from ..problem import Problem
 
 _SM90 = dict(capabilities=((9, 0),), capability_note="CuTe kernels exist for Hopper only so far")
 # The query map (context parallelism) in the selection and the backward (SelectSm90, BwdSm90,
-# BwdWsSm90 and the KL mode with qmap=True): written and compiled for sm_90a without spills in
-# the seventh session (the map-less kernels' PTX and SASS unchanged), not run on a GPU yet, so
-# not declared: `auto` runs a mapped call on Triton until tests/test_gpu_cute.py and
-# tests/test_gpu_cute_bwd.py (-k q_map) pass on the H200; they declare it for their run
-# (tests/harness.py: declare_cute_q_map).
-Q_MAP_DECLARED = False
+# BwdWsSm90 and the KL mode with qmap=True): declared. H200 (eighth session,
+# benchmarks/results/stage3-s8/test_qmap.log): tests/test_gpu_cute.py and
+# tests/test_gpu_cute_bwd.py -k q_map, 40 passed (mapped selection and backward against the
+# reference and the Triton backend). The forward's partials have no map: a mapped forward
+# borrows nothing, it runs on Triton (fwd's limits do not declare q_map).
+Q_MAP_DECLARED = True
+# The FP8 selection (``selection_precision="fp8"``, issue 15: ``SelectSm90`` with e4m3 operands
+# and ``key_scale``, after the quantize pass ``flash_msa.quant.quantize``): on. H200, eighth
+# session (benchmarks/results/stage3-s8/): tests/test_gpu_cute_fp8.py 38 passed (against the
+# Triton fp8 oracle on identical quantized operands and the reference); cute_select_ab.py
+# --fp8: no row differs from Triton's fp8 selection beyond near-ties; the kernel 741 / 1053
+# TFLOP/s at paper 128K (random / local, top_k 16; bf16 CuTe 601 / 782) and 935 / 1180 at
+# anchor 1M (bf16 655 / 796); Triton's fp8 selection 275-326. No query map in the fp8 kernel
+# (``_select_reason``).
+FP8_SELECTION_ON_CUTE = True
 # the fused backward (bwd_sm90.py)
 BWD_LIMITS = Limits(
     **_SM90,
@@ -67,16 +76,22 @@ BWD_LIMITS = Limits(
 # flash_msa.ordered adds them in a fixed order.
 LIMITS = {
     "select": Limits(  # the query map: SelectSm90(qmap=True), see Q_MAP_DECLARED
-        **_SM90, proxy_head_dims=(64, 128), max_top_k=64, deterministic=True, q_map=Q_MAP_DECLARED
+        **_SM90,
+        proxy_head_dims=(64, 128),
+        max_top_k=64,
+        deterministic=True,
+        q_map=Q_MAP_DECLARED,
+        fp8_selection=FP8_SELECTION_ON_CUTE,
     ),
-    # the proxy LSE and combine stages (and the KL where kl_fits is false) are borrowed from
-    # Triton: their limits are added by flash_msa.sparse_forward.borrowed_reason
+    # the combine stage (and the proxy LSE / the KL where proxy_fits / kl_fits is false) is
+    # borrowed from Triton: its limits are added by flash_msa.sparse_forward.borrowed_reason
     "fwd": Limits(
         **_SM90,
         head_dims=(64, 128),
         deterministic=True,
-        note="per-block attention and the KL value on CuTe; proxy LSE and combine are Triton "
-        "stages (with their limits), as is the KL where the CuTe stage cannot run the call",
+        note="per-block attention, the proxy LSE and the KL value on CuTe; the combine is a "
+        "Triton stage (with its limits), as are the proxy LSE and the KL where the CuTe "
+        "kernels cannot run the call",
     ),
     "bwd": BWD_LIMITS,
     "warmup": "warmup (dense attention, no selection) is not on CuTe (auto runs it on Triton)",
@@ -124,11 +139,14 @@ COMBINE_ON_CUTE = False
 
 # The proxy LSE partials in the CuTe partials' own launch (``FwdPartialsSm90(proxy=True)``:
 # the k_proxy tile by TMA, q_proxy rows gathered, one wgmma chain per 64 tokens, after the
-# main part of each work item) instead of Triton's separate ``proxy_partials`` stage. Off
-# until its H200 run: compiled for sm_90a without spills (compile_check "fwd ... proxy"), not
-# yet run; tests/test_gpu_cute.py (test_cute_proxy_partials_*, the op with the switch on) and
-# benchmarks/cute_fwd_ab.py (lines "partials+proxy ...") are waiting for it.
-PROXY_LSE_ON_CUTE = False
+# main part of each work item) instead of Triton's separate ``proxy_partials`` stage. On:
+# H200, eighth session (benchmarks/results/stage3-s8/): tests/test_gpu_cute.py -k
+# "proxy_partials or proxy_lse" 25 passed; benchmarks/cute_fwd_ab.py --quick, partials with
+# the proxy against partials plus Triton's proxy stage, same run: anchor 32K 2.76 / 2.73 ms
+# against 3.28 / 2.98 (random / local inputs), paper 32K 9.03 / 9.67 against 8.95 / 8.56. A
+# win of 0.25-0.5 ms at the anchor layout; at the paper layout +1% / +13% of the partials
+# (< 1% of a paper step), taken so that the CuTe op runs no Triton proxy stage.
+PROXY_LSE_ON_CUTE = True
 
 
 def forward_stages(kl_fits: bool = True, combine_fits: bool = True, proxy_fits: bool = True):
@@ -161,13 +179,22 @@ def forward_stages(kl_fits: bool = True, combine_fits: bool = True, proxy_fits: 
 def _select_reason(problem: Problem) -> str | None:
     """The selection's limits beyond ``LIMITS``: its kernel's (``SelectSm90.can_implement``:
     the same table plus head ratio and shared memory) and the grid's (run-time sizes)."""
+    import cutlass
+
+    from .. import quant
     from .common import cutlass_dtype
-    from .select_sm90 import TILE_M, SelectSm90
+    from .select_sm90 import FP8_STAGES, TILE_M, SelectSm90
 
     cfg = problem.cfg
+    if problem.selection_precision == "fp8":  # the e4m3 kernel, with the shipped key scale
+        if problem.q_map:
+            return "the CuTe fp8 selection has no query map (q_map)"
+        dtype, stages, key_scale = cutlass.Float8E4M3FN, FP8_STAGES, quant.KEY_SCALE
+    else:
+        dtype, stages, key_scale = cutlass_dtype(problem.dtype), 4, None
     why = SelectSm90.can_implement(
-        cutlass_dtype(problem.dtype), problem.proxy_head_dim, problem.num_sel_heads,
-        problem.num_proxy_k_heads, cfg.top_k, cfg.block_size,
+        dtype, problem.proxy_head_dim, problem.num_sel_heads, problem.num_proxy_k_heads,
+        cfg.top_k, cfg.block_size, stages, key_scale,
     )  # fmt: skip
     if why is not None:
         return why
@@ -210,17 +237,6 @@ def bwd_kernel_reason(problem: Problem) -> str | None:
         problem.num_proxy_k_heads or Hs, problem.head_dim, problem.proxy_head_dim or
         problem.head_dim, problem.cfg.top_k, problem.cfg.block_size,
     )  # fmt: skip
-
-
-# The FP8 selection (``selection_precision="fp8"``, issue 15: ``SelectSm90`` with e4m3 operands
-# and ``key_scale``, after the quantize pass ``flash_msa.quant.quantize``): written and compiled
-# for sm_90a without spills (compile_check "select e4m3 ...": 10 configurations, the bf16
-# kernel's PTX and SASS unchanged), not run on a GPU yet. Off: ``select`` refuses an fp8 call
-# and ``LIMITS["select"]`` does not declare ``fp8_selection``, so ``auto`` keeps running fp8
-# selections on the torch backend. tests/test_gpu_cute_fp8.py (which calls the kernel's
-# functions directly) and benchmarks/cute_select_ab.py (lines "cute-fp8 ...") are waiting for
-# the H200 run; turning it on is this switch plus ``fp8_selection=True`` in ``LIMITS["select"]``.
-FP8_SELECTION_ON_CUTE = False
 
 
 def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
