@@ -6,24 +6,33 @@ sm_86/89/120 99 KB), so ``tiles.pick`` walks the same candidate tables as on tha
 kernels are still compiled for sm_90 (wgmma) there: their shared memory and registers per tile
 are close to, not the same as, the ``mma.sync`` build's, so these tests check the small tiles'
 *results*; whether they fit and do not spill on those targets is the CI compile check
-(``compile_check --arch``, tests/test_compile.py). A third GPU test forces the last entry of
-every table (what the register limits of the ``mma.sync`` targets may leave) and checks that
-it is what ran.
+(``compile_check --arch``, tests/test_compile.py; the query-map kernels here). A third GPU
+test forces the last entry of every table (what the register limits of the ``mma.sync``
+targets may leave) and checks that it is what ran.
 
-Each case runs select (sparse), fwd (with the proxy gradient, as training asks it) and bwd on
-the Triton backend, sparse and warmup, default and deterministic mode, in bf16 and fp16, and
-compares out, lse, proxy_lse, kl and the five gradients of ``testing.training_loss`` (O(1) in
-all five inputs; ``harness.incoming``) with the reference by ``testing.assert_close`` (``err <=
-2 * err(same-dtype reference) + atol``). The selection is compared as sets (near-ties
-accepted) and the other ops run on the reference's indices.
+Each case of the first test runs select (sparse), fwd (with the proxy gradient, as training
+asks it) and bwd on the Triton backend, sparse and warmup, default and deterministic mode, in
+bf16 and fp16, and compares out, lse, proxy_lse, kl and the five gradients of
+``testing.training_loss`` (O(1) in all five inputs; ``harness.incoming``) with the reference by
+``testing.assert_close`` (``err <= 2 * err(same-dtype reference) + atol``). The selection is
+compared as sets (near-ties accepted) and the other ops run on the reference's indices. The
+second test does the same under each cap for fp32 inputs and with a query map (``q_map``, the
+reference run with the same map), outputs and partial buffers NaN-poisoned, and checks that
+every tile chosen fits the cap.
 
-The tests without the ``gpu`` marker run on CPU (~20 s): the cap's parsing and its place in
-``tiles.pick``'s cache key (a fake kernel: no compiler), and the new small tiles under Triton's
-interpreter (which takes the first candidate: the lists are cut to the entries tested).
+The tests without the ``gpu`` marker run on CPU (~80 s, 2-core machine, empty Triton cache):
+the cap's parsing and its place in ``tiles.pick``'s cache key (a fake kernel: no compiler),
+the new small tiles under Triton's interpreter (which takes the first candidate: the lists are
+cut to the entries tested), also with a query map, and the query-map kernels compiled for
+sm_80 and sm_89 (tests/test_compile.py's arch test leaves them out).
 """
 
 import contextlib
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -35,7 +44,6 @@ from flash_msa.triton_ref import dense, proxy, selection, sparse_bwd, sparse_fwd
 from harness import check, config, incoming, packed_inputs, references, results
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DTYPES = [torch.bfloat16, torch.float16]
 CAPS = {"sm80": tiles.SHARED_LIMITS[80], "sm120": tiles.SHARED_LIMITS[120]}  # sm_86/89: sm120's
 SHAPES = {  # lengths, H, Hkv, Hp, Hpk, D, Dp, block, top_k
     "anchor": ((1100, 0, 300), 16, 2, 4, 1, 128, 128, 128, 16),
@@ -48,6 +56,15 @@ MODES = {  # warmup, deterministic
     "sparse-det": (False, True),
     "warmup-det": (True, True),
 }
+# bf16 and fp16 have the same bytes per operand (the same shared memory per tile): each (cap,
+# shape) runs both dtypes, each in two of the modes (both dtypes in all modes took 145 s on
+# the H200 with -n 8, 49 tests: half of them keep the file near 2 minutes with fp32 and the map)
+DTYPE_MODES = [
+    (torch.bfloat16, "sparse"),
+    (torch.float16, "warmup"),
+    (torch.float16, "sparse-det"),
+    (torch.bfloat16, "warmup-det"),
+]
 
 
 def _run(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, warmup, det=False, device="cuda"):
@@ -81,8 +98,11 @@ def _choices(limit):
     return {(k[0], k[1], *k[5:]): (t, *used[k]) for k, t in tiles.chosen().items() if k[4] == limit}
 
 
-@pytest.mark.parametrize("mode", MODES, ids=MODES.keys())
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    ("dtype", "mode"),
+    DTYPE_MODES,
+    ids=["bf16-sparse", "fp16-warmup", "fp16-sparse-det", "bf16-warmup-det"],
+)
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("arch", CAPS, ids=CAPS.keys())
 @pytest.mark.usefixtures("fresh_tiles")
@@ -159,6 +179,145 @@ def _last_tiles():
         "_dense_proxy_kernel": {dense.DENSE_TILES[-1]},
         "_dense_proxy_dk_kernel": {dense.DENSE_TILES[-1]},
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# fp32 inputs and the query map under the caps
+# ---------------------------------------------------------------------------------------------
+# One shape and mode per case (the matrix above covers shapes x modes in bf16/fp16): fp32 in
+# every mode (its kernels take IEEE fp32 products, ``PREC="ieee"``, and twice the bytes per
+# operand tile), the map (``q_map``, context parallelism: select, fwd and bwd; the warmup takes
+# none) in all three dtypes, default and deterministic, both kinds of map. The fp32 sparse ops
+# at D = 64 only: at the anchor layout's D = 128 every candidate spills (compile_check for sm_90
+# on CPU: forward 8-18 KB, backward 5-20 KB), so tiles.pick compiles whole lists (the backward's
+# 10 took 355 s on the 2-core CPU machine), minutes of GPU-host time for one test.
+EXTRA = {  # dtype, shape (SHAPES), mode (MODES), map: None, "zigzag" or "random"
+    "fp32-Hs<Hkv-b64-sparse": (torch.float32, "Hs<Hkv-b64", "sparse", None),
+    "fp32-Hs<Hkv-b64-sparse-det": (torch.float32, "Hs<Hkv-b64", "sparse-det", None),
+    "fp32-anchor-warmup-det": (torch.float32, "anchor", "warmup-det", None),
+    "fp32-Hs<Hkv-b64-warmup": (torch.float32, "Hs<Hkv-b64", "warmup", None),
+    "qmap-bf16-anchor-zigzag": (torch.bfloat16, "anchor", "sparse", "zigzag"),
+    "qmap-fp16-Hs<Hkv-b64-random-det": (torch.float16, "Hs<Hkv-b64", "sparse-det", "random"),
+    "qmap-fp32-Hs<Hkv-b64-zigzag": (torch.float32, "Hs<Hkv-b64", "sparse", "zigzag"),
+}
+SPARSE_KERNELS = {"_select_kernel", "_fwd_kernel", "_bwd_kernel", "_proxy_kernel"}
+WARMUP_KERNELS = {"_dense_fwd_kernel", "_dense_proxy_kernel", "_dense_bwd_kernel"}
+
+
+@pytest.mark.parametrize("case", EXTRA.values(), ids=EXTRA.keys())
+@pytest.mark.parametrize("arch", CAPS, ids=CAPS.keys())
+@pytest.mark.usefixtures("fresh_tiles")
+@pytest.mark.gpu
+@needs_gpu
+def test_fp32_and_q_map_under_the_caps_match_reference(arch, case, monkeypatch):
+    """Capped to ``arch``'s shared memory, with every ``torch.empty`` output and partial buffer
+    NaN-poisoned: the ops of the case pass the rule (mapped: padding rows exact) and every tile
+    chosen fits the cap. Spills are asserted away in bf16/fp16 only: the fp32 (IEEE) tiles spill
+    on sm_90 itself, uncapped too (compile_check on CPU: the selection at Dp = block = 128 by
+    3.4-15 KB in every candidate); ``tiles.pick`` then runs the last one that fits, which is
+    what must hold here. The spills are printed."""
+    dtype, shape, mode, kind = case
+    cap = CAPS[arch]
+    warmup, det = MODES[mode]
+    assert tiles.shared_limit(torch.cuda.current_device()) > cap
+    monkeypatch.setenv(tiles.SMEM_LIMIT_ENV, str(cap))
+    _poison_new_buffers(monkeypatch)
+    if kind is None:
+        _run(*SHAPES[shape], dtype, warmup, det)
+    else:
+        _run_mapped(*SHAPES[shape], dtype, det, kind)
+    capped = _choices(cap)
+    names = {key[0] for key in capped}
+    assert names >= (WARMUP_KERNELS if warmup else SPARSE_KERNELS), names
+    spilled = {}
+    for key, (tile, shared, spills) in capped.items():
+        assert 0 <= shared <= cap, (key, tile, shared, spills)
+        assert spills == 0 or dtype == torch.float32, (key, tile, shared, spills)
+        if spills:
+            spilled[key[0]] = max(spills, spilled.get(key[0], 0))
+    print(f"\n{arch} {'-'.join(map(str, case[1:]))}: {len(capped)} tiles, spill bytes {spilled}")
+
+
+def _poison_new_buffers(monkeypatch):
+    """Every ``torch.empty`` / ``torch.empty_like`` buffer made while the test runs (outputs,
+    partials) starts NaN-poisoned (``testing.poison``): an unwritten tile fails the check."""
+    real_empty, real_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: testing.poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: testing.poison(real_like(*a, **kw)))
+
+
+def _q_map(kind, lengths, block):
+    """``(Tq,)`` int32 query map over the packed tokens of ``lengths``: "zigzag" is rank 1 of the
+    2-rank layout of ``flash_msa.distributed`` (chunks 1 and 2 of every sequence, padding rows
+    where a chunk passes the sequence's end); "random" a random half of the tokens in a random
+    order, one token twice, padding rows between them."""
+    from flash_msa import distributed
+
+    cu = testing.cu(lengths)
+    if kind == "zigzag":
+        return distributed.layout(2, 1, cu_seqlens=cu, block_size=block).q_map.to(torch.int32)
+    T = int(cu[-1])
+    rows = torch.randperm(T, generator=torch.Generator().manual_seed(T))[: T // 2]
+    pad = torch.tensor([-1])
+    return torch.cat([rows[:5], rows[:1], pad, rows[5:], pad, pad]).to(torch.int32)
+
+
+def _local(x, q_map):
+    """Row ``i`` of a packed ``(T, ...)`` tensor's query rows is token ``q_map[i]``; padding rows
+    hold a value no token has (their results must not depend on it)."""
+    y = x[q_map.long().clamp_min(0)].clone()
+    y[q_map < 0] = 7.0
+    return y
+
+
+def _run_mapped(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, det, kind, device="cuda"):
+    """select, fwd (proxy gradient asked) and bwd of the Triton backend with a query map of
+    ``kind`` against the reference with the same map: the selection as sets on the mapped rows
+    (near-ties accepted) and -1 on padding rows; fwd and bwd on the reference's indices (padding
+    rows given a real row's: they must be ignored) by the rule on the mapped rows, padding rows
+    exactly 0 / -inf."""
+    be = backends.load("triton")[0]
+    xs, cu = packed_inputs(lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device=device, seed=1)
+    qp_all, kp, q_all, k, v = xs
+    q_map = _q_map(kind, lengths, b).to(device)
+    qp, q = _local(qp_all, q_map), _local(q_all, q_map)
+    cfg = dataclasses.replace(config(max(lengths), D, Dp, b, top_k), deterministic=det)
+    real = q_map >= 0
+    mine_idx = be.select(qp, kp, cu, cfg, q_map=q_map)
+    idx = reference.select(qp, kp, cu, cfg, q_map=q_map)
+    assert (mine_idx[~real] == -1).all() and (idx[~real] == -1).all()
+    every = reference.select(qp_all, kp, cu, cfg).cpu()  # every token's row (the map's others)
+
+    def on_tokens(sel):  # the mapped rows at their tokens' rows (what selection_mismatch reads)
+        out = every.clone()
+        out[q_map[real].long().cpu()] = sel[real].cpu()
+        return out
+
+    bad = testing.selection_mismatch(
+        on_tokens(mine_idx), on_tokens(idx), qp_all.cpu(), kp.cpu(), b, cfg.proxy_scale, cu.cpu()
+    )
+    assert bad == 0
+    idx[~real] = idx[int(torch.nonzero(real)[0])].clone()
+    fwd = be.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=True, q_map=q_map)
+    dout, dkl = incoming(q, Hp, seed=2)
+    saved = Saved(q, k, v, fwd.out, fwd.lse, idx, qp, kp, fwd.proxy_lse, fwd.proxy_grad)
+    mine = results(fwd, be.bwd(dout, dkl, saved, cu, cfg, q_map=q_map))
+    refs = []
+    for exact in (True, False):  # harness.references' pair, with the map
+        cast = (lambda x: x.double()) if exact else (lambda x: x)
+        qp_, kp_, q_, k_, v_, do_ = (cast(x) for x in (qp, kp, q, k, v, dout))
+        f = reference.fwd(q_, k_, v_, idx, cu, cfg, qp_, kp_, upcast=exact, q_map=q_map)
+        s = Saved(q_, k_, v_, f.out, f.lse, idx, qp_, kp_, f.proxy_lse)
+        refs.append(results(f, reference.bwd(do_, dkl, s, cu, cfg, upcast=exact, q_map=q_map)))
+    exact, same = refs
+    assert set(mine) == set(exact), (set(mine), set(exact))
+    for name in exact:
+        m, ex, sm = mine[name], exact[name], same[name]
+        if name in ("out", "lse", "proxy_lse", "dq", "dq_proxy"):  # query rows
+            want = -torch.inf if name.endswith("lse") else 0.0
+            assert (m[~real] == want).all(), f"{name}: padding rows"
+            m, ex, sm = m[real], ex[real], sm[real]
+        testing.assert_close(name, m, ex, sm)
 
 
 @pytest.fixture
@@ -242,3 +401,60 @@ def test_small_tiles_equal_reference_under_the_interpreter(monkeypatch):
     monkeypatch.setattr(dense, "DENSE_TILES", ((256, 32, 8, 1),))
     for warmup in (False, True):
         _run(*case, torch.float16, warmup, device="cpu")
+
+
+def test_small_tiles_with_q_map_equal_reference_under_the_interpreter(monkeypatch):
+    """The GPU test's mapped run (:func:`_run_mapped`) on CPU with every list cut to its last
+    entry (as above), outputs and partials NaN-poisoned: fp32 with the zigzag map, fp16 with the
+    random map in deterministic mode."""
+    case = ((100, 1, 40), 8, 2, 4, 1, 16, 16, 64, 2)
+    _force_last(monkeypatch)
+    _poison_new_buffers(monkeypatch)
+    _run_mapped(*case, torch.float32, False, "zigzag", device="cpu")
+    _run_mapped(*case, torch.float16, True, "random", device="cpu")
+
+
+# the query-map kernels (compile_check's "-qmap" configurations: the selection, and the anchor
+# and paper layouts at D = block = 128), each list walked from its end as tests/test_compile.py
+# does for the others (its arch test passes --no-qmap)
+_QMAP_COMPILE = """
+import json, sys
+from flash_msa.triton_ref import compile_check as cc
+
+arch = int(sys.argv[1])
+why = cc.target_unsupported(arch)
+if why is not None:
+    print(why, file=sys.stderr)
+    sys.exit(cc.UNSUPPORTED)
+for name, fn, sig, cands in cc.configurations(("anchor", "paper"), (128,), (128,)):
+    if "-qmap" in name:
+        print(json.dumps(dict(kernel=name, **cc.choose(fn, sig, cands, arch, True))), flush=True)
+"""
+
+
+@pytest.mark.parametrize("arch", [80, 89], ids=lambda a: f"sm{a}")
+def test_q_map_kernels_compile_for_small_targets_within_their_shared_memory(arch):
+    """Every query-map kernel configuration has a candidate that compiles for ``sm_{arch}``
+    (sm_80: 163 KB, sm_89: 99 KB as sm_86/120) without spills, within the target's shared
+    memory and with its own MMA (``mma.sync``), so ``tiles.pick`` finds one there. A target the
+    installed Triton cannot compile for skips. CPU time on the 2-core machine, empty Triton
+    cache: ~27 s per target."""
+    pytest.importorskip("triton")
+    from flash_msa.triton_ref.compile_check import QMAP_FAMILIES, UNSUPPORTED
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", _QMAP_COMPILE, str(arch)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    if res.returncode == UNSUPPORTED:
+        pytest.skip(res.stderr.strip().splitlines()[-1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    want = {"select-qmap bf16 Dp=128 b=128 k=16 G=4"}
+    want |= {f"{f}-qmap {n} D=128 b=128" for n, fams in QMAP_FAMILIES.items() for f in fams}
+    assert {r["kernel"] for r in rows} == want, res.stderr[-3000:]
+    for r in rows:
+        assert r["spill_bytes"] == 0, r
+        assert r["shared_bytes"] <= tiles.SHARED_LIMITS[arch], r
+        assert r["mma"] == "mma.sync" and not r["wgmma"], r
