@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from . import backends, quant
+from . import backends, quant, worklist
 
 try:  # the torch.compile path only; eager calls never touch it
     from . import ops as custom_ops
@@ -414,6 +414,40 @@ def _finish_keys(keys, kv):
 
 
 # ---------------------------------------------------------------------------------------------
+# the forward's sorted lists, kept for the backward (one work-list sort per training step)
+# ---------------------------------------------------------------------------------------------
+_NO_LISTS = (None, None, None, None)
+
+
+def _kept_lists(f, wanted: bool) -> tuple[tuple, worklist.Lists | None]:
+    """``(tensors, rest)`` of the sorted lists that the backend's ``Forward`` ``f`` carries
+    (:func:`flash_msa.worklist.carried`; the sparse-forward driver's, when it ran in one chunk
+    and ``sparse_forward.keeps`` them), if ``wanted`` (a backward will run): the four tensors go
+    to ``save_for_backward`` (freed after the backward like the others, version-checked, and
+    through saved-tensor hooks), the host fields stay on ``ctx``. ``(_NO_LISTS, None)`` if none.
+
+    Eager autograd only: under ``torch.compile`` the ``flash_msa::fwd`` / ``bwd`` custom ops
+    keep their fixed outputs (ops.py), so the compiled backward sorts again."""
+    lists = worklist.carried(f) if wanted else None
+    if lists is None:
+        return _NO_LISTS, None
+    tensors = (lists.perm, lists.bounds, lists.block_start, lists.block_end)
+    rest = lists._replace(perm=None, bounds=None, block_start=None, block_end=None, q_map=None)
+    return tensors, rest
+
+
+def _with_lists(saved: Saved, rest: worklist.Lists | None, tensors, q_map) -> Saved:
+    """``saved`` carrying the forward's lists again (:func:`_kept_lists`'s ``rest`` and the
+    unpacked ``tensors``, with the backward's ``q_map``) for the backend's ``bwd``, which cuts
+    its work items from them (:func:`flash_msa.worklist.items`) instead of sorting again."""
+    if rest is None:
+        return saved
+    perm, bounds, start, end = tensors
+    lists = rest._replace(perm=perm, bounds=bounds, block_start=start, block_end=end, q_map=q_map)
+    return worklist.carry(saved, lists)
+
+
+# ---------------------------------------------------------------------------------------------
 # autograd
 # ---------------------------------------------------------------------------------------------
 class _MSAFunction(torch.autograd.Function):
@@ -438,7 +472,7 @@ class _MSAFunction(torch.autograd.Function):
         # bwd_be is None under torch.no_grad(), where needs_input_grad still says True
         proxy_grad = bwd_be is not None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         use_proxy = cfg.compute_kl or proxy_grad
-        out, lse, proxy_lse, kl, unit = fwd_be.fwd(
+        f = fwd_be.fwd(
             q,
             k,
             v,
@@ -451,6 +485,8 @@ class _MSAFunction(torch.autograd.Function):
             proxy_grad=proxy_grad and not getattr(bwd_be, "FUSED_PROXY_GRAD", False),
             **qm,
         )
+        out, lse, proxy_lse, kl, unit = f
+        kept, ctx.lists = _kept_lists(f, bwd_be is not None)
         if kl is None:  # compute_kl=False: the value is 0, the gradient stays exact
             kl = torch.zeros((), dtype=lse.dtype, device=q.device)
         ctx.save_for_backward(
@@ -466,15 +502,17 @@ class _MSAFunction(torch.autograd.Function):
             cu_seqlens,
             q_map,
             *(unit or (None, None)),  # Forward.proxy_grad: made only when asked
+            *kept,
         )
         ctx.cfg, ctx.bwd_be, ctx.keys = cfg, bwd_be, keys
         return out, kl
 
     @staticmethod
     def backward(ctx, dout, dkl):
-        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu, q_map, *unit = (
+        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu, q_map, *rest = (
             ctx.saved_tensors
         )
+        unit, kept = rest[:2], rest[2:]
         need = ctx.needs_input_grad
         if not any(need[2:5]):
             dout = None
@@ -484,6 +522,7 @@ class _MSAFunction(torch.autograd.Function):
             return (None,) * 10
         unit = None if unit[0] is None else tuple(unit)
         saved = Saved(q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit)
+        saved = _with_lists(saved, ctx.lists, kept, q_map)
         qm = {} if q_map is None else {"q_map": q_map}
         dout = None if dout is None else dout.contiguous()
         g = ctx.bwd_be.bwd(dout, dkl, saved, cu, ctx.cfg, **qm)
@@ -501,8 +540,10 @@ class _SparseFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, indices, cu_seqlens, cfg: Config, ops):
         ctx.set_materialize_grads(False)
         fwd_be, bwd_be = ops
-        out, lse = fwd_be.fwd(q, k, v, indices, cu_seqlens, cfg)[:2]
-        ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens)
+        f = fwd_be.fwd(q, k, v, indices, cu_seqlens, cfg)
+        out, lse = f[:2]
+        kept, ctx.lists = _kept_lists(f, bwd_be is not None)
+        ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens, *kept)
         ctx.cfg, ctx.bwd_be = cfg, bwd_be
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -511,8 +552,9 @@ class _SparseFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:
             return (None,) * 7
-        q, k, v, out, lse, indices, cu = ctx.saved_tensors
+        q, k, v, out, lse, indices, cu, *kept = ctx.saved_tensors
         saved = Saved(q, k, v, out, lse, indices, None, None, None)
+        saved = _with_lists(saved, ctx.lists, kept, None)
         g = ctx.bwd_be.bwd(dout.contiguous(), None, saved, cu, ctx.cfg)
         return g.dq, g.dk, g.dv, None, None, None, None
 

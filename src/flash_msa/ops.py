@@ -40,6 +40,14 @@ proxy; the unit proxy gradient pair when the backend does not make it in the for
 0-dim tensor (0 when not computed). Dtypes: ``lse``, ``proxy_lse``, ``kl`` fp32 (fp64 for fp64
 inputs), the unit pair fp32, gradients in their input's dtype.
 
+The forward's sorted work lists (issue 14: one sort per training step, ``worklist.carry``) do
+not cross these ops: ``fwd`` returns its fixed outputs and ``bwd`` sorts again, as before.
+Carrying them would add four outputs (``perm``, the list bounds, the block ranges) whose fake
+shapes depend on whether the backend's driver ran in one chunk and kept them, and four inputs to
+``bwd``: a wider schema for every graph, against a host cost that a compiled step captured in a
+CUDA graph does not pay per step anyway. The eager autograd path shares them (api.py,
+``_kept_lists``).
+
 ``max_seqlen`` and ``top_k`` are ``SymInt`` in the schemas: under ``torch.compile`` with dynamic
 shapes they stay symbolic, so a new sequence length does not recompile (the real
 implementation always receives plain ints). ``api.py`` calls these ops only while compiling

@@ -4,7 +4,8 @@ A backend's ``fwd`` (given indices, not warmup) is this driver run with the back
 :class:`Stages`. Per chunk of C query tokens (a static loop: C depends on shapes only, so that
 the partial buffers stay below :data:`PARTIAL_BYTES`) the driver
 
-1. builds the chunk's work list (:func:`flash_msa.worklist.build`),
+1. builds the chunk's work list (:func:`flash_msa.worklist.lists`, the sorted lists, cut into
+   items by :func:`flash_msa.worklist.items`; the key blocks once for all chunks),
 2. runs ``partials``: the per-block main attention of every work item into the partial buffers
    (and, if the stage says it does, the proxy LSE partials in the same launch),
 3. runs ``proxy_partials`` when ``partials`` does not make the proxy LSE partials,
@@ -35,6 +36,12 @@ With a query map (``q_map``, context parallelism) the chunks are chunks of query
 ``v``, ``k_proxy`` keep the keys' ``T`` rows, and the map reaches the stages inside the work
 list (``wl.q_map``): the stage signatures do not change. Only stages that declare it
 (``Stages.q_map``) are run with a map; the driver refuses the call otherwise.
+
+The work list is built once per training step: when the forward runs in one chunk (``C == T``:
+e.g. anchor 16K and 32K) and :func:`keeps` allows it, the returned ``Forward`` carries the
+chunk's sorted lists (:func:`flash_msa.worklist.carry`), which api.py keeps for the backward;
+the backends' ``bwd`` cut their own items from them instead of sorting again. A chunked forward
+(long context, e.g. paper 32K: 4 chunks) keeps nothing; its backward builds as before.
 """
 
 from __future__ import annotations
@@ -159,6 +166,10 @@ def fwd(
     ``q_proxy``, ``indices`` and the outputs have ``Tq`` rows, the KL is a mean over ``Hs * Tq``
     rows, padding rows (``-1``) get ``out = 0``, ``lse = -inf`` (their indices are ignored).
     Needs ``stages.q_map``.
+
+    The result carries the forward's sorted lists (:func:`flash_msa.worklist.carried`) when it
+    ran in one chunk and :func:`keeps` them: ``T * Hs * K * 8`` bytes (+ ``(Hs * NB + 1) * 8 +
+    NB * 8``), held as long as the caller holds them (api.py: until the backward).
     """
     stages = with_proxy_grad(stages) if proxy_grad else borrowed(stages)
     if q_map is not None and not stages.q_map:
@@ -178,14 +189,17 @@ def fwd(
     unit = None
     if proxy and cfg.compute_kl and proxy_grad and stages.kl_makes_proxy_grad:
         unit = (torch.zeros(q_proxy.shape, **f32), torch.zeros(k_proxy.shape, **f32))
+    key_blocks = worklist.blocks(cu_seqlens, cfg.block_size, k.shape[0])  # every chunk's
+    sorted_lists = None
     for c0 in range(0, T, C):
         c1 = min(T, c0 + C)
         idx = indices[c0:c1]
         if q_map is not None:  # padding rows: no keys, whatever their slots hold (combine)
             idx = worklist.drop_padding_rows(idx, q_map[c0:c1])
-        wl = worklist.build(
-            idx, cu_seqlens, cfg.block_size, worklist.ITEM_TOKENS, c0, k.shape[0], q_map
+        sorted_lists = worklist.lists(
+            idx, cu_seqlens, cfg.block_size, c0, k.shape[0], q_map, key_blocks
         )
+        wl = worklist.items(sorted_lists, worklist.ITEM_TOKENS)
         fused = (q_proxy, k_proxy, pl_part) if proxy and stages.partials_make_proxy else None
         stages.partials(q, k, v, wl, o_part, l_part, cfg, c0, fused)
         if proxy and fused is None:
@@ -197,4 +211,24 @@ def fwd(
         if cfg.compute_kl:
             kl_sum += stages.kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit)
     kl = kl_sum / (Hs * T) if proxy and cfg.compute_kl else None
-    return Forward(out, lse, proxy_lse, kl, unit)
+    f = Forward(out, lse, proxy_lse, kl, unit)
+    if C < T or not keeps(sorted_lists, q, k, v):
+        return f  # chunked (long context): each chunk's lists are gone; or too large to keep
+    return worklist.carry(f, sorted_lists)
+
+
+# The forward's sorted lists are kept for the backward (:func:`fwd`) only while they cost at most
+# 1 / KEEP_SHARE of the bytes of q, k, v and out, which every backward keeps anyway: a training
+# step's saved memory grows by at most that share (anchor 16K: 8 MiB of 144 MiB, 5.6%; heads
+# that select alone with a small D and a large top_k, e.g. H = Hs = 16, Hkv 2, D 64, K 64:
+# 8 KiB of lists per token against 4.5 KiB, not kept, the backward sorts again). What keeping
+# saves: the backward's sort of T * Hs * K keys and the ops around it (worklist.lists).
+KEEP_SHARE = 4
+
+
+def keeps(sorted_lists: worklist.Lists | None, q, k, v) -> bool:
+    """Whether the forward keeps ``sorted_lists`` for the backward: within 1 /
+    :data:`KEEP_SHARE` of the bytes of ``q``, ``k``, ``v`` and ``out`` (as large as ``q``)."""
+    if sorted_lists is None:
+        return False
+    return KEEP_SHARE * sorted_lists.nbytes <= 2 * q.nbytes + k.nbytes + v.nbytes

@@ -8,7 +8,13 @@ selection's overlap between neighbouring queries.
 
 Built with a handful of torch ops on fixed-size tensors (upper bounds known from ``T``, ``N``
 and the block size): no host synchronization, CUDA-graph capturable, deterministic (a stable
-sort keeps each list in token order).
+sort keeps each list in token order). In two parts: :func:`lists`, the expensive one (the
+stable sort of ``C * Hs * K`` keys into lists, their bounds; the key blocks, :func:`blocks`),
+independent of the item size, and :func:`items`, the cheap cut into items of ``TW`` entries
+(16 small ops). :func:`build` is both. A training step sorts once: the sparse-forward driver's
+``Forward`` carries its lists when it ran in one chunk (:func:`carry`, the memory rule in
+``sparse_forward.keeps``), api.py saves them for the backward, whose ``bwd`` cuts its own items
+(``TW`` 128 on CuTe, 256 on Triton) from them when :func:`matches` says they are the call's.
 
 Backend-neutral: both backends' forward and backward kernels walk these lists (the Triton
 kernels and the CuTe kernels read the same six tensors), and :func:`geometry` says how a work
@@ -26,6 +32,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from .problem import Forward, Saved
 
 ITEM_TOKENS = 256  # tokens per work item: K/V (and dK/dV) stay on chip over them
 
@@ -58,28 +66,23 @@ class WorkList(NamedTuple):
     item_tokens: int = 0  # TW: the most entries an item holds (build's argument)
 
 
-def build(
-    indices: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    block_size: int,
-    TW: int,
-    tok0: int = 0,
-    total_tokens: int | None = None,
-    q_map: torch.Tensor | None = None,
-) -> WorkList:
-    """Reverse index of ``indices`` ``(C, Hs, K)`` (sequence-local blocks, -1 unused): the rows
-    of packed tokens ``[tok0, tok0 + C)`` of a ``total_tokens``-token batch (default: all).
-    ``perm`` holds flat entries of the whole batch: ``token * Hs * K + head * K + slot``.
+class Blocks(NamedTuple):
+    """The global key blocks of a batch (:func:`blocks`): the same for every query chunk."""
 
-    With ``q_map`` (``(Tq,)`` int32, the whole call's map) the rows ``[tok0, tok0 + C)`` are
-    query rows, whose sequences come from their tokens ``q_map[row]``; ``total_tokens`` must
-    then be the keys' ``T`` (it bounds the number of key blocks). Padding rows (``-1``) get no
-    entries whatever their indices."""
-    T, Hs, K = indices.shape
-    total = T if total_tokens is None else total_tokens
-    dev = indices.device
+    start: torch.Tensor  # [NB] int32: first token (packed) of each global block (0 past the last)
+    end: torch.Tensor  # [NB] int32: one past its last token
+    seq_first: torch.Tensor  # [N] int32: global id of each sequence's block 0
+    num_blocks: int  # NB = total_tokens // block_size + N: an upper bound
+    block_size: int
+
+
+def blocks(cu_seqlens: torch.Tensor, block_size: int, total_tokens: int) -> Blocks:
+    """The global key blocks of ``cu_seqlens``' sequences (``total_tokens`` keys): sequence n's
+    blocks are numbered from ``seq_first[n]`` on, in order; ``NB`` (a bound known from the
+    shapes) of them, the ones past the last with an empty token range."""
+    dev = cu_seqlens.device
     N = cu_seqlens.numel() - 1
-    NB = total // block_size + N  # sum over sequences of ceil(len / b) never exceeds this
+    NB = total_tokens // block_size + N  # sum over sequences of ceil(len / b) never exceeds this
     cu = cu_seqlens.long()
     lens = cu[1:] - cu[:-1]
     nblk = (lens + block_size - 1) // block_size  # [N]
@@ -95,39 +98,200 @@ def build(
     valid_gb = gb < blk_end_cum[-1]
     block_start = torch.where(valid_gb, start, 0).to(torch.int32)
     block_end = torch.where(valid_gb, end, 0).to(torch.int32)
+    return Blocks(block_start, block_end, blk_first.to(torch.int32), NB, block_size)
+
+
+class Lists(NamedTuple):
+    """The expensive part of a work list, independent of the item size (:func:`lists`): the
+    entries of rows ``tok0 .. tok0 + rows`` stable-sorted into lists (one per selection head
+    and global key block) and each list's bounds; :func:`items` cuts it into work items of any
+    size in a few small ops. ``perm`` as :attr:`WorkList.perm`; list ``l = p * NB + block``
+    holds ``perm[bounds[l]:bounds[l + 1]]``, ``bounds[-1]`` is the number of used entries.
+
+    Kept between the forward and the backward of a training step (:func:`carry`): ``nbytes``
+    device bytes, ``rows * Hs * K * 8`` for ``perm`` plus ``(Hs * NB + 1) * 8 + NB * 8`` (8 MiB
+    at anchor 16K: 16384 rows, Hs 4, K 16; ``q_map`` is the caller's)."""
+
+    perm: torch.Tensor  # [rows*Hs*K] int64
+    bounds: torch.Tensor  # [Hs*NB + 1] int64
+    block_start: torch.Tensor  # [NB] int32 (Blocks.start)
+    block_end: torch.Tensor  # [NB] int32 (Blocks.end)
+    num_blocks: int  # NB
+    slots: int  # K
+    heads: int  # Hs
+    q_map: torch.Tensor | None  # as WorkList.q_map
+    tok0: int  # the first row
+    rows: int  # C: the rows sorted (tok0 .. tok0 + rows)
+    block_size: int
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the lists' own tensors (``q_map`` is the caller's)."""
+        return sum(x.nbytes for x in (self.perm, self.bounds, self.block_start, self.block_end))
+
+
+def lists(
+    indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+    tok0: int = 0,
+    total_tokens: int | None = None,
+    q_map: torch.Tensor | None = None,
+    key_blocks: Blocks | None = None,
+) -> Lists:
+    """The sorted lists of ``indices`` ``(C, Hs, K)`` (sequence-local blocks, -1 unused): the
+    rows of packed tokens ``[tok0, tok0 + C)`` of a ``total_tokens``-token batch (default: all).
+    ``perm`` holds flat entries of the whole batch: ``token * Hs * K + head * K + slot``.
+
+    With ``q_map`` (``(Tq,)`` int32, the whole call's map) the rows ``[tok0, tok0 + C)`` are
+    query rows, whose sequences come from their tokens ``q_map[row]``; ``total_tokens`` must
+    then be the keys' ``T`` (it bounds the number of key blocks). Padding rows (``-1``) get no
+    entries whatever their indices. ``key_blocks``: :func:`blocks` of the same batch, for a
+    caller that sorts several chunks (else computed here).
+
+    One stable sort of ``C * Hs * K`` keys (int32 unless ``Hs * NB`` needs more: the radix
+    sort then moves half the bytes; the order is the same) and one search for the bounds."""
+    C, Hs, K = indices.shape
+    total = C if total_tokens is None else total_tokens
+    if key_blocks is None:
+        key_blocks = blocks(cu_seqlens, block_size, total)
+    elif key_blocks.block_size != block_size:
+        raise ValueError(
+            f"key_blocks: made for block_size {key_blocks.block_size}, not {block_size}"
+        )
+    dev = indices.device
+    NB = key_blocks.num_blocks
+    L = Hs * NB  # lists; the key L marks an unused slot (sorts last)
+    kdt = torch.int32 if L < 2**31 else torch.int64
+    cu = cu_seqlens.to(torch.int32)
 
     # entries -> list keys, stable-sorted (token order inside each list)
-    tok = torch.arange(tok0, tok0 + T, device=dev)
-    idx = indices.long()
-    if q_map is not None:  # the row's token among the keys; a padding row: every slot unused
-        tok = q_map[tok0 : tok0 + T].long()
+    idx = indices.to(kdt)
+    if q_map is None:
+        tok = torch.arange(tok0, tok0 + C, device=dev, dtype=torch.int32)
+    else:  # the row's token among the keys; a padding row: every slot unused
+        tok = q_map[tok0 : tok0 + C].to(torch.int32)
         idx = torch.where(tok[:, None, None] >= 0, idx, -1)
     seq_of_tok = torch.searchsorted(cu[1:], tok, right=True)
-    head = torch.arange(Hs, device=dev)[None, :, None]
-    key = head * NB + blk_first[seq_of_tok][:, None, None] + idx
-    key = torch.where(idx >= 0, key, Hs * NB).flatten()  # unused slots sort last
-    perm = torch.sort(key, stable=True).indices + tok0 * Hs * K
-    counts = torch.zeros(Hs * NB + 1, dtype=torch.long, device=dev)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[:-1]
-    list_start = counts.cumsum(0) - counts
+    first = key_blocks.seq_first.to(kdt)[seq_of_tok]  # [C]: the token's sequence's block 0
+    row_key = torch.arange(0, L, NB, device=dev, dtype=kdt) + first[:, None]  # [C, Hs]
+    key = torch.where(idx >= 0, row_key[:, :, None] + idx, L).flatten()
+    sorted_key, perm = torch.sort(key, stable=True)
+    if tok0:
+        perm += tok0 * Hs * K
+    # list l: the entries with key l, from the first key >= l on
+    bounds = torch.searchsorted(sorted_key, torch.arange(L + 1, device=dev, dtype=kdt))
+    return Lists(
+        perm, bounds, key_blocks.start, key_blocks.end, NB, K, Hs, q_map, tok0, C, block_size
+    )
 
-    # lists -> work items of at most TW entries
-    items = (counts + TW - 1) // TW
-    items_end = items.cumsum(0)
-    W = (T * Hs * K) // TW + Hs * NB  # >= sum(ceil(count / TW))
-    w = torch.arange(W, device=dev)
-    lst = torch.searchsorted(items_end, w, right=True)
-    ok = lst < Hs * NB
-    lst_c = lst.clamp_max(Hs * NB - 1)
-    first = list_start[lst_c] + (w - (items_end[lst_c] - items[lst_c])) * TW
-    last = torch.minimum(first + TW, list_start[lst_c] + counts[lst_c])
-    item_start = torch.where(ok, first, 0)  # int64: T * Hs * K can pass 2**31 at long context
-    item_end = torch.where(ok, last, 0)
+
+def items(sorted_lists: Lists, TW: int) -> WorkList:
+    """The work list of ``sorted_lists`` (:func:`lists`) with items of at most ``TW`` entries:
+    each list cut into ``ceil(count / TW)`` items in order, then ``W`` (a bound known from the
+    shapes) minus the used ones empty items (``start == end == 0``, list ``Hs * NB - 1``).
+
+    A cheap cut on small tensors: no host sync, fixed sizes (CUDA-graph capturable), 8 ops
+    on the ``W`` items and 8 on the ``Hs * NB`` lists. ``item_start`` and ``item_end`` are the
+    two rows of one ``(2, W')`` tensor (``W'`` = W rounded up to even: the second row stays
+    16-byte aligned for the kernels)."""
+    if TW < 1:
+        raise ValueError(f"TW: the entries per item must be >= 1, got {TW}")
+    sl = sorted_lists
+    L = sl.heads * sl.num_blocks
+    dev = sl.perm.device
+    b = sl.bounds  # [L + 1]
+    per_list = (b.diff() + (TW - 1)) // TW  # items of each list
+    items_end = per_list.cumsum(0)  # [L]: one past each list's last item
+    W = (sl.rows * sl.heads * sl.slots) // TW + L  # >= sum(ceil(count / TW))
+    Wp = W + W % 2
+    lst = torch.searchsorted(
+        items_end, torch.arange(Wp, device=dev), right=True, out_int32=True
+    )  # [W'] the item's list; L past the last item
+    # item w of list l covers entries [base[l] + w TW, min(base[l] + (w + 1) TW, end[l])),
+    # base[l] = bounds[l] - (l's first item) * TW. The sentinel l = L (items past the last):
+    # base = used - items * TW, so that base + w TW >= 0, and end = bounds[0] = 0: an item
+    # [0, 0). A non-empty item's start is below its list's end, so min() keeps it.
+    base = b - torch.nn.functional.pad(items_end, (1, 0)) * TW  # [L + 1]
+    end = b.roll(-1)  # [L + 1]: bounds[l + 1], bounds[0] = 0 at L
+    steps = torch.arange(0, (Wp + 1) * TW, TW, device=dev).as_strided((2, Wp), (1, 1))
+    # (into a row-major buffer: from steps' strides alone the sum would come out column-major,
+    # and the kernels read item_start / item_end as contiguous rows; int64: T * Hs * K can
+    # pass 2**31 at long context)
+    span = torch.empty((2, Wp), dtype=torch.int64, device=dev)
+    torch.add(base.index_select(0, lst), steps, out=span)
+    torch.minimum(span, end.index_select(0, lst), out=span)
     return WorkList(
-        perm, lst_c.to(torch.int32), item_start, item_end, block_start, block_end, NB, W, K, Hs,
-        q_map, TW,
+        sl.perm, lst[:W].clamp_max(L - 1), span[0, :W], span[1, :W], sl.block_start,
+        sl.block_end, sl.num_blocks, W, sl.slots, sl.heads, sl.q_map, TW,
     )  # fmt: skip
+
+
+def build(
+    indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+    TW: int,
+    tok0: int = 0,
+    total_tokens: int | None = None,
+    q_map: torch.Tensor | None = None,
+) -> WorkList:
+    """Reverse index of ``indices`` ``(C, Hs, K)``: ``items(lists(...), TW)`` (arguments as
+    :func:`lists`), work items of at most ``TW`` entries."""
+    return items(lists(indices, cu_seqlens, block_size, tok0, total_tokens, q_map), TW)
+
+
+def matches(
+    sorted_lists: Lists | None,
+    indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+    total_tokens: int,
+    q_map: torch.Tensor | None,
+) -> bool:
+    """Whether ``sorted_lists`` (``None``: no) can stand for ``lists(indices, cu_seqlens,
+    block_size, 0, total_tokens, q_map)``: made from all of the call's rows with the same
+    shapes, block size, key count and query-map presence (host values only, no sync). The
+    data itself is the caller's promise: the forward's lists of the same saved tensors."""
+    if sorted_lists is None:
+        return False
+    s = sorted_lists
+    C, Hs, K = indices.shape
+    NB = total_tokens // block_size + cu_seqlens.numel() - 1
+    return (
+        s.tok0 == 0 and (s.rows, s.heads, s.slots) == (C, Hs, K) and s.block_size == block_size
+        and s.num_blocks == NB and (s.q_map is None) == (q_map is None)
+        and s.perm.device == indices.device
+    )  # fmt: skip
+
+
+class _CarriedForward(Forward):
+    """A :class:`~flash_msa.problem.Forward` with the forward's sorted lists (``lists``)."""
+
+    lists: Lists | None = None
+
+
+class _CarriedSaved(Saved):
+    """A :class:`~flash_msa.problem.Saved` with the forward's sorted lists (``lists``)."""
+
+    lists: Lists | None = None
+
+
+def carry(result: Forward | Saved, sorted_lists: Lists | None) -> Forward | Saved:
+    """``result`` (a backend's ``Forward``, or the ``Saved`` handed to a backend's ``bwd``)
+    that also carries ``sorted_lists`` (:func:`carried` reads them), its fields unchanged (it
+    unpacks and compares as before): how the forward's lists reach the backward through the
+    backends' unchanged ``fwd`` / ``bwd`` signatures (api.py keeps them in between)."""
+    if sorted_lists is None:
+        return result
+    out = (_CarriedForward if isinstance(result, Forward) else _CarriedSaved)(*result)
+    out.lists = sorted_lists
+    return out
+
+
+def carried(result) -> Lists | None:
+    """The lists :func:`carry` put on ``result``; ``None`` if none."""
+    return getattr(result, "lists", None)
 
 
 def split_items(wl: WorkList, size: int) -> WorkList:

@@ -1021,7 +1021,9 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, *, q_map=None, **variant) -> G
     (``cfg.deterministic`` or ``variant["deterministic"]``): :func:`_ordered`.
     ``q_map``: ``None`` or the forward's ``(Tq,)`` int32 query map: ``dq``/``dq_proxy`` then
     have ``Tq`` rows (0 for a padding row), ``dk``/``dv``/``dk_proxy`` the keys' ``T``.
-    Limits: ``flash_msa.cute.unsupported_reason("bwd", ...)``."""
+    The work list is cut from the forward's sorted lists when ``saved`` carries them
+    (:func:`flash_msa.worklist.carried`; not in deterministic mode over several chunks), else
+    built. Limits: ``flash_msa.cute.unsupported_reason("bwd", ...)``."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
     main, proxy = dout is not None, dkl is not None
     if not (main or proxy):
@@ -1038,6 +1040,9 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, *, q_map=None, **variant) -> G
     Hs, K = indices.shape[1:]
     Hpk, Dp = (k_proxy.shape[1], k_proxy.shape[2]) if proxy else (Hs, D)
     det = bool(variant.pop("deterministic", False) or cfg.deterministic)
+    kept = worklist.carried(saved)  # the forward's sorted lists, if it kept them
+    if not worklist.matches(kept, indices, cu_seqlens, cfg.block_size, Tk, q_map):
+        kept = None
     kernel = BwdSm90.make(
         cutlass_dtype(q.dtype),
         H,
@@ -1092,7 +1097,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, *, q_map=None, **variant) -> G
 
     if det:
         dq, dk, dv, dqp, dkp = _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg,
-                                        main, proxy, q_map)  # fmt: skip
+                                        main, proxy, q_map, kept)  # fmt: skip
     else:
         dq = dk = dv = dqp = dkp = None
         if main:
@@ -1103,9 +1108,12 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, *, q_map=None, **variant) -> G
             dqp = torch.zeros((T, Hs, Dp), **f32)
             dkp = torch.zeros((Tk, Hpk, Dp), **f32)
         if T > 0:  # (no tokens: zero gradients, no launch)
-            wl = worklist.build(
-                indices, cu_seqlens, cfg.block_size, BwdSm90.ITEM_TOKENS, 0, Tk, q_map
-            )
+            if kept is not None:  # one sort per step: the forward's lists, this kernel's items
+                wl = worklist.items(kept, BwdSm90.ITEM_TOKENS)
+            else:
+                wl = worklist.build(
+                    indices, cu_seqlens, cfg.block_size, BwdSm90.ITEM_TOKENS, 0, Tk, q_map
+                )
             outs = [None if x is None else x.view(-1, x.shape[-1]) for x in (dq, dk, dv, dqp, dkp)]
             launch(wl, outs)  # 2-D fp32 views: > 2**31 elements at 1M tokens
     if proxy:
@@ -1218,7 +1226,9 @@ def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
     return sums.sum()
 
 
-def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, proxy, q_map=None):
+def _ordered(
+    launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, proxy, q_map=None, kept=None
+):
     """The deterministic backward: ``(dq, dk, dv, dqp, dkp)`` (fp32 but ``dq``, ``None`` where
     not made), by :func:`bwd`'s ``launch`` of the deterministic kernel and the fixed-order sums
     of :mod:`flash_msa.ordered`, as the Triton backward does (triton_ref/sparse_bwd.py).
@@ -1231,7 +1241,9 @@ def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, pro
     order, each list's items in token order); ``ordered.slot_sum`` then sums the chunk's row
     partials over slots in order. C and the ranges keep each buffer within
     ``ordered.PARTIAL_BYTES``. With ``q_map`` the chunks are chunks of query rows (padding
-    rows: no entries, zero dQ rows) and the key gradients have the keys' ``T``."""
+    rows: no entries, zero dQ rows) and the key gradients have the keys' ``T``. ``kept``: the
+    forward's sorted lists of the whole call (:func:`flash_msa.worklist.matches`) or ``None``;
+    used when C covers every token (one chunk), else each chunk builds its own."""
     T, H, D = q.shape
     Tk, Hkv = k.shape[:2]  # the keys' tokens: T without a query map
     Hs, K = indices.shape[1:]
@@ -1262,7 +1274,10 @@ def _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, pro
         idx = indices[c0:c1]
         if q_map is not None:  # padding rows: no keys, whatever their slots hold (slot_sum)
             idx = worklist.drop_padding_rows(idx, q_map[c0:c1])
-        wl = worklist.build(idx, cu_seqlens, block, BwdSm90.ITEM_TOKENS, c0, Tk, q_map)
+        if kept is not None and C >= T:  # one chunk: the forward's lists, this kernel's items
+            wl = worklist.items(kept, BwdSm90.ITEM_TOKENS)
+        else:
+            wl = worklist.build(idx, cu_seqlens, block, BwdSm90.ITEM_TOKENS, c0, Tk, q_map)
         items = ordered.list_items(wl)
         ranges = ordered.item_ranges(wl.num_items, per_item)
         most = max((w1 - w0 for w0, w1 in ranges), default=0)

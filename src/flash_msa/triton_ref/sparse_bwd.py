@@ -215,28 +215,40 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, *, q_map=None) -> Grad
     """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup).
 
     ``q_map``: ``None`` or the forward's ``(Tq,)`` int32 query map: ``dq``/``dq_proxy`` then
-    have ``Tq`` rows (0 for a padding row), ``dk``/``dv``/``dk_proxy`` the keys' ``T``."""
+    have ``Tq`` rows (0 for a padding row), ``dk``/``dv``/``dk_proxy`` the keys' ``T``.
+
+    The work list is cut from the forward's sorted lists when ``saved`` carries them
+    (:func:`flash_msa.worklist.carried`; deterministic mode: when it runs in one chunk), else
+    built here."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit = saved
     main, proxy = dout is not None, dkl is not None
     if not (main or proxy):
         return Grads(None, None, None, None, None)
     proxy_pass_needed = proxy and unit is None
+    kept = worklist.carried(saved)  # the forward's sorted lists, if it kept them
+    if not worklist.matches(kept, indices, cu_seqlens, cfg.block_size, k.shape[0], q_map):
+        kept = None
     run = _ordered if cfg.deterministic else _atomic
-    dq, dk, dv, dqp, dkp = run(dout, dkl, saved, cu_seqlens, cfg, proxy_pass_needed, q_map)
+    dq, dk, dv, dqp, dkp = run(dout, dkl, saved, cu_seqlens, cfg, proxy_pass_needed, q_map, kept)
     if proxy and not proxy_pass_needed:  # the forward's KL pass made the gradient for dkl = 1
         dqp, dkp = (g * dkl for g in unit)
 
     return Grads.cast((dq, dk, dv, dqp, dkp), (q, k, v, q_proxy, k_proxy))
 
 
-def _atomic(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool, q_map):
-    """The default backward: one work list, sums by fp32 atomics. ``(dq, dk, dv, dqp, dkp)``
-    (fp32, ``None`` where not computed)."""
+def _atomic(
+    dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool, q_map, kept=None
+):
+    """The default backward: one work list (cut from ``kept``, the forward's sorted lists, when
+    given), sums by fp32 atomics. ``(dq, dk, dv, dqp, dkp)`` (fp32, ``None`` where not
+    computed)."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
     T, H, D = q.shape
     Tk, Hkv = k.shape[:2]  # the keys' tokens: T without a query map
     main = dout is not None
-    if main or proxy_pass_needed:
+    if (main or proxy_pass_needed) and kept is not None:
+        wl = worklist.items(kept, ITEM_TOKENS)
+    elif main or proxy_pass_needed:
         wl = worklist.build(indices, cu_seqlens, cfg.block_size, ITEM_TOKENS, 0, Tk, q_map)
     f32 = dict(dtype=torch.float32, device=q.device)
     dq = dk = dv = dqp = dkp = None
@@ -258,7 +270,9 @@ def _atomic(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed:
     return dq, dk, dv, dqp, dkp
 
 
-def _ordered(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool, q_map):
+def _ordered(
+    dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool, q_map, kept=None
+):
     """The deterministic backward (``cfg.deterministic``; ordered.py): the same kernels storing
     their sums into partial buffers, added in a fixed order. ``(dq, dk, dv, dqp, dkp)``.
 
@@ -268,7 +282,8 @@ def _ordered(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed
     :func:`~flash_msa.ordered.item_sum` adds into dK / dV after each range; then
     :func:`~flash_msa.ordered.slot_sum` sums the dQ partials into the chunk's rows.
     C and the ranges keep each buffer within ``ordered.PARTIAL_BYTES``. The proxy pass runs over
-    the same chunks (proxy.py, ``deterministic=True``)."""
+    the same chunks (proxy.py, ``deterministic=True``). ``kept``: the forward's sorted lists of
+    the whole call, or ``None``; one chunk (C covers every token) cuts its work list from them."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
     T, H, D = q.shape
     Tk, Hkv = k.shape[:2]  # the keys' tokens: T without a query map
@@ -278,11 +293,17 @@ def _ordered(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed
     f32 = dict(dtype=torch.float32, device=q.device)
     dq = dk = dv = dqp = dkp = None
     per_token = 0
+    whole = None  # the one-chunk work list, cut from the forward's lists
+    if kept is not None and (main or proxy_pass_needed):
+        whole = worklist.items(kept, ITEM_TOKENS)
     if main:
         delta = (dout.float() * out.float()).sum(-1)  # [T, H]
-        # the tile decides S, hence the partials' size: pick it first, on a one-token work list
-        # with placeholder buffers (the compiled kernel depends on dtypes, not sizes)
-        probe = worklist.build(indices[:1], cu_seqlens, block, ITEM_TOKENS, 0, Tk, q_map)
+        # the tile decides S, hence the partials' size: pick it first, on the one-chunk work list
+        # if there is one, else a one-token one, with placeholder buffers (the compiled kernel
+        # depends on dtypes, not sizes; tiles.pick compiles, it does not launch)
+        probe = whole
+        if probe is None:
+            probe = worklist.build(indices[:1], cu_seqlens, block, ITEM_TOKENS, 0, Tk, q_map)
         stub = torch.empty(4, **f32)
         args = _main_args(q, k, v, dout, delta, lse, probe, stub, stub, stub, probe.perm, cfg)
         tile, options = _main_tile(q, k, probe, cfg, args, True)
@@ -305,7 +326,10 @@ def _ordered(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed
         idx = indices[c0:c1]
         if q_map is not None:  # padding rows: no keys, whatever their slots hold (slot_sum)
             idx = worklist.drop_padding_rows(idx, q_map[c0:c1])
-        wl = worklist.build(idx, cu_seqlens, block, ITEM_TOKENS, c0, Tk, q_map)
+        if whole is not None and C >= T:  # one chunk: the forward's lists
+            wl = whole
+        else:
+            wl = worklist.build(idx, cu_seqlens, block, ITEM_TOKENS, c0, Tk, q_map)
         tok0 = torch.full((1,), c0, dtype=torch.int64, device=q.device)
         if main:
             items = ordered.list_items(wl)
