@@ -424,3 +424,37 @@ def test_driver_with_partials_from_another_stage(monkeypatch):
     assert calls == [0]
     for name, a, r in zip(FWD, mine, ref):
         assert torch.equal(a, r), name
+
+
+def test_driver_with_a_combine_that_makes_the_proxy_lse(monkeypatch):
+    """A combine stage with ``combine_makes_proxy`` (the CuTe combine's fused launch) is called
+    once per chunk with ``(pl_part, proxy_lse)`` and never for the proxy alone; here it runs
+    Triton's two merges, so the result equals the all-Triton forward bit for bit. A borrowed
+    combine keeps the lender's two calls."""
+    from flash_msa import sparse_forward
+    from flash_msa.triton_ref import forward_stages, sparse_fwd
+
+    _poison_new_buffers(monkeypatch)
+    lengths, H, Hkv, Hp, D, b, top_k = (70, 1, 200), 8, 2, 4, 16, 64, 3
+    (qp, kp, q, k, v), cu = packed_inputs(
+        lengths, H, Hkv, Hp, 1, D, D, dtype=torch.float32, device=DEV
+    )
+    cfg = config(max(lengths), D, D, b, top_k)
+    idx = reference.select(qp, kp, cu, cfg)
+    tri = forward_stages()
+    calls = []
+
+    def fused(o_part, l_part, idx, out, lse, proxy=None):
+        calls.append(proxy is not None)
+        assert o_part is not None and proxy is not None
+        tri.combine(o_part, l_part, idx, out, lse)
+        tri.combine(None, proxy[0], idx, None, proxy[1])
+
+    stages = sparse_forward.Stages(partials=tri.partials, combine=fused, combine_makes_proxy=True)
+    mine = sparse_forward.fwd(stages, q, k, v, idx, cu, cfg, qp, kp)
+    ref = sparse_fwd.fwd(q, k, v, idx, cu, cfg, qp, kp)
+    assert calls == [True]
+    for name, a, r in zip(FWD, mine, ref):
+        assert torch.equal(a, r), name
+    lent = sparse_forward.borrowed(sparse_forward.Stages(partials=tri.partials))
+    assert lent.combine is tri.combine and not lent.combine_makes_proxy

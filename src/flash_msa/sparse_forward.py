@@ -68,7 +68,10 @@ class Stages:
       partials alone.
     - ``combine(o_part, l_part, idx, out, lse)``: merge a chunk's partials by LSE into ``out``
       ``(C, H, D)`` and ``lse`` ``(C, H)``; ``o_part=None``, ``out=None``: the LSE only (the
-      proxy's, with ``l_part = pl_part`` and ``lse = proxy_lse``).
+      proxy's, with ``l_part = pl_part`` and ``lse = proxy_lse``). When
+      ``combine_makes_proxy``, the driver instead calls ``combine(o_part, l_part, idx, out,
+      lse, (pl_part, proxy_lse))`` once per chunk: both merges in one launch (one pass over
+      ``idx``).
     - ``kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit)``: fp32 0-dim sum of the
       per-row KL of the chunk's rows; with ``unit = (dq_proxy, dk_proxy)`` (fp32) it also adds
       the proxy gradient for ``dkl = 1`` there.
@@ -84,6 +87,7 @@ class Stages:
     partials_make_proxy: bool = False
     proxy_partials: Callable | None = None
     combine: Callable | None = None
+    combine_makes_proxy: bool = False  # combine takes (pl_part, proxy_lse) in the same launch
     kl: Callable | None = None
     kl_makes_proxy_grad: bool = False  # the kl stage can make the unit proxy gradient
     q_map: bool = False  # every stage of these (borrowed ones included) honours wl.q_map
@@ -110,6 +114,8 @@ def borrowed(stages: Stages) -> Stages:
     fill = {name: getattr(lender, name) for name in missing}
     if "kl" in missing:
         fill["kl_makes_proxy_grad"] = lender.kl_makes_proxy_grad
+    if "combine" in missing:
+        fill["combine_makes_proxy"] = lender.combine_makes_proxy
     fill["q_map"] = stages.q_map and lender.q_map  # the backend's own stages decide first
     return Stages(**{**{f.name: getattr(stages, f.name) for f in fields(Stages)}, **fill})
 
@@ -204,10 +210,14 @@ def fwd(
         stages.partials(q, k, v, wl, o_part, l_part, cfg, c0, fused)
         if proxy and fused is None:
             stages.proxy_partials(q, k, q_proxy, k_proxy, wl, pl_part, cfg, c0)
-        stages.combine(o_part, l_part, idx, out[c0:c1], lse[c0:c1])
+        if proxy and stages.combine_makes_proxy:
+            stages.combine(o_part, l_part, idx, out[c0:c1], lse[c0:c1], (pl_part, proxy_lse[c0:c1]))
+        else:
+            stages.combine(o_part, l_part, idx, out[c0:c1], lse[c0:c1])
         if not proxy:
             continue
-        stages.combine(None, pl_part, idx, None, proxy_lse[c0:c1])
+        if not stages.combine_makes_proxy:
+            stages.combine(None, pl_part, idx, None, proxy_lse[c0:c1])
         if cfg.compute_kl:
             kl_sum += stages.kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit)
     kl = kl_sum / (Hs * T) if proxy and cfg.compute_kl else None
