@@ -17,6 +17,7 @@ a second (steady-state) step; one JSON line.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -58,9 +59,17 @@ def _child(S: int) -> dict:
         (out.float().square().mean() + kl).backward()
         torch.cuda.synchronize()
 
+    prof = None
+    if os.environ.get("FLASH_MSA_PROFILE_FIRST") == "1":  # where the warm first step goes
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     step()
     first = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
     t0 = time.perf_counter()
     step()
     second = time.perf_counter() - t0
@@ -76,13 +85,24 @@ def _child(S: int) -> dict:
         process_s=round(time.perf_counter() - t_start, 2),
         stats=dict(disk_cache.stats),
         kernels=disk_cache.events,  # (class, compiled or loaded, seconds) per CuTe kernel
+        profile=None if prof is None else _top(prof),
     )
 
 
-def _spawn(tmp_path, S=SEQLEN) -> subprocess.Popen:
+def _top(prof, n: int = 30) -> list[str]:
+    """The ``n`` entries of a cProfile with the most cumulative time, one line each."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(n)
+    return [line for line in buf.getvalue().splitlines() if line.strip()][-n:]
+
+
+def _spawn(tmp_path, S=SEQLEN, **env) -> subprocess.Popen:
     return spawn_script(
         __file__, [S], FLASH_MSA_CACHE_DIR=str(tmp_path / "flash_msa"), FLASH_MSA_CACHE="1",
-        TRITON_CACHE_DIR=str(tmp_path / "triton"), FLASH_MSA_BACKEND="auto",
+        TRITON_CACHE_DIR=str(tmp_path / "triton"), FLASH_MSA_BACKEND="auto", **env,
     )  # fmt: skip
 
 
@@ -102,6 +122,9 @@ def test_second_process_first_step_is_warm(tmp_path):
     triton_before = _triton_entries(tmp_path)
     warm = _result(_spawn(tmp_path))
     print("warm:", warm)
+    profiled = _result(_spawn(tmp_path, FLASH_MSA_PROFILE_FIRST="1"))  # a third, profiled one
+    print(f"warm first step under cProfile: {profiled['first_step_s']:.2f} s; by cumulative time:",
+          *profiled["profile"], sep="\n  ")  # fmt: skip
     print(f"first step: cold {cold['first_step_s']:.1f} s, warm {warm['first_step_s']:.2f} s")
     assert warm["stats"] == {"loaded": cold["stats"]["compiled"]}, warm  # nothing compiled
     new = _triton_entries(tmp_path) - triton_before
