@@ -1,10 +1,14 @@
 """CPU checks of the CuTe combine stage (``flash_msa/cute/combine_sm90.py``; its numerics are
-tested on the GPU: tests/test_gpu_cute_combine.py): two configurations compile for sm_90a
-without spills (the full list is ``combine_configurations``, run by the CuTe compile check),
-the limits, and the host's refusals of bad buffers, naming the argument. CPU time on the
-2-core machine: 2.4 s in pytest, 0.9 s of it the two compiles (plus the session start)."""
+tested on the GPU: tests/test_gpu_cute_combine.py): the shipped variant, the first version and
+the fused proxy LSE compile for sm_90a without spills (the full lists are
+``combine_configurations``, run by the CuTe compile check, and ``variant_configurations``), the
+limits, the host's refusals of bad buffers, naming the argument, and what the host passes to a
+launch (addresses, token count; its CPU time). CPU time on the 2-core machine: ~3 s in pytest,
+~1.5 s of it the four compiles (plus the session start)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -12,12 +16,17 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 
 
-def test_two_configurations_compile_for_sm90_without_spills():
-    from flash_msa.cute.combine_sm90 import combine_configurations, compile_combine
+def test_configurations_compile_for_sm90_without_spills():
+    from flash_msa.cute.combine_sm90 import VARIANTS, combine_configurations, compile_combine
 
     names = [name for name, *_ in combine_configurations()]
-    assert len(names) == len(set(names)) == 28
-    for cfg in (("bf16", 16, 4, 16, 128, True), (None, 4, 4, 16, 0, False)):
+    assert len(names) == len(set(names)) == 28 + 4 + len(VARIANTS) - 1 + 1
+    for cfg in (
+        ("bf16", 16, 4, 16, 128, True),
+        (None, 4, 4, 16, 0, False),
+        ("bf16", 64, 4, 16, 128, True, dict(proxy=True)),
+        ("bf16", 16, 4, 16, 128, True, VARIANTS["lse"]),
+    ):
         res = compile_combine(*cfg)
         assert res["stack"] == 0 and res["local"] == 0, (cfg, res)  # spills show up as stack
 
@@ -27,14 +36,24 @@ def test_limits():
 
     from flash_msa.cute.combine_sm90 import CombineSm90, combine_fits
 
-    assert CombineSm90.can_implement(BFloat16, 64, 4, 64, 128, True) is None
-    assert CombineSm90.can_implement(None, 4, 4, 1, 0, False) is None
-    assert "bf16 or fp16" in CombineSm90.can_implement(Float32, 16, 4, 16, 128, True)
-    assert "head_dim" in CombineSm90.can_implement(Float16, 16, 4, 16, 96, True)
-    assert "top_k" in CombineSm90.can_implement(BFloat16, 16, 4, 65, 128, True)
-    assert "multiple" in CombineSm90.can_implement(BFloat16, 6, 4, 16, 128, True)
-    assert "LSE-only" in CombineSm90.can_implement(BFloat16, 4, 4, 16, 0, False)
-    assert "warps" in CombineSm90.can_implement(BFloat16, 16, 4, 16, 128, True, warps=3)
+    ok = CombineSm90.can_implement
+    assert ok(BFloat16, 64, 4, 64, 128, True) is None
+    assert ok(None, 4, 4, 1, 0, False) is None
+    assert "bf16 or fp16" in ok(Float32, 16, 4, 16, 128, True)
+    assert "head_dim" in ok(Float16, 16, 4, 16, 96, True)
+    assert "top_k" in ok(BFloat16, 16, 4, 65, 128, True)
+    assert "multiple" in ok(BFloat16, 6, 4, 16, 128, True)
+    assert "LSE-only" in ok(BFloat16, 4, 4, 16, 0, False)
+    assert "warps" in ok(BFloat16, 16, 4, 16, 128, True, warps=3)
+    assert "order" in ok(BFloat16, 16, 4, 16, 128, True, order="late")
+    assert "rows" in ok(BFloat16, 16, 4, 16, 128, True, rows=3)
+    assert "rows" in ok(BFloat16, 16, 4, 16, 128, True, rows=2, order="lse")
+    assert "batch" in ok(BFloat16, 16, 4, 16, 128, True, batch=5)
+    assert "proxy" in ok(BFloat16, 16, 4, 16, 128, True, order="lse", proxy=True)
+    assert "proxy" in ok(None, 4, 4, 16, 0, False, proxy=True)
+    # shared memory: 8 warps x 2 rows x 32 loads x 512 bytes = 256 KiB > the sm_90 capacity
+    assert "shared memory" in ok(BFloat16, 16, 4, 64, 128, True, warps=8, rows=2)
+    assert ok(BFloat16, 16, 4, 64, 128, True, warps=8, rows=2, smem=False) is None
     with pytest.raises(ValueError, match="top_k"):
         CombineSm90(BFloat16, 16, 4, 0, 128, True)
     assert combine_fits(torch.bfloat16, 16, 4, 16, 128)
@@ -45,15 +64,22 @@ def test_limits():
     )
 
 
+def _buffers(C=8, H=16, Hs=4, K=16, D=128):
+    return (
+        torch.zeros((C + 2, H, K, D), dtype=torch.bfloat16),
+        torch.zeros((C + 2, H, K)),
+        torch.zeros((C, Hs, K), dtype=torch.int32),
+        torch.zeros((C, H, D), dtype=torch.bfloat16),
+        torch.zeros((C, H)),
+        torch.zeros((C + 2, Hs, K)),
+        torch.zeros((C, Hs)),
+    )
+
+
 def test_host_refuses_bad_buffers_naming_them():
     from flash_msa.cute.combine_sm90 import combine
 
-    C, H, Hs, K, D = 8, 16, 4, 16, 128
-    o_part = torch.zeros((C, H, K, D), dtype=torch.bfloat16)
-    l_part = torch.zeros((C, H, K))
-    idx = torch.zeros((C, Hs, K), dtype=torch.int32)
-    out = torch.zeros((C, H, D), dtype=torch.bfloat16)
-    lse = torch.zeros((C, H))
+    o_part, l_part, idx, out, lse, pl_part, plse = _buffers()
     cases = {
         "l_part": (o_part, l_part.double(), idx, out, lse),
         "o_part": (o_part[:, :, :8], l_part, idx, out, lse),
@@ -61,7 +87,47 @@ def test_host_refuses_bad_buffers_naming_them():
         "head_dim": (o_part[..., :32].contiguous(), l_part, idx, out[..., :32], lse),
         "lse": (o_part, l_part, idx, out, lse[:4]),
         "both": (None, l_part, idx, out, lse),
+        "proxy": (None, pl_part, idx, None, plse, (pl_part, plse)),
+        "pl_part": (o_part, l_part, idx, out, lse, (pl_part[:, :2], plse)),
+        "proxy_lse": (o_part, l_part, idx, out, lse, (pl_part, plse[:, :2])),
     }
     for name, args in cases.items():
         with pytest.raises(ValueError, match=name):
             combine(*args)
+
+
+def test_host_passes_the_buffers_addresses(monkeypatch):
+    """What a launch gets (the kernel is not run: ``_launch`` is replaced): the buffers'
+    addresses in the kernel's argument order, the token count; absent buffers' slots hold
+    addresses of the fp32 buffers given. And the host's CPU time per call without the launch
+    (the first version's tensor views alone cost ~50 us here)."""
+    import cuda.bindings.driver as cuda
+
+    from flash_msa.cute import combine_sm90
+
+    seen = []
+    monkeypatch.setattr(combine_sm90, "_launch", lambda k, dev, args: seen.append((k, args)))
+    monkeypatch.setattr(combine_sm90, "stream", lambda dev: cuda.CUstream(0))
+    o_part, l_part, idx, out, lse, pl_part, plse = _buffers()
+
+    def addresses(args):
+        return [int(a._pointer) for a in args[:7]], int(args[7])
+
+    combine_sm90.combine(o_part, l_part, idx, out, lse)
+    combine_sm90.combine(None, pl_part, idx, None, plse, order="all")
+    combine_sm90.combine(o_part, l_part, idx, out, lse, (pl_part, plse), rows=2)
+    (k1, a1), (k2, a2), (k3, a3) = seen
+    ptr = [t.data_ptr() for t in (o_part, l_part, idx, out, lse, pl_part, plse)]
+    assert addresses(a1) == ([*ptr[:5], ptr[1], ptr[4]], 8)
+    assert addresses(a2) == ([ptr[5], ptr[5], ptr[2], ptr[6], ptr[6], ptr[5], ptr[6]], 8)
+    assert addresses(a3) == (ptr, 8)
+    assert (k1.has_o, k1.proxy, k2.has_o, k2.order, k3.proxy, k3.rows) == (
+        True, False, False, "all", True, 2,
+    )  # fmt: skip
+    n = 200
+    t0 = time.perf_counter()
+    for _ in range(n):
+        combine_sm90.combine(o_part, l_part, idx, out, lse, (pl_part, plse))
+    us = (time.perf_counter() - t0) / n * 1e6
+    print(f"host path of a fused call without the launch: {us:.1f} us")
+    assert us < 200  # a bound for a loaded 2-core machine: ~25 us measured alone

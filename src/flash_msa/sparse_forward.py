@@ -10,7 +10,8 @@ the partial buffers stay below :data:`PARTIAL_BYTES`) the driver
    (and, if the stage says it does, the proxy LSE partials in the same launch),
 3. runs ``proxy_partials`` when ``partials`` does not make the proxy LSE partials,
 4. runs ``combine`` for the main partials (``out``, ``lse``) and for the proxy LSE partials
-   (``proxy_lse``),
+   (``proxy_lse``): two calls, or one when the stage says it makes both
+   (``Stages.combine_makes_proxy``),
 5. with ``cfg.compute_kl``, runs ``kl``: the chunk's sum of per-row KL terms (and, in training,
    the proxy gradient for ``dkl = 1``).
 

@@ -129,11 +129,15 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
 KL_ON_CUTE = True
 
 
-# The combine on CuTe (``combine_sm90.py``: one warp per row, 16-byte loads of the used slots
-# partial rows): exact (tests/test_gpu_cute_combine.py, 25 passed on the H200) but slower than
-# Triton's, so off: benchmarks/combine_ab.py (benchmarks/results/cute-stage3/combine_ab.log),
-# main combine 0.44 / 0.72 / 0.73 ms against Triton's 0.28 / 0.55 / 0.56 at anchor 16K / 32K,
-# paper 128K (2.5-3.2 TB/s against 3.9-4.1; 4 or 8 warps alike).
+# The combine on CuTe (``combine_sm90.py``). Its first version (one warp per row, 16-byte loads
+# of the used slots' partial rows) was exact (tests/test_gpu_cute_combine.py, 25 passed on the
+# H200) but slower than Triton's: benchmarks/combine_ab.py (benchmarks/results/cute-stage3/
+# combine_ab.log), main combine 0.44 / 0.72 / 0.73 ms against Triton's 0.28 / 0.55 / 0.56 at
+# anchor 16K / 32K, paper 128K, and a ~0.13 ms floor for the proxy LSE (host time per launch).
+# Rewritten in the eighth session (raw-pointer launch, cp.async staging of every load, the
+# main and proxy merges in one launch: ``combine_makes_proxy``), compiled without spills and
+# reviewed, not yet run: off until its GPU tests and A/B (the variants side by side with
+# Triton's, one H200 call) say it is exact and at least as fast.
 COMBINE_ON_CUTE = False
 
 
@@ -173,6 +177,7 @@ def forward_stages(kl_fits: bool = True, combine_fits: bool = True, proxy_fits: 
         from .combine_sm90 import combine
 
         stages["combine"] = combine
+        stages["combine_makes_proxy"] = True  # main and proxy merges in one launch
     return Stages(**stages)
 
 
