@@ -214,8 +214,8 @@ def test_fp32_and_q_map_under_the_caps_match_reference(arch, case, monkeypatch):
     NaN-poisoned: the ops of the case pass the rule (mapped: padding rows exact) and every tile
     chosen fits the cap. Spills are asserted away in bf16/fp16 only: the fp32 (IEEE) tiles spill
     on sm_90 itself, uncapped too (compile_check on CPU: the selection at Dp = block = 128 by
-    3.4-15 KB in every candidate); ``tiles.pick`` then runs the last one that fits, which is
-    what must hold here. The spills are printed."""
+    3.4-15 KB in every candidate); ``tiles.pick`` then runs the fitting one with the fewest
+    spill bytes, which is what must hold here. The spills are printed."""
     dtype, shape, mode, kind = case
     cap = CAPS[arch]
     warmup, det = MODES[mode]
@@ -349,7 +349,8 @@ def test_pick_takes_the_first_tile_within_the_cap_and_keys_the_cache_by_it(monke
     """A fake kernel of three tiles (shared bytes 200 KB, 120 KB, 60 KB; none spills) on a fake
     227 KB device: uncapped the first, capped to sm_80's 163 KB the second, to sm_120's 99 KB
     the third; each limit is its own cache entry (a changed cap chooses again), and a cap above
-    the device changes nothing. If no tile fits, the last is used (with a warning)."""
+    the device changes nothing. If no tile fits, BackendError (tests/test_tiles_fp32.py: its
+    message)."""
     shared = {"A": 200 * 1024, "B": 120 * 1024, "C": 60 * 1024}
     compiled = []
     kernel = SimpleNamespace(
@@ -359,6 +360,7 @@ def test_pick_takes_the_first_tile_within_the_cap_and_keys_the_cache_by_it(monke
     )  # fmt: skip
     monkeypatch.setattr(tiles, "_chosen", {})
     monkeypatch.setattr(tiles, "_usage", {})
+    monkeypatch.setattr(tiles, "_refused", {})
     monkeypatch.setattr(tiles, "interpreting", lambda: False)
     monkeypatch.setattr(tiles, "spill_bytes", lambda compiled: 0)
     monkeypatch.setattr(tiles, "_shared_limit", lambda dev: tiles.SHARED_LIMITS[90])
@@ -382,16 +384,17 @@ def test_pick_takes_the_first_tile_within_the_cap_and_keys_the_cache_by_it(monke
     assert pick() == "C" and not compiled  # cached under its limit: nothing compiled again
     monkeypatch.setenv(tiles.SMEM_LIMIT_ENV, str(10**9))  # above the device: its own limit
     assert pick() == "A" and not compiled
-    monkeypatch.setenv(tiles.SMEM_LIMIT_ENV, "1024")  # nothing fits: the last one, warned
-    assert pick() == "C"
+    monkeypatch.setenv(tiles.SMEM_LIMIT_ENV, "1024")  # nothing fits: refused before a launch
+    with pytest.raises(backends.BackendError, match="fake_kernel fits 1024 bytes"):
+        pick()
 
 
 def test_small_tiles_equal_reference_under_the_interpreter(monkeypatch):
     """Under the interpreter ``tiles.pick`` takes the first candidate. With every list cut to
     its last entry (the selection's 64 rows x 8 warps x 1 stage, BT = 64 / G tokens; the
-    forward's 32 rows x 4 warps; the proxy pass's 64 x 32 at 2 stages; the warmup's 32 x 32 and
-    256 x 16 tiles), then with the proxy passes' 256-row entries (R = 1), sparse and warmup
-    equal the reference (fp16: the interpreter's bf16 is wrong)."""
+    forward's 32 rows x 4 warps; the fp32 entries: the proxy pass's 64 x 16 keys, the warmup's
+    64 x 16 tile without pipelining), then with the proxy passes' 256-row entries (R = 1),
+    sparse and warmup equal the reference (fp16: the interpreter's bf16 is wrong)."""
     case = ((100, 1, 40), 8, 2, 4, 1, 16, 16, 64, 2)
     _force_last(monkeypatch)
     for warmup in (False, True):

@@ -15,6 +15,16 @@ runs; the CI check of the other targets). Exit status 1 if a configuration has n
 candidate within the shared memory, 3 if the installed Triton cannot compile for the target
 (the reason on stderr).
 
+``--dtype fp32`` (or ``fp16``) compiles every kernel for inputs of that dtype (default bf16;
+fp16 has bf16's bytes per tile). fp32 inputs take IEEE fp32 products (``PREC="ieee"``: no
+tensor cores) and twice the shared memory per operand tile, and they spill registers on every
+target (``tiles.pick`` then runs the last candidate that fits), so for fp32 the rule is only
+the shared memory: exit status 1 if a configuration has no candidate within it (issue 18: the
+fp32 dense backward at D = 128 had none under 99 KB and died in Triton at launch).
+``--shared-only`` stops each compile after the LLVM IR, where Triton fixes the shared memory
+(no ptxas: registers and spills are not reported, -1; ptxas takes up to ~35 s on a spilling
+fp32 kernel, the IR ~1-4 s).
+
 Query map (context parallelism): the sparse kernels' default configurations compile with the
 map's pointers as constexpr ``None`` (what the host passes without a map, so the binary checked
 is the one that runs, unchanged by the map's code); the ``-qmap`` configurations (``HAS_QMAP``,
@@ -40,6 +50,7 @@ from .tiles import SHARED_LIMITS
 LAYOUTS = {"anchor": (16, 2, 4, 1), "paper": (64, 4, 4, 1), "Hs<Hkv": (8, 4, 2, 1)}
 DENSE_LAYOUTS = ("anchor", "paper")  # the warmup kernels' head layouts
 UNSUPPORTED = 3  # exit status when the installed Triton cannot compile for the target
+DTYPES = ("bf16", "fp16", "fp32")  # input dtypes (--dtype)
 
 
 def mma_kind(ptx: str) -> str | None:
@@ -56,25 +67,68 @@ def _resources(cubin: bytes) -> dict:
     return {"registers": res["reg"], "spill_bytes": res["stack"] + res["local"]}
 
 
+class _SharedKnown(Exception):
+    """Raised in place of the PTX stage by :func:`compile_kernel` with ``shared_only``: carries
+    the shared memory Triton fixed in the LLVM IR stage."""
+
+
+def _stop_after_llir(*args):
+    """Triton's ``add_stages_inspection_hook``: without arguments the cache-key suffix, else
+    replace the ``ptx`` stage by raising :class:`_SharedKnown` (and drop ``cubin``)."""
+    if not args:
+        return "-flash-msa-shared-only", "flash-msa-shared-only"
+    stages = args[1]
+
+    def stop(src, metadata):
+        raise _SharedKnown(metadata["shared"])
+
+    stages["ptx"] = stop
+    stages.pop("cubin", None)
+
+
 def compile_kernel(
-    fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int = 90
+    fn,
+    signature: dict,
+    constexprs: dict,
+    num_warps: int,
+    num_stages: int,
+    arch: int = 90,
+    shared_only: bool = False,
 ) -> dict:
     """Compile ``fn`` for ``sm_{arch}`` (Triton adds the ``a`` of sm_90a and later); returns
     resource usage, whether wgmma is used and the MMA family (:func:`mma_kind`).
 
     Pointer arguments are marked 16-byte aligned, as the JIT specializes them for torch's
     allocations: without that, loads and atomics compile to scalar instructions and the
-    register and shared-memory counts do not describe the kernel that runs."""
+    register and shared-memory counts do not describe the kernel that runs.
+
+    ``shared_only``: stop after the LLVM IR (no PTX, no ptxas) where the installed Triton has
+    ``knobs.runtime.add_stages_inspection_hook``; registers and spill bytes are then -1, the
+    MMA family ``None``."""
     constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     sig = {name: sig[name] for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    k = triton.compile(
-        src,
-        target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
-    )
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    hook = shared_only and hasattr(runtime, "add_stages_inspection_hook")
+    if hook:
+        saved, runtime.add_stages_inspection_hook = (
+            runtime.add_stages_inspection_hook,
+            _stop_after_llir,
+        )
+    try:
+        k = triton.compile(
+            src,
+            target=GPUTarget("cuda", arch, 32),
+            options={"num_warps": num_warps, "num_stages": num_stages},
+        )
+    except _SharedKnown as known:
+        unknown = dict(registers=-1, spill_bytes=-1, wgmma=False, mma=None)
+        return dict(unknown, shared_bytes=known.args[0])
+    finally:
+        if hook:
+            runtime.add_stages_inspection_hook = saved
     ptx = k.asm["ptx"]
     return dict(
         _resources(k.asm["cubin"]),
@@ -112,10 +166,14 @@ QMAP_FAMILIES = {
 }  # fmt: skip
 
 
-def configurations(layouts=None, dims=(64, 128), blocks=(64, 128), qmap=True):
+def configurations(layouts=None, dims=(64, 128), blocks=(64, 128), qmap=True, dtype="bf16"):
     """(name, fn, signature, candidates) of every shipped kernel configuration; a candidate is
     ``(tile, constexprs, num_warps, num_stages)``, in the order the host code tries them
     (``tiles.pick`` runs the first that compiles without spills and fits the shared memory).
+
+    ``dtype`` (:data:`DTYPES`): the inputs' dtype; every ``*bf16`` pointer of the signatures
+    (the inputs and the buffers of their dtype) becomes one of it, and fp32 takes IEEE products
+    (``PREC="ieee"``) as the host code does; the selection's names carry it.
 
     ``layouts``: names of :data:`LAYOUTS` to check (default all); with a subset the selection
     is checked only for their proxy heads per proxy key head ``Hs / Hpk``. ``dims``: the head
@@ -124,6 +182,23 @@ def configurations(layouts=None, dims=(64, 128), blocks=(64, 128), qmap=True):
     head per row, except the warmup proxy pass (``H / Hs`` heads per token): by default it is
     checked for the anchor layout (the shipped list), with ``layouts`` for those of
     :data:`DENSE_LAYOUTS` among them (named with the layout, except the anchor's)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {DTYPES}")
+    for name, fn, sig, cands in _bf16_configurations(layouts, dims, blocks, qmap):
+        if dtype == "bf16":
+            yield name, fn, sig, cands
+            continue
+        sig = {k: f"*{dtype}" if t == "*bf16" else t for k, t in sig.items()}
+        prec = "ieee" if dtype == "fp32" else "tf32"
+        cands = [
+            (t, dict(c, PREC=prec) if "PREC" in c else c, warps, stages)
+            for t, c, warps, stages in cands
+        ]
+        yield name.replace("select bf16", f"select {dtype}"), fn, sig, cands
+
+
+def _bf16_configurations(layouts, dims, blocks, qmap):
+    """:func:`configurations` for bf16 inputs."""
     from .. import ordered
     from ..worklist import geometry
     from . import dense, proxy, selection, sparse_bwd, sparse_fwd, tiles
@@ -281,18 +356,31 @@ def configurations(layouts=None, dims=(64, 128), blocks=(64, 128), qmap=True):
             yield f"item-sum D={D} b={block}", ordered._item_sum_kernel, sig, [(RB, consts, 4, 1)]
 
 
-def choose(fn, sig, cands, arch: int = 90, from_end: bool = False, limit=None) -> dict:
+def choose(
+    fn,
+    sig,
+    cands,
+    arch: int = 90,
+    from_end: bool = False,
+    limit=None,
+    spills_ok: bool = False,
+    shared_only: bool = False,
+) -> dict:
     """Compile the candidates in order for ``sm_{arch}``; the first without spills within
     ``limit`` bytes of shared memory per block (default: the target's; as ``tiles.pick``
     chooses at run time), else the last one. Returns its resources plus ``tile`` and ``tried``
     (compiles). ``from_end``: walk the list from its end (the smallest tiles) instead: whether
     *some* candidate is spill-free and fits (then ``tiles.pick`` finds one) at about one
-    compile per configuration."""
+    compile per configuration. ``spills_ok``: the first that fits, spills or not (fp32: what
+    ``tiles.pick`` needs to launch one); ``shared_only``: :func:`compile_kernel`'s (implies
+    ``spills_ok``: spills are not known)."""
     limit = SHARED_LIMITS[arch] if limit is None else limit
+    spills_ok = spills_ok or shared_only
     order = cands[::-1] if from_end else cands
     for i, (tile, consts, warps, stages) in enumerate(order):
-        res = compile_kernel(fn, sig, consts, warps, stages, arch)
-        if res["spill_bytes"] == 0 and res["shared_bytes"] <= limit or i == len(order) - 1:
+        res = compile_kernel(fn, sig, consts, warps, stages, arch, shared_only)
+        ok = spills_ok or res["spill_bytes"] == 0
+        if ok and res["shared_bytes"] <= limit or i == len(order) - 1:
             return dict(res, tile=tile, tried=i + 1)
 
 
@@ -317,6 +405,17 @@ def main(argv=None) -> int:
         action="store_true",
         help="walk each list from its end: is some candidate spill-free (not: which one runs)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="bf16",
+        choices=DTYPES,
+        help="input dtype (fp32: only the shared memory must fit; spills are reported)",
+    )
+    parser.add_argument(
+        "--shared-only",
+        action="store_true",
+        help="stop after the LLVM IR: the shared memory only (no ptxas; registers, spills -1)",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET to compile", file=sys.stderr)
@@ -329,13 +428,14 @@ def main(argv=None) -> int:
     dims = tuple(int(d) for d in args.dims.split(","))
     blocks = tuple(int(b) for b in args.blocks.split(","))
     limit = SHARED_LIMITS[args.arch] if args.smem_limit is None else args.smem_limit
+    spills_ok = args.dtype == "fp32" or args.shared_only  # fp32: tiles.pick runs a spiller
     bad = 0
-    for name, fn, sig, cands in configurations(layouts, dims, blocks, not args.no_qmap):
+    for name, fn, sig, cands in configurations(layouts, dims, blocks, not args.no_qmap, args.dtype):
         if not name.startswith(args.prefix):
             continue
-        res = choose(fn, sig, cands, args.arch, args.any, limit)
-        bad += res["spill_bytes"] > 0 or res["shared_bytes"] > limit
-        print(json.dumps(dict(kernel=name, **res)), flush=True)
+        res = choose(fn, sig, cands, args.arch, args.any, limit, spills_ok, args.shared_only)
+        bad += res["shared_bytes"] > limit or not spills_ok and res["spill_bytes"] > 0
+        print(json.dumps(dict(kernel=name, dtype=args.dtype, **res)), flush=True)
     return 1 if bad else 0
 
 

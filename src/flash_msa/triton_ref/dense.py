@@ -42,14 +42,28 @@ from .common import (
 
 # (rows, keys, warps[, stages]) candidates of the backward and the proxy pass, in order
 # (tiles.py picks the first that compiles without register spills within the shared memory);
-# stages: software pipelining (default 3, PROXY_DK_STAGES in _dense_proxy_dk_kernel). The last
-# two are for the proxy pass at the paper layout (G = 16 heads per selection head), D = 128:
-# with fewer rows the teacher's R = G / G2 KV sub-groups are unrolled, each with its own
-# pipelined key tile: every earlier entry of the pass with dk_proxy spills or needs 286-458 KB
+# stages: software pipelining (default 3, PROXY_DK_STAGES in _dense_proxy_dk_kernel). The
+# 256-row entries are for the proxy pass at the paper layout (G = 16 heads per selection head),
+# D = 128: with fewer rows the teacher's R = G / G2 KV sub-groups are unrolled, each with its
+# own pipelined key tile: every earlier entry of the pass with dk_proxy spills or needs 286-458 KB
 # of shared memory, and of the dk kernel spills, even on sm_90 (Triton 3.9); 256 rows make
 # R = 1. (256, 32, 8, 1) fits sm_80/89/90/100 (sm_90: 210 registers, 76 KB), (256, 16, 8, 2)
 # sm_120 (201 registers, 85 KB). docs/algorithm.md, "GPUs with less shared memory".
-DENSE_TILES = ((64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4), (256, 32, 8, 1), (256, 16, 8, 2))
+# The last two, without software pipelining, are for fp32 inputs (issue 18): IEEE products
+# without tensor cores, operand tiles of twice bf16's bytes, each pipelining stage holding them.
+# At D = 128 under sm_86/89/120's 99 KB no earlier entry of the deterministic backward fits
+# (the smallest, (32, 32, 4), needs 103 KB for _dense_bwd_kernel, 100 KB for the dq kernel;
+# the 256-row ones 290-330 KB). (32, 32, 4, 1) needs 40-74 KB in every dense kernel at the
+# anchor layout; at the paper layout (G = 16) _dense_proxy_dk_kernel needs 168 KB with it
+# (R = 8 key sub-groups) and 80 KB with (64, 16, 4, 1). Triton 3.9, the LLVM IR's count, the
+# same on sm_80/89/90/120 (fp32 has no MMA). The paper layout's deterministic proxy pass
+# (_dense_proxy_kernel without dk_proxy) needs 145 KB with any tile (its R unrolled q tiles are
+# live together): fp32 there runs on sm_80/90/100 only, elsewhere tiles.pick refuses it.
+# bf16/fp16 stop at an earlier entry on every target (compile_check).
+DENSE_TILES = (
+    (64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4), (256, 32, 8, 1), (256, 16, 8, 2),
+    (32, 32, 4, 1), (64, 16, 4, 1),
+)  # fmt: skip
 # the same for the forward (and the proxy LSE): 64 x 64 with 4 warps runs on sm_90; with 8
 # warps it does not spill on sm_120 (D = 128: 4 warps spill 72 bytes there, Triton 3.9)
 FWD_TILES = ((64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4))

@@ -165,11 +165,14 @@ def _proxy_kernel(
 # sm_80/89/120; 256 rows keep the teacher's heads in one KV sub-group (R = 1: one key tile, not
 # R unrolled loads): 160-252 registers, 85-91 KB on sm_80/89/100/120. With Hs < Hkv (R = 2 at
 # any rows) 64 x 32 keys at 2 stages fit (192-227 registers, 83-91 KB). docs/algorithm.md,
-# "GPUs with less shared memory".
+# "GPUs with less shared memory". The last, 64 x 16 keys, is for fp32 inputs (issue 18: IEEE
+# products, twice bf16's bytes per tile): at the paper layout, D = 128, the KL value alone needs
+# 120-360 KB with every earlier entry (so none fits sm_86/89/120's 99 KB) and 80 KB with it
+# (Triton 3.9, the LLVM IR's count, the same on every target: fp32 has no MMA).
 PROXY_TILES = (
     (128, 128, True), (128, 128, False), (128, 64, True), (128, 64, False), (64, 128, True),
     (64, 64, True), (64, 64, False), (128, 32, True), (32, 64, True), (64, 32, True),
-    (32, 32, True), (256, 16, False, 2), (64, 32, False, 2),
+    (32, 32, True), (256, 16, False, 2), (64, 32, False, 2), (64, 16, True),
 )  # fmt: skip
 
 

@@ -27,9 +27,14 @@ pipelining (:func:`ring_hazards`: an async wgmma reading a ring-buffer slot that
 next prefetch overwrites; found in ``dense._dense_proxy_dk_kernel``, the likely cause of a
 non-deterministic dk_proxy on the H200).
 
-If every candidate spills or races (not the case for any configuration ``compile_check``
-covers), the last one that fits the shared memory is used (spills are slow, too much shared
-memory does not launch) and a warning names the kernel. Under Triton's interpreter (CPU)
+If every candidate that fits the shared memory spills or races (fp32 inputs: their IEEE
+products run without tensor cores and need twice the bytes per operand tile), the one that
+fits with the fewest spill bytes is used (the first of equals; spills are slow, but run) and a
+warning names the kernel. If none fits at all,
+:func:`pick` raises :class:`flash_msa.BackendError` naming the kernel, the input dtype, the head
+dim, the limit and the smallest need, before any launch: launching one would only fail in
+Triton with ``OutOfResources`` (the fp32 dense backward at D = 128 under sm_120's 99 KB did,
+needing 290 KB, before the tables gained their fp32 entries). Under Triton's interpreter (CPU)
 nothing is compiled and the first candidate is used.
 """
 
@@ -40,12 +45,13 @@ import os
 import re
 import subprocess
 
-from ..backends import interpreting
+from ..backends import BackendError, interpreting
 
 log = logging.getLogger("flash_msa")
 
 _chosen: dict[tuple, object] = {}
 _usage: dict[tuple, tuple[int, int]] = {}  # same keys: (shared bytes, spill bytes) of the choice
+_refused: dict[tuple, str] = {}  # same keys: why no candidate fits (pick raises it again)
 
 # Opt-in shared memory per block in bytes by compute capability ``major * 10 + minor``: the
 # SM's shared memory less the 1 KB the system reserves per block, as in the CUDA C++
@@ -165,8 +171,7 @@ def chosen() -> dict[tuple, object]:
 
 def usage() -> dict[tuple, tuple[int, int]]:
     """``(shared bytes, spill bytes)`` of each choice of :func:`chosen` (same keys), as
-    compiled; ``(-1, -1)`` where no candidate compiled, spill bytes -1 where the choice
-    exceeds the shared memory (not launchable: every candidate did)."""
+    compiled; ``(-1, -1)`` where no candidate compiled (the launch then reports why)."""
     return dict(_usage)
 
 
@@ -175,6 +180,7 @@ def clear() -> None:
     part of the key); this keeps :func:`chosen` to one setting's choices in tests."""
     _chosen.clear()
     _usage.clear()
+    _refused.clear()
 
 
 def pick(kernel, args, candidates, options, key):
@@ -186,7 +192,10 @@ def pick(kernel, args, candidates, options, key):
     ``options(candidate)`` gives the launch keywords (constexprs, ``num_warps``,
     ``num_stages``) of a candidate; ``key`` identifies the static configuration (it must
     include everything ``options`` and the argument dtypes depend on). The shared-memory limit
-    is part of the cache key, so a changed ``FLASH_MSA_SMEM_LIMIT`` chooses again."""
+    is part of the cache key, so a changed ``FLASH_MSA_SMEM_LIMIT`` chooses again.
+
+    Raises :class:`flash_msa.BackendError` (:func:`refusal`'s message; cached like a choice)
+    when candidates compiled but none fits the shared memory without a pipelining race."""
     if interpreting():
         return candidates[0]
     import torch
@@ -197,8 +206,11 @@ def pick(kernel, args, candidates, options, key):
     key = (kernel.fn.__name__, tuple(candidates), dev, capability, limit, *key)
     if key in _chosen:
         return _chosen[key]
+    if key in _refused:
+        raise BackendError(_refused[key])
     choice = fits = None
     used = {}  # candidate -> (shared bytes, spill bytes; -1 where not read)
+    racy = []
     for cand in candidates:
         try:
             with torch.cuda.device(dev):
@@ -211,16 +223,21 @@ def pick(kernel, args, candidates, options, key):
             log.warning(
                 "flash_msa: tile %s of %s skipped, a pipelining race: %s", cand, key[0], hazards
             )
+            racy.append(cand)
             continue
         used[cand] = (compiled.metadata.shared, -1)
         if compiled.metadata.shared > limit:  # would not launch
             continue
-        fits = cand
         used[cand] = (compiled.metadata.shared, spill_bytes(compiled))
+        if fits is None or used[cand][1] < used[fits][1]:  # the fewest spill bytes so far
+            fits = cand
         if used[cand][1] == 0:
             choice = cand
             break
-    if choice is None:  # spills are slow but run; too much shared memory does not launch
+    if fits is None and (used or racy):  # nothing launchable: refuse before any launch
+        _refused[key] = refusal(key[0], args, options, limit, used, racy)
+        raise BackendError(_refused[key])
+    if choice is None:  # spills are slow but run (or nothing compiled: the launch says why)
         choice = candidates[-1] if fits is None else fits
         log.warning(
             "flash_msa: every tile candidate of %s spills registers, races or exceeds %d bytes "
@@ -232,3 +249,29 @@ def pick(kernel, args, candidates, options, key):
     _chosen[key] = choice
     _usage[key] = used.get(choice, (-1, -1))
     return choice
+
+
+def refusal(name: str, args, options, limit: int, used: dict, racy=()) -> str:
+    """The message of :func:`pick`'s :class:`~flash_msa.BackendError` when no candidate of
+    kernel ``name`` fits ``limit`` bytes of shared memory: the input dtype (of the first tensor
+    argument), the head dim (the ``D`` or ``Dp`` constexpr), the limit and the smallest need
+    among ``used`` (``candidate -> (shared bytes, spill bytes)``, as compiled); ``racy``: the
+    candidates skipped for a pipelining race."""
+    import torch
+
+    dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
+    dims = {options(c).get("D", options(c).get("Dp")) for c in [*used, *racy]}
+    head_dim = "/".join(str(d) for d in sorted(dims, key=str))
+    if used:
+        small = min(used, key=lambda c: used[c][0])
+        need = f"the smallest candidate, {small}, needs {used[small][0]} bytes"
+    else:
+        need = "no candidate is free of pipelining races"
+    if racy and used:
+        need += f" ({len(racy)} more skipped for a pipelining race)"
+    return (
+        f"no tile candidate of Triton kernel {name} fits {limit} bytes of shared memory per "
+        f"block for {str(dtype).removeprefix('torch.')} inputs at head dim {head_dim}: {need}. "
+        f"Use bf16/fp16 inputs, a smaller head dim or a GPU with more shared memory "
+        f"(a cap {SMEM_LIMIT_ENV} lower than the device's also limits it)."
+    )
