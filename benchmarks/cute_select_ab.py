@@ -14,10 +14,15 @@ same input:
 
 - ``cute-fp8 k=K``: the op as the backend runs it, the quantize pass
   (``quant.quantize``: rotation, e4m3, block scales) included in the time;
+- ``cute-fp8 cute-quantize k=K``: the same op with the CuTe quantize pass
+  (``cute/quantize_sm90.py``, what ``select_sm90.select`` runs once ``QUANTIZE_ON_CUTE`` is on);
 - ``cute-fp8 kernel k=K``: the kernel alone on the quantized operands (``select_fp8_into``),
   and with other pipeline depths (``stages=``; ``select_sm90.FP8_STAGES`` is the default);
 - ``triton-fp8 k=K``: the Triton oracle (``triton_ref/selection_fp8.py``) on the same operands;
-- a ``quantize`` line: the quantize pass alone (ms).
+- a ``quantize`` line: the torch quantize pass alone (ms), and ``cute quantize [variant]``
+  lines beside it: the CuTe pass alone in each tuning variant (``quantize_sm90.VARIANTS``, the
+  shipped one first), checked bitwise equal to the torch pass's bytes and scales first, with
+  the HBM rate its bytes would take (inputs read once, e4m3 and scales written).
 
 Verification, per line and before it is timed, on that line's own output (a NaN-like poisoned
 index buffer, ``testing.POISON_INT``): every slot written, and every (token, head) row's block
@@ -40,7 +45,7 @@ import functools
 import torch
 
 from flash_msa import bench, quant, reference, testing
-from flash_msa.cute import select_sm90
+from flash_msa.cute import quantize_sm90, select_sm90
 from flash_msa.triton_ref import selection as triton_sel
 from flash_msa.triton_ref import selection_fp8 as triton_fp8
 
@@ -85,6 +90,38 @@ def fp8_op_into(out, qp, kp, cu, cfg):
     ``select_sm90.select`` runs for ``selection_precision="fp8"``)."""
     qz = quant.quantize(qp, kp, cu, cfg.block_size)
     return select_sm90.select_fp8_into(out, qz, cu, cfg)
+
+
+def fp8_op_cute_quantize_into(out, qp, kp, cu, cfg):
+    """The CuTe fp8 op with the CuTe quantize pass (``quantize_sm90.quantize``, the Config's
+    ``max_seqlen``: no host synchronization), then the kernel."""
+    qz = quantize_sm90.quantize(qp, kp, cu, cfg.block_size, max_seqlen=cfg.max_seqlen)
+    return select_sm90.select_fp8_into(out, qz, cu, cfg)
+
+
+def cute_quantize_lines(head, qz, qp, kp, cu, cfg):
+    """The CuTe quantize pass in each tuning variant: bitwise against the torch pass's ``qz``
+    (bytes and scales), then timed (ms, and GB/s of its compulsory bytes)."""
+    nbytes = (qp.numel() + kp.numel()) * (qp.element_size() + 1) + 4 * (
+        qp.numel() + kp.numel()
+    ) // qp.shape[-1]
+    for vname, tuning in quantize_sm90.VARIANTS.items():
+        fn = functools.partial(
+            quantize_sm90.quantize, qp, kp, cu, cfg.block_size, max_seqlen=cfg.max_seqlen,
+            **tuning,
+        )  # fmt: skip
+        got = fn(out=tuple(testing.poisoned(x.shape, x.dtype, "cuda") for x in qz[:4]))
+        same = all(
+            torch.equal(a.view(torch.uint8 if a.dtype == quant.E4M3 else torch.int32),
+                        b.view(torch.uint8 if b.dtype == quant.E4M3 else torch.int32))
+            for a, b in zip(got[:4], qz[:4])
+        )  # fmt: skip
+        line = f"{head} cute quantize [{vname}]: {'PASS' if same else 'FAIL'} bitwise"
+        if not same:
+            print(f"{line}; NOT TIMED", flush=True)
+            continue
+        ms = median_ms(fn)
+        print(f"{line}; {ms:.3f} ms, {nbytes / ms / 1e6:.0f} GB/s", flush=True)
 
 
 def fp8_kernel_into(qz, stages, out, qp, kp, cu, cfg):
@@ -153,12 +190,14 @@ def fp8_ab(shape, S, kind, top_ks):
     qz = quant.quantize(qp, kp, cu, cfg.block_size)
     ms = median_ms(functools.partial(quant.quantize, qp, kp, cu, cfg.block_size))
     print(f"{head} quantize (rotation, e4m3, block scales): {ms:.3f} ms", flush=True)
+    cute_quantize_lines(head, qz, qp, kp, cu, cfg)
     lines = []  # (name, cfg, into)
     for top_k in top_ks:
         c = dataclasses.replace(cfg, top_k=top_k)
         c8 = dataclasses.replace(c, selection_precision="fp8")
         lines.append((f"cute k={top_k}", c, select_sm90.select_into))
         lines.append((f"cute-fp8 k={top_k}", c8, fp8_op_into))
+        lines.append((f"cute-fp8 cute-quantize k={top_k}", c8, fp8_op_cute_quantize_into))
         kernel = functools.partial(fp8_kernel_into, qz, select_sm90.FP8_STAGES)
         lines.append((f"cute-fp8 kernel k={top_k}", c8, kernel))
         lines.append((f"triton-fp8 k={top_k}", c8, functools.partial(triton_fp8_into, qz)))

@@ -1,10 +1,12 @@
-"""KL-stage A/B on one GPU: the CuTe KL stage (``cute/bwd_sm90.py``: ``kl``) against the Triton
-stage it would replace, on the same work list and final LSEs, in one run, interleaved; and the
+"""KL-stage A/B on one GPU: the CuTe KL stage (``cute/bwd_sm90.py``: ``kl``) and the CuTe KL stage
+on the forward partials' kernel (``cute/fwd_partials_sm90.py``: ``kl``, ``FwdKlSm90``; "cute
+fwd-mode stage") against the Triton stage they would replace, on the same work list (the
+driver's 256-token items) and final LSEs, in one run, interleaved; and the
 whole CuTe forward op with the KL on Triton, on CuTe (``cute.KL_ON_CUTE``), and without it
 (``compute_kl=False``).
 
 Usage: ``python benchmarks/kl_ab.py [--out FILE.json] [--iters N] [--cases anchor:16384 ...]``.
-Random inputs, top_k 16, block 128 (``bwd_ab.setup``). Before timing, the CuTe stage's sum is
+Random inputs, top_k 16, block 128 (``bwd_ab.setup``). Before timing, each CuTe stage's sum is
 compared with Triton's (relative difference; one further than ``MAX_REL_DIFF`` is reported and
 not timed). Times by CUDA events (``flash_msa.bench.time_ms``), twice (A B A B); the minimum is
 reported.
@@ -25,7 +27,7 @@ MAX_REL_DIFF = 1e-3
 
 def case(shape: str, S: int, iters: int) -> dict:
     from flash_msa import cute
-    from flash_msa.cute import bwd_sm90
+    from flash_msa.cute import bwd_sm90, fwd_partials_sm90
 
     cute_be, triton_be = backends.load("cute")[0], backends.load("triton")[0]
     saved, cu, cfg, _, _ = setup(shape, S)
@@ -34,13 +36,19 @@ def case(shape: str, S: int, iters: int) -> dict:
     stage = {
         "triton stage": lambda: triton_be.forward_stages().kl(q, k, qp, kp, lse, plse, wl, cfg),
         "cute stage": lambda: bwd_sm90.kl(q, k, qp, kp, lse, plse, wl, cfg),
+        "cute fwd-mode stage": lambda: fwd_partials_sm90.kl(q, k, qp, kp, lse, plse, wl, cfg),
     }
     a, b = stage["triton stage"](), stage["cute stage"]()
+    c = stage["cute fwd-mode stage"]()
     rel = ((a - b).abs() / a.abs().clamp_min(1e-6)).item()
-    res = dict(shape=shape, S=S, kl_sum=dict(triton=a.item(), cute=b.item(), rel_diff=rel))
-    if not rel <= MAX_REL_DIFF:
-        print(f"[verify] {shape} {S}: MISMATCH {rel}: CuTe stage not timed", file=sys.stderr)
-        del stage["cute stage"]
+    rel_fwd = ((a - c).abs() / a.abs().clamp_min(1e-6)).item()
+    sums = dict(triton=a.item(), cute=b.item(), rel_diff=rel)
+    sums.update(cute_fwd_mode=c.item(), rel_diff_fwd_mode=rel_fwd)
+    res = dict(shape=shape, S=S, kl_sum=sums)
+    for name, r in (("cute stage", rel), ("cute fwd-mode stage", rel_fwd)):
+        if not r <= MAX_REL_DIFF:
+            print(f"[verify] {shape} {S}: MISMATCH {r}: {name} not timed", file=sys.stderr)
+            del stage[name]
     nokl = dataclasses.replace(cfg, compute_kl=False)
 
     def forward(kl_on_cute: bool, conf):

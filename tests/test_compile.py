@@ -81,17 +81,21 @@ def test_triton_kernels_compile_for_other_targets_within_their_shared_memory(arc
 
 def test_cute_kernels_compile_for_sm90_without_spills():
     """Every configuration of ``flash_msa.cute.compile_check`` (selection, forward partials with
-    1, 2 and 3 warpgroups, backward and its KL mode, combine) compiles without spills; all but
-    the combine use wgmma and TMA."""
+    1, 2 and 3 warpgroups and with the query map, their KL mode, backward and its KL mode,
+    combine, the fp8 quantize pass) compiles without spills; all but the combine and the
+    quantize pass (element-wise, no MMA) use wgmma and TMA."""
     pytest.importorskip("cutlass")
     from flash_msa.cute import compile_check
 
     expected = {name for name, *_ in compile_check.configurations()}
     expected |= {name for name, *_ in compile_check.fwd_configurations()}
     expected |= {name for name, *_ in compile_check.bwd_configurations()}
+    expected |= {name for name, *_ in compile_check.kl_configurations()}
     from flash_msa.cute.combine_sm90 import combine_configurations
+    from flash_msa.cute.quantize_sm90 import quantize_configurations
 
     expected |= {name for name, *_ in combine_configurations()}
+    expected |= {name for name, *_ in quantize_configurations()}
     res = subprocess.run(
         [sys.executable, "-m", "flash_msa.cute.compile_check"],
         capture_output=True, text=True, timeout=600,
@@ -100,8 +104,8 @@ def test_cute_kernels_compile_for_sm90_without_spills():
     assert {r["kernel"] for r in rows} == expected, res.stderr
     for r in rows:
         assert r["stack"] == 0 and r["local"] == 0, r  # spills show up as stack
-        # (the combine is a memory-bound merge: no MMA, no TMA)
-        assert r["kernel"].startswith("combine") or (r["wgmma"] and r["tma"]), r
+        # (the combine and the quantize pass are memory-bound: no MMA, no TMA)
+        assert r["kernel"].startswith(("combine", "quantize")) or (r["wgmma"] and r["tma"]), r
         assert r.get("setmaxnreg_kept", True), r  # ptxas may drop a setmaxnreg, warning only
         if r["kernel"].startswith("select e4m3"):  # the FP8 selection: e4m3 products, k 32
             assert r["mma"] == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"], r
@@ -166,7 +170,7 @@ def test_cute_kernel_limits_and_shared_memory_arithmetic():
     assert base == FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 16, 128, warpgroups=3)
     changes = dict(
         dtype=Float16, heads=32, kv_heads=4, sel_heads=2, head_dim=64, top_k=8, block_size=64,
-        warpgroups=1, proxy=True, proxy_head_dim=64, proxy_k_heads=2,
+        warpgroups=1, proxy=True, proxy_head_dim=64, proxy_k_heads=2, qmap=True,
     )  # fmt: skip
     assert set(changes) == {f.name for f in dataclasses.fields(FwdPartialsSm90)}
     for name, value in changes.items():  # any field changes the cache key
@@ -512,6 +516,7 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
     class WL:  # the fields partials() reads before the launch
         slots = 4
         heads = 4
+        q_map = None
 
     T, H, Hkv, D = 8, 16, 2, 64
     q = torch.zeros(T, H, D, dtype=torch.bfloat16)
@@ -578,6 +583,7 @@ def test_cute_proxy_lse_switch_and_host_checks(monkeypatch):
     class WL:  # the fields partials() reads before the launch
         slots = K
         heads = Hs
+        q_map = None
 
     o, lp, pl = torch.zeros(T, H, K, D, **bf), torch.zeros(T, H, K), torch.zeros(T, Hs, K)
     with pytest.raises(ValueError, match="pl_part"):

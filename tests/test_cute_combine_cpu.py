@@ -97,7 +97,7 @@ def test_host_refuses_bad_buffers_naming_them():
 
 
 def test_host_passes_the_buffers_addresses(monkeypatch):
-    """What a launch gets (the kernel is not run: ``_launch`` is replaced): the buffers'
+    """What a launch gets (the kernel is not run: ``run_typed`` is replaced): the buffers'
     addresses in the kernel's argument order, the token count; absent buffers' slots hold
     addresses of the fp32 buffers given. And the host's CPU time per call without the launch
     (the first version's tensor views alone cost ~50 us here)."""
@@ -106,7 +106,7 @@ def test_host_passes_the_buffers_addresses(monkeypatch):
     from flash_msa.cute import combine_sm90
 
     seen = []
-    monkeypatch.setattr(combine_sm90, "_launch", lambda k, dev, args: seen.append((k, args)))
+    monkeypatch.setattr(combine_sm90, "run_typed", lambda k, dev, args, sig: seen.append((k, args)))
     monkeypatch.setattr(combine_sm90, "stream", lambda dev: cuda.CUstream(0))
     o_part, l_part, idx, out, lse, pl_part, plse = _buffers()
 

@@ -657,3 +657,144 @@ def test_cute_select_q_map_is_sync_free_and_graph_capturable():
     qp_l.copy_(torch.randn_like(qp_l))
     graph.replay()
     assert torch.equal(captured, cute_be.select(qp_l, kp, cu, cfg, q_map=q_map))
+
+
+# ---------------------------------------------------------------------------------------------
+# forward with a query map (context parallelism: FwdPartialsSm90(qmap=True))
+# ---------------------------------------------------------------------------------------------
+def _mapped_fwd_case(layout, kind, dtype, seed):
+    """Inputs of ``PROXY_LAYOUTS[layout]`` with a ``kind`` query map (``_q_map``): the local
+    rows (q, q_proxy), the keys, the map, the config and the reference's indices with the map,
+    padding rows given a real row's indices (the kernels must ignore them)."""
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = PROXY_LAYOUTS[layout]
+    (qp, kp, q, k, v), cu = packed_inputs(
+        lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device="cuda", seed=seed
+    )
+    cfg = config(max(lengths), D, Dp, b, top_k)
+    q_map = _q_map(kind, lengths, b, seed)
+    qp_l, q_l = _local_rows(qp, q_map), _local_rows(q, q_map)
+    idx = reference.select(qp_l, kp, cu, cfg, q_map=q_map)
+    real = q_map >= 0
+    idx[~real] = idx[int(torch.nonzero(real)[0])].clone()
+    return (qp_l, kp, q_l, k, v), cu, q_map, cfg, idx
+
+
+def _mapped_slot_references(xs, idx, cu, cfg, q_map):
+    """``(exact, same)`` per index slot with the map: the reference forward on the one-slot
+    index ``idx[:, :, s:s+1]`` gives ``o_part``/``l_part`` ``(Tq, H, K, ...)`` and, from its
+    proxy LSE, ``pl_part`` ``(Tq, Hs, K)`` (fp64 and the input dtype)."""
+    qp, kp, q, k, v = xs
+    one = dataclasses.replace(cfg, top_k=1, compute_kl=False)
+    refs = []
+    for exact in (True, False):
+        ys = [x.double() if exact else x for x in xs]
+        parts = {"o_part": [], "l_part": [], "pl_part": []}
+        for s in range(idx.shape[2]):
+            f = reference.fwd(
+                *ys[2:], idx[:, :, s : s + 1].contiguous(), cu, one, ys[0], ys[1], upcast=exact,
+                q_map=q_map,
+            )  # fmt: skip
+            for name, x in zip(parts, (f.out, f.lse, f.proxy_lse)):
+                parts[name].append(x)
+        refs.append({n: torch.stack(x, 2) for n, x in parts.items()})
+    return refs
+
+
+@pytest.mark.parametrize("kind", ["zigzag", "permuted", "random"])
+@pytest.mark.parametrize("layout", ["anchor", "paper", "Hp>Hpk>1-b64", "Dp<D", "D=64-b128"])
+def test_cute_forward_partials_q_map_match_reference(layout, kind):
+    """``FwdPartialsSm90(qmap=True)`` on a later chunk of query rows (``tok0 > 0``), with and
+    without the proxy part, into NaN-poisoned buffers: every kept (row, head, slot) of a mapped
+    row by the rule against the reference with the map over that slot's block (``o_part``,
+    ``l_part``, ``pl_part``); unused slots and every slot of a padding row unwritten; the main
+    partials of the kernel with the proxy part equal the main-only kernel's bit for bit."""
+    _cute()
+    xs, cu, q_map, cfg, idx = _mapped_fwd_case(layout, kind, torch.bfloat16, seed=11)
+    Tq, Tk = q_map.numel(), xs[3].shape[0]
+    c0 = Tq // 3
+    wl = worklist.build(idx[c0:], cu, cfg.block_size, worklist.ITEM_TOKENS, c0, Tk, q_map)
+    assert wl.q_map is not None
+    o, lp, pl = _cute_partials_into_poisoned(xs, cfg, idx[c0:], wl, c0)
+    o0, lp0, _ = _cute_partials_into_poisoned(xs, cfg, idx[c0:], wl, c0, proxy=False)
+    H, Hp = o.shape[1], idx.shape[1]
+    kept_p = (idx[c0:] >= 0) & (q_map[c0:] >= 0)[:, None, None]  # (C, Hs, K)
+    kept = kept_p.repeat_interleave(H // Hp, dim=1)  # (C, H, K)
+    for x in (o, lp, o0, lp0):
+        assert x[~kept].isnan().all(), "an unused slot or a padding row was written"
+    assert pl[~kept_p].isnan().all()
+    assert torch.equal(o[kept], o0[kept]) and torch.equal(lp[kept], lp0[kept])
+    exact, same = _mapped_slot_references(xs, idx, cu, cfg, q_map)
+    for r in (exact, same):
+        for name, mask in (("o_part", kept), ("l_part", kept), ("pl_part", kept_p)):
+            r[name] = r[name][c0:][mask]
+    mine = dict(o_part=o[kept], l_part=lp[kept], pl_part=pl[kept_p])
+    check(mine, exact, same, label=f"{layout} {kind} ")
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_cute_forward_partials_identity_q_map_is_the_plain_kernel(block):
+    """``q_map = arange(T)``: the same rows, positions and work list as without a map, so the
+    mapped kernel's partials equal the map-less kernel's bit for bit (proxy part included)."""
+    _cute()
+    lengths = (3000, 1, 900)
+    (qp, kp, q, k, v), cu = packed_inputs(
+        lengths, 16, 2, 4, 1, 128, 128, dtype=torch.bfloat16, device="cuda", seed=12
+    )
+    cfg = config(max(lengths), 128, 128, block, 8)
+    T, c0 = q.shape[0], 1000
+    idx = reference.select(qp, kp, cu, cfg)[c0:]
+    ident = torch.arange(T, dtype=torch.int32, device="cuda")
+    xs = (qp, kp, q, k, v)
+    lists = [worklist.build(idx, cu, block, worklist.ITEM_TOKENS, c0, T, m) for m in (None, ident)]
+    plain, mapped = (_cute_partials_into_poisoned(xs, cfg, idx, wl, c0) for wl in lists)
+    for x, y in zip(plain, mapped):
+        assert torch.equal(x.nan_to_num(123.0), y.nan_to_num(123.0))
+
+
+def _mapped_fwd_references(xs, idx, cu, cfg, q_map):
+    """``(exact, same)``: the reference forward with the map (fp64; the input dtype)."""
+    refs = []
+    for exact in (True, False):
+        qp, kp, q, k, v = (x.double() if exact else x for x in xs)
+        f = reference.fwd(q, k, v, idx, cu, cfg, qp, kp, upcast=exact, q_map=q_map)
+        refs.append(results(f))
+    return refs
+
+
+@pytest.mark.parametrize(
+    "layout, kind, dtype",
+    [(layout, kind, torch.bfloat16) for layout in PROXY_LAYOUTS for kind in ("zigzag", "random")]
+    + [("anchor", "permuted", torch.float16), ("Hp>Hpk>1-b64", "zigzag", torch.float16)],
+)
+def test_cute_forward_op_q_map_matches_reference(layout, kind, dtype, monkeypatch):
+    """The CuTe forward op with a map (``fwd_partials_sm90.fwd(..., q_map)`` through the
+    driver) with ``FWD_Q_MAP_DECLARED`` patched on: its stages declare the map, the mapped
+    partials make the proxy LSE partials (Triton's stage, patched to fail, never runs); out,
+    lse, proxy LSE and KL by the rule against the reference with the map on the mapped rows,
+    padding rows exactly ``out = 0``, ``lse = proxy_lse = -inf``; every buffer poisoned."""
+    from flash_msa import cute
+    from flash_msa.cute import fwd_partials_sm90
+    from flash_msa.triton_ref import sparse_fwd
+
+    def not_this_stage(*args, **kwargs):
+        raise AssertionError("Triton's proxy_partials ran: the CuTe partials did not make them")
+
+    monkeypatch.setattr(fwd_partials_sm90, "FWD_Q_MAP_DECLARED", True)
+    monkeypatch.setattr(sparse_fwd, "proxy_partials", not_this_stage)
+    _cute()
+    assert cute.forward_stages().q_map, "cute.forward_stages must read FWD_Q_MAP_DECLARED"
+    xs, cu, q_map, cfg, idx = _mapped_fwd_case(layout, kind, dtype, seed=13)
+    qp, kp, q, k, v = xs
+    assert fwd_partials_sm90.proxy_fits(q, k, qp, kp, idx, cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        _poison_new_buffers(mp)
+        mine = results(fwd_partials_sm90.fwd(q, k, v, idx, cu, cfg, qp, kp, q_map=q_map))
+    exact, same = _mapped_fwd_references(xs, idx, cu, cfg, q_map)
+    real, pad = q_map >= 0, q_map < 0
+    for name in FWD:
+        m, ex, sm = mine[name], exact[name], same[name]
+        if name != "kl":
+            want = -torch.inf if name.endswith("lse") else 0.0
+            assert (m[pad] == want).all(), f"{name}: padding rows"
+            m, ex, sm = m[real], ex[real], sm[real]
+        testing.assert_close(f"{layout} {kind} {name}", m, ex, sm)

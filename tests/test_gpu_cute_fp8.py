@@ -238,3 +238,137 @@ def test_cute_fp8_select_is_graph_capturable():
     qp.copy_(torch.randn_like(qp))
     graph.replay()
     assert torch.equal(captured, select_sm90.select(qp, kp, cu, cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# the quantize pass as a CuTe kernel (cute/quantize_sm90.py): bitwise the torch pass
+# ---------------------------------------------------------------------------------------------
+def _quantize_sm90():
+    pytest.importorskip("cutlass")
+    from flash_msa.cute import quantize_sm90
+
+    return quantize_sm90
+
+
+QUANT_CASES = [  # lengths (empty and short sequences among them), Hp, Hpk, Dp, block, dtype
+    ((8192,), 4, 1, 128, 128, torch.bfloat16),  # anchor / paper proxy heads
+    ((3000, 0, 1, 700, 129), 2, 1, 64, 64, torch.bfloat16),
+    ((1500, 63, 65), 4, 2, 128, 64, torch.float16),
+    ((0, 2000, 4000, 1), 8, 2, 64, 128, torch.float16),
+]
+
+
+def _poisoned_like(qz):
+    return tuple(testing.poisoned(x.shape, x.dtype, "cuda") for x in qz[:4])
+
+
+def _assert_bitwise(got, want):
+    """Equal e4m3 bytes and fp32 scales (as bits), NaN at the same places."""
+    for name in ("q", "q_scale", "k", "k_scale"):
+        a, b = getattr(got, name), getattr(want, name)
+        bits = torch.uint8 if a.dtype == quant.E4M3 else torch.int32
+        a_nan, b_nan = a.float().isnan(), b.float().isnan()
+        assert torch.equal(a_nan, b_nan), name
+        assert torch.equal(a.view(bits)[~a_nan], b.view(bits)[~b_nan]), name
+    assert (got.key_scale, got.rotated) == (want.key_scale, want.rotated)
+
+
+def _qcase_id(c):
+    return "x".join(map(str, c[0])) + f"-Hp{c[1]}-Hpk{c[2]}-Dp{c[3]}-b{c[4]}-{str(c[5])[6:]}"
+
+
+@pytest.mark.parametrize("case", QUANT_CASES, ids=_qcase_id)
+@pytest.mark.parametrize("key_scale", quant.KEY_SCALES)
+def test_cute_quantize_is_bitwise_the_torch_pass(case, key_scale):
+    """``quantize_sm90.quantize`` against ``quant.quantize`` on the same GPU inputs (``gain``:
+    key blocks of different magnitudes, so that the block scales differ): the same e4m3 bytes
+    and fp32 scales, every output element written (the buffers start NaN-poisoned); with
+    the rotation, and without it on the first two cases."""
+    lengths, Hp, Hpk, Dp, b, dtype = case
+    qs = _quantize_sm90()
+    qp, kp, cu, _, _ = _case(lengths, Hp, Hpk, Dp, b, 16, dtype, 7, "gain", key_scale)
+    for rotate in (True, False) if case in QUANT_CASES[:2] else (True,):
+        want = quant.quantize(qp, kp, cu, b, key_scale=key_scale, rotate=rotate)
+        out = _poisoned_like(want)
+        got = qs.quantize(qp, kp, cu, b, key_scale, rotate, max_seqlen=max(lengths), out=out)
+        assert all(x is y for x, y in zip(got, out))
+        _assert_bitwise(got, want)
+        # a loose max_seqlen (more CTAs, the extra ones do nothing) and the default (read from
+        # cu_seqlens) give the same
+        _assert_bitwise(qs.quantize(qp, kp, cu, b, key_scale, rotate, max_seqlen=9000), want)
+        _assert_bitwise(qs.quantize(qp, kp, cu, b, key_scale, rotate), want)
+
+
+@pytest.mark.parametrize("key_scale", quant.KEY_SCALES)
+@pytest.mark.parametrize("Dp", [64, 128])
+def test_cute_quantize_edge_values(key_scale, Dp):
+    """Rows the scale rule treats specially, bitwise as the torch pass: all zeros (scale 1),
+    -0.0, an amax below ``448 * fp32 tiny`` (scale 1), subnormal and huge elements, outlier
+    channels, and (query rows; key rows with per-token scales) inf and NaN (the torch pass's
+    amax is NaN: scale 1, NaN values). Also without the rotation (``-0.0`` and subnormals
+    reach the division unrotated)."""
+    qs = _quantize_sm90()
+    T, Hp, Hpk, b = 512, 4, 1, 64
+    cu = testing.cu([T - 100, 100], "cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        fi = torch.finfo(dtype)
+        g = torch.Generator().manual_seed(Dp)
+        spread = torch.randint(-6, 7, (T, 1, 1), generator=g)  # key rows of many magnitudes
+        qp = torch.randn(T, Hp, Dp, generator=g)
+        fp16 = dtype == torch.float16
+        kp = torch.randn(T, Hpk, Dp, generator=g) * 2.0 ** (spread * (1 if fp16 else 3))
+        for x in (qp, kp):
+            x[0] = 0.0
+            x[1] = -0.0
+            x[2] = 1e-37  # amax below quant's threshold (bf16; 0 in fp16)
+            x[3, :, ::3] = fi.tiny / 4  # the dtype's subnormals beside normal elements
+            x[4] *= fi.max / (16 if fp16 else 1024)  # huge (the rotated sums stay finite)
+            x[5, :, :4] *= 1000.0  # outlier channels
+            x[64:128] = 0.0  # a whole key block of zeros
+        for x in (qp,) if key_scale == "block" else (qp, kp):
+            x[6, 0, 5] = float("inf")
+            x[7, 0, 9] = float("nan")
+        q, k = (x.to(dtype).cuda() for x in (qp, kp))
+        for rotate in (True, False):
+            want = quant.quantize(q, k, cu, b, key_scale=key_scale, rotate=rotate)
+            got = qs.quantize(q, k, cu, b, key_scale, rotate, out=_poisoned_like(want))
+            _assert_bitwise(got, want)
+
+
+def test_cute_quantize_tuning_variants_are_bitwise_equal():
+    """Every variant benchmarks/cute_select_ab.py times (``quantize_sm90.VARIANTS``) writes the
+    torch pass's bytes."""
+    qs = _quantize_sm90()
+    qp, kp, cu, _, _ = _case((5000, 300, 1), 4, 1, 128, 128, 16, torch.bfloat16, 3, "gain")
+    want = quant.quantize(qp, kp, cu, 128)
+    for tuning in qs.VARIANTS.values():
+        _assert_bitwise(qs.quantize(qp, kp, cu, 128, out=_poisoned_like(want), **tuning), want)
+
+
+def test_cute_fp8_select_op_with_the_cute_quantize_pass(monkeypatch):
+    """``select_sm90.select`` (fp8) with ``quantize_sm90.QUANTIZE_ON_CUTE`` on (off until this
+    passed on the H200): the same indices as with the torch pass (the operands are the same
+    bits), no host synchronization, and a CUDA graph capture replays it on new inputs."""
+    select_sm90, qs = _select_sm90(), _quantize_sm90()
+    qp, kp, cu, cfg, _ = _case((7000, 900), 4, 1, 128, 128, 16, torch.bfloat16, 5, "local")
+    torch_pass = select_sm90.select(qp, kp, cu, cfg)
+    monkeypatch.setattr(qs, "QUANTIZE_ON_CUTE", True)
+    calls = []
+    real = qs.quantize
+    monkeypatch.setattr(qs, "quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = select_sm90.select(qp, kp, cu, cfg)
+    assert calls and torch.equal(got, torch_pass)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = select_sm90.select(qp, kp, cu, cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = select_sm90.select(qp, kp, cu, cfg)
+    qp.copy_(torch.randn_like(qp))
+    graph.replay()
+    monkeypatch.setattr(qs, "QUANTIZE_ON_CUTE", False)
+    assert torch.equal(captured, select_sm90.select(qp, kp, cu, cfg))

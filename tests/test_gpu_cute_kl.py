@@ -75,3 +75,108 @@ def test_cute_kl_stage_refuses_the_unit_gradient():
     unit = (torch.zeros(qp.shape, device="cuda"), torch.zeros(kp.shape, device="cuda"))
     with pytest.raises(ValueError, match="unit"):
         bwd_sm90.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg, unit)
+
+
+# ---------------------------------------------------------------------------------------------
+# the KL stage on the forward partials' kernel (fwd_partials_sm90: FwdKlSm90, kl; behind
+# KL_FWD_MODE): its sum against the reference and bwd_sm90.kl, and in the driver
+# ---------------------------------------------------------------------------------------------
+# the CUTE layouts (G = H / Hs: anchor 4, paper 16, Hp>Hpk>1-b64 2, G2=1 1, Dp>D 2, D=64-b128
+# 4; empty and one-token sequences) and G = 8 with short sequences
+FWD_MODE_CASES = {**CASES, "G=8": ((1200, 5, 0, 640), 32, 4, 4, 1, 128, 128, 128, 8)}
+
+
+def _fwd_mode_setup(case, dtype, seed, kind):
+    pytest.importorskip("cutlass")
+    cute_be, why = backends.load("cute")
+    assert cute_be is not None, why
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = case
+    (qp, kp, q, k, v), cu = packed_inputs(
+        lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device="cuda", seed=seed, kind=kind
+    )
+    cfg = config(max(lengths), D, Dp, b, top_k)
+    idx = reference.select(qp, kp, cu, cfg)
+    return cute_be, (qp, kp, q, k, v), cu, cfg, idx
+
+
+@pytest.mark.parametrize("kind", ["random", "local"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", FWD_MODE_CASES.values(), ids=FWD_MODE_CASES.keys())
+def test_cute_kl_fwd_mode_stage(case, dtype, kind):
+    """``fwd_partials_sm90.kl`` (FwdKlSm90, the driver's 256-token items): its sum over the
+    rows, as the forward's KL (sum / (Hs T)), by the rule against the fp64 reference on the
+    same indices; against ``bwd_sm90.kl`` on the same work list and final LSEs (relative
+    1e-3: fp32 sums of the same terms in another order); two runs bitwise equal; the other
+    warpgroup counts the shared memory allows within 1e-4 of the default's."""
+    from flash_msa.cute import bwd_sm90
+    from flash_msa.cute import fwd_partials_sm90 as fp
+
+    cute_be, (qp, kp, q, k, v), cu, cfg, idx = _fwd_mode_setup(case, dtype, 11, kind)
+    assert fp.kl_fits(q, k, qp, kp, idx, cfg)
+    exact, same = references(qp, kp, q, k, v, idx, cu, cfg)
+    f = cute_be.fwd(q, k, v, idx, cu, cfg, qp, kp)
+    T, Hs = q.shape[0], qp.shape[1]
+    wl = worklist.build(idx, cu, cfg.block_size, worklist.ITEM_TOKENS, 0, T)
+    mine = fp.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg)
+    again = fp.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg)
+    assert torch.equal(mine, again)
+    assert torch.isfinite(mine)
+    check({"kl": mine / (Hs * T)}, exact, same, ["kl"], label="cute fwd-mode kl stage ")
+    theirs = bwd_sm90.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg)
+    rel = (mine - theirs).abs().item() / max(theirs.abs().item(), 1e-6)
+    assert rel < 1e-3, (mine.item(), theirs.item())
+    H, D, Dp = q.shape[1], q.shape[2], qp.shape[2]
+    for wgs in (1, 3):
+        if fp._kl_reason(q, k, qp, kp, wl.slots, cfg, wgs) is None:
+            other = fp.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg, warpgroups=wgs)
+            rel = (other - mine).abs().item() / max(mine.abs().item(), 1e-6)
+            assert rel < 1e-4, (wgs, other.item(), mine.item(), H, D, Dp)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["anchor", "paper", "G=8"])
+def test_cute_kl_fwd_mode_in_the_driver(case, dtype):
+    """The CuTe forward's stages with ``kl`` = ``fwd_partials_sm90.kl`` (what
+    ``cute.forward_stages`` runs once ``KL_FWD_MODE`` is on): the KL by the rule against the
+    fp64 reference, every other output bitwise equal to today's stages'; the unit proxy
+    gradient still goes to Triton's stage (``with_proxy_grad``)."""
+    import dataclasses
+
+    from flash_msa import cute, sparse_forward
+    from flash_msa.cute import fwd_partials_sm90 as fp
+
+    cute_be, (qp, kp, q, k, v), cu, cfg, idx = _fwd_mode_setup(
+        FWD_MODE_CASES[case], dtype, 3, "random"
+    )
+    exact, same = references(qp, kp, q, k, v, idx, cu, cfg)
+    base = cute_be.fwd(q, k, v, idx, cu, cfg, qp, kp)
+    stages = dataclasses.replace(cute.forward_stages(), kl=fp.kl, kl_makes_proxy_grad=False)
+    on = sparse_forward.fwd(stages, q, k, v, idx, cu, cfg, qp, kp)
+    check(results(on), exact, same, ["kl"], label="cute fwd-mode kl in the driver ")
+    for a, b in ((on.out, base.out), (on.lse, base.lse), (on.proxy_lse, base.proxy_lse)):
+        assert torch.equal(a, b)
+    grad = sparse_forward.fwd(stages, q, k, v, idx, cu, cfg, qp, kp, proxy_grad=True)
+    assert grad.proxy_grad is not None
+
+
+def test_cute_kl_fwd_mode_refuses_the_unit_gradient_and_hands_over_a_query_map():
+    """``fwd_partials_sm90.kl`` refuses the unit gradient; a work list with a query map goes to
+    ``bwd_sm90.kl`` (the same bits)."""
+    from flash_msa.cute import bwd_sm90
+    from flash_msa.cute import fwd_partials_sm90 as fp
+
+    cute_be, (qp, kp, q, k, v), cu, cfg, idx = _fwd_mode_setup(
+        CASES["anchor"], torch.bfloat16, 1, "random"
+    )
+    f = cute_be.fwd(q, k, v, idx, cu, cfg, qp, kp)
+    T = q.shape[0]
+    wl = worklist.build(idx, cu, cfg.block_size, worklist.ITEM_TOKENS, 0, T)
+    unit = (torch.zeros(qp.shape, device="cuda"), torch.zeros(kp.shape, device="cuda"))
+    with pytest.raises(ValueError, match="unit"):
+        fp.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg, unit)
+    q_map = torch.arange(T, dtype=torch.int32, device="cuda")  # the identity map
+    mapped = wl._replace(q_map=q_map)
+    assert torch.equal(
+        fp.kl(q, k, qp, kp, f.lse, f.proxy_lse, mapped, cfg),
+        bwd_sm90.kl(q, k, qp, kp, f.lse, f.proxy_lse, mapped, cfg),
+    )

@@ -42,6 +42,9 @@ docs/algorithm.md, "FP8 selection: semantics and recall"):
 Values: ``x / scale`` is clamped to ``[-448, 448]`` (a division can round just past it; the
 cast saturates on CPU but the behaviour is not promised everywhere) and rounded to nearest
 even by the cast. An all-zero row or block gets scale 1 (its e4m3 values are 0 either way).
+Every step is a correctly rounded fp32 operation in a fixed order (the rotation by
+:func:`hadamard_transform`'s butterflies, IEEE divisions), so the bytes and scales are the same
+on every device and equal those of the SM90 kernel ``cute/quantize_sm90.py``.
 """
 
 from __future__ import annotations
@@ -109,13 +112,45 @@ def hadamard(n: int, device=None) -> torch.Tensor:
     return torch.block_diag(*[h * m**-0.5] * (n // m))
 
 
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """``x @ hadamard(n)`` over the last dim ``n`` in fp32, by one fixed order of operations:
+    within each block of ``m`` (:func:`hadamard`), the radix-2 Walsh-Hadamard butterflies at
+    strides 1, 2, 4, ..., m/2 (elements ``i`` and ``i + s``, ``i`` without bit ``s``, become
+    ``a + b`` and ``a - b``, each rounded once), then one multiply by the fp32 value of ``m **
+    -0.5``. So the result's bits are defined (every device and kernel that keeps this order
+    gets them: the SM90 quantize kernel, ``cute/quantize_sm90.py``), where ``x @ hadamard(n)``
+    sums in an order its BLAS library picks (and in TF32 under matmul precision "high"); the
+    two differ in the last bits of most values at ``n = 128`` (measured in that module's
+    docstring), and compute the same rotation."""
+    x = x.float()
+    n = x.shape[-1]
+    m = n & -n
+    if m == 1:
+        return x
+    bufs = [torch.empty(x.shape, dtype=torch.float32, device=x.device), None]
+    s, i = 1, 0
+    while s < m:  # one pass of reads and writes per stage: into the other buffer, by views
+        src = x.reshape(-1, n // (2 * s), 2, s)
+        dst = bufs[i].view(-1, n // (2 * s), 2, s)
+        torch.add(src[:, :, 0], src[:, :, 1], out=dst[:, :, 0])
+        torch.sub(src[:, :, 0], src[:, :, 1], out=dst[:, :, 1])
+        if bufs[1 - i] is None:
+            bufs[1 - i] = torch.empty_like(bufs[i])
+        x, s, i = bufs[i], 2 * s, 1 - i
+    # m ** -0.5 rounded to fp32 first: the product is then one rounding, on any device
+    return x.mul_(torch.tensor(m**-0.5, dtype=torch.float32).item())
+
+
 def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x / scale`` (``scale`` broadcast over the last dim) as e4m3, clamped to +-448."""
     return (x.float() / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(amax >= _MIN_AMAX, amax / E4M3_MAX, 1.0)
+    # an IEEE division on every device: the divisor is a tensor, as torch on CUDA multiplies by
+    # the reciprocal of a Python-number divisor ("may lose one bit", its div_true kernel), so
+    # ``amax / 448.0`` differed between CPU and GPU (and from the CuTe kernel's div.rn)
+    return torch.where(amax >= _MIN_AMAX, amax / amax.new_full((), E4M3_MAX), 1.0)
 
 
 def block_of_token(cu_seqlens: torch.Tensor, total: int, block_size: int) -> torch.Tensor:
@@ -168,8 +203,7 @@ def quantize(
     """
     q, k = q_proxy.detach().float(), k_proxy.detach().float()
     if rotate:
-        h = hadamard(q.shape[-1], q.device)
-        q, k = q @ h, k @ h
+        q, k = hadamard_transform(q), hadamard_transform(k)
     q_scale = _scale(q.abs().amax(-1))
     k_scale = key_scales(k, cu_seqlens, block_size, key_scale)
     return Quantized(to_e4m3(q, q_scale), q_scale, to_e4m3(k, k_scale), k_scale, key_scale, rotate)

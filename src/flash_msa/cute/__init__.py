@@ -89,6 +89,9 @@ LIMITS = {
         **_SM90,
         head_dims=(64, 128),
         deterministic=True,
+        # the partials' map mode (FwdPartialsSm90(qmap=True)) is off until its H200 run:
+        # _fwd_reason refuses a mapped call while fwd_partials_sm90.FWD_Q_MAP_DECLARED is off
+        q_map=Q_MAP_DECLARED,
         note="per-block attention, the proxy LSE and the KL value on CuTe; the combine is a "
         "Triton stage (with its limits), as are the proxy LSE and the KL where the CuTe "
         "kernels cannot run the call",
@@ -164,15 +167,17 @@ def forward_stages(kl_fits: bool = True, combine_fits: bool = True, proxy_fits: 
     the Triton backend's stage for each one left out (``proxy_partials`` where the partials
     do not make the proxy LSE)."""
     from ..sparse_forward import Stages
-    from .fwd_partials_sm90 import partials
+    from . import fwd_partials_sm90  # (imported here: the tests patch its switches)
 
-    stages = dict(partials=partials)
+    stages = dict(partials=fwd_partials_sm90.partials, q_map=fwd_partials_sm90.FWD_Q_MAP_DECLARED)
     if PROXY_LSE_ON_CUTE and proxy_fits:
         stages["partials_make_proxy"] = True
     if KL_ON_CUTE and kl_fits:
         from .bwd_sm90 import kl
 
-        stages["kl"] = kl
+        # the partials kernel's KL mode (FwdKlSm90, fwd_partials_sm90.kl: off until its H200
+        # run) where its switch is on; it hands the calls it cannot run to bwd_sm90.kl
+        stages["kl"] = fwd_partials_sm90.kl if fwd_partials_sm90.KL_FWD_MODE else kl
     if COMBINE_ON_CUTE and combine_fits:
         from .combine_sm90 import combine
 
@@ -215,9 +220,15 @@ def _fwd_reason(problem: Problem) -> str | None:
     (``FwdPartialsSm90.can_implement``: the same table plus the head-group arithmetic and
     shared memory), and those of the stages it borrows."""
     from ..sparse_forward import borrowed_reason
+    from . import fwd_partials_sm90
     from .common import cutlass_dtype
     from .fwd_partials_sm90 import FwdPartialsSm90
 
+    if problem.q_map and not fwd_partials_sm90.FWD_Q_MAP_DECLARED:
+        return (
+            "the CuTe forward's query map (q_map) is off until its H200 run "
+            "(fwd_partials_sm90.FWD_Q_MAP_DECLARED)"
+        )
     why = FwdPartialsSm90.can_implement(
         cutlass_dtype(problem.dtype), problem.num_heads, problem.num_kv_heads,
         problem.num_sel_heads, problem.head_dim, problem.cfg.top_k, problem.cfg.block_size,
@@ -260,11 +271,14 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
     return _select(q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map)
 
 
-def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):
-    """Backend op ``fwd``: see :func:`flash_msa.cute.fwd_partials_sm90.fwd`."""
+def fwd(
+    q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False, *, q_map=None
+):
+    """Backend op ``fwd``: see :func:`flash_msa.cute.fwd_partials_sm90.fwd` (``q_map``: the
+    contract's query map)."""
     from .fwd_partials_sm90 import fwd as _fwd
 
-    return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad)
+    return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad, q_map=q_map)
 
 
 def bwd(dout, dkl, saved, cu_seqlens, cfg, *, q_map=None):

@@ -109,8 +109,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from ..cubin import SHARED_LIMIT
-from . import disk_cache
-from .common import cutlass_dtype, stream
+from .common import cutlass_dtype, run_typed, stream
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -785,22 +784,9 @@ def launch_arguments(kernel: CombineSm90, o, lp, idx, out, lse, pl, plse, tokens
     )
 
 
-# the compiled launches of this process by (kernel, device index): the kernel object fixes
-# every argument's type (launch_arguments), so it is the whole key (no per-call signature)
-_compiled: dict = {}
 # the disk cache's text for the argument types: fixed by the kernel object and this module's
-# source (both in the disk key)
+# source (both in the disk key); launches go through common.run_typed
 LAUNCH_SIGNATURE = "combine_sm90.launch_arguments"
-
-
-def _launch(kernel: CombineSm90, device: torch.device, args: tuple) -> None:
-    key = (kernel, device.index)
-    fn = _compiled.get(key)
-    if fn is None:
-        major, minor = torch.cuda.get_device_capability(device)
-        fn = disk_cache.compiled(kernel, args, LAUNCH_SIGNATURE, f"sm_{major}{minor}")
-        _compiled[key] = fn
-    fn(*args)
 
 
 def combine(
@@ -866,7 +852,7 @@ def combine(
         kernel, a_o, a_l, idx.data_ptr(), a_out, lse_buf.data_ptr(), a_pl, a_plse, C,
         stream(device),
     )  # fmt: skip
-    _launch(kernel, device, args)
+    run_typed(kernel, device, args, LAUNCH_SIGNATURE)
     if lse_buf is not lse:
         lse.copy_(lse_buf)
     if has_o and out_buf is not out:
@@ -945,33 +931,19 @@ def compile_combine(dtype, H, Hs, K, D, has_o, tuning=None, *, dump=None, name="
     ``None``: the shipped variant) for sm_90a on the launch arguments :func:`combine` passes
     (:func:`launch_arguments`, dummy addresses); returns cuobjdump's ``{"reg", "stack",
     "local"}`` (spills show as stack) like ``compile_check``'s other kernels, with
-    ``wgmma``/``tma`` False. ``dump``: a folder for ``<name>.ptx`` / ``.cubin``. The DSL's own
-    copies of the artifacts go to a temporary folder (``--dump-dir``: ``CUTE_DSL_DUMP_DIR`` is
-    read once per process)."""
-    import os
-    import tempfile
-
+    ``wgmma``/``tma`` False. ``dump``: a folder for ``<name>.ptx`` / ``.cubin``
+    (``compile_check.compile_kernel``)."""
     from cutlass import BFloat16, Float16
     from cutlass.cute.runtime import make_fake_stream
 
-    from ..cubin import resources
+    from .compile_check import compile_kernel
 
     dt = {"bf16": BFloat16, "fp16": Float16, None: None}[dtype]
     kernel = CombineSm90(dt, H, Hs, K, D, has_o, **(tuning or {}))
     a = 1 << 20  # a dummy address, 16-byte aligned
     args = launch_arguments(kernel, a, a, a, a, a, a, a, 1, make_fake_stream())
-    with tempfile.TemporaryDirectory() as tmp:
-        c = cute.compile(
-            kernel, *args, options=f"--gpu-arch sm_90a --keep-cubin --keep-ptx --dump-dir={tmp}"
-        )
-        ptx, cubin = c.artifacts.PTX, c.artifacts.CUBIN
-    if dump:
-        stem = os.path.join(dump, name.replace(" ", "_"))
-        with open(stem + ".ptx", "w") as f:
-            f.write(ptx)
-        with open(stem + ".cubin", "wb") as f:
-            f.write(cubin)
-    return dict(resources(cubin), wgmma=False, tma=False)
+    res = compile_kernel(kernel, *args, dump=dump, name=name)
+    return dict(res, wgmma=False, tma=False)
 
 
 def _main(argv: list[str]) -> int:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 
-def _compile(kernel, *args, dump: str | None = None, name: str = "", mma=False) -> dict:
+def compile_kernel(kernel, *args, dump: str | None = None, name: str = "", mma=False) -> dict:
     """Compile kernel object ``kernel`` for sm_90a on specimen ``args``; cuobjdump's counts and
     whether the PTX uses wgmma and TMA; ``mma``: also the distinct wgmma instructions (e.g.
     ``wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3``)."""
@@ -27,25 +27,26 @@ def _compile(kernel, *args, dump: str | None = None, name: str = "", mma=False) 
     from ..cubin import resources as cubin_resources
     from ..cubin import sass_count
 
-    c = cute.compile(kernel, *args, options="--gpu-arch sm_90a --keep-cubin --keep-ptx")
-    ptx = c.artifacts.PTX
+    with tempfile.TemporaryDirectory() as tmp:  # (the kept files go there, not into the cwd)
+        c = cute.compile(
+            kernel, *args, options=f"--gpu-arch sm_90a --keep-cubin --keep-ptx --dump-dir={tmp}"
+        )
+        ptx, cubin = c.artifacts.PTX, c.artifacts.CUBIN
     if dump:
         stem = os.path.join(dump, name.replace(" ", "_"))
         with open(stem + ".ptx", "w") as f:
             f.write(ptx)
         with open(stem + ".cubin", "wb") as f:
-            f.write(c.artifacts.CUBIN)
+            f.write(cubin)
     res = dict(
-        cubin_resources(c.artifacts.CUBIN),
+        cubin_resources(cubin),
         wgmma="wgmma.mma_async" in ptx,
         tma="cp.async.bulk.tensor" in ptx,
     )
     if mma:
         res["mma"] = sorted(set(re.findall(r"\bwgmma\.mma_async[\w.]*", ptx)))
     if "setmaxnreg" in ptx:  # kept by ptxas? (it drops one it cannot honour, with a warning)
-        res["setmaxnreg_kept"] = sass_count(c.artifacts.CUBIN, "USETMAXREG") == ptx.count(
-            "setmaxnreg."
-        )
+        res["setmaxnreg_kept"] = sass_count(cubin, "USETMAXREG") == ptx.count("setmaxnreg.")
     return res
 
 
@@ -85,10 +86,11 @@ def configurations():
 
 
 def fwd_configurations():
-    """(name, dtype, H, Hkv, Hs, D, K, block, warpgroups[, (Hpk, Dp)]) of the forward-partials
-    kernels checked: the head layouts, dims and blocks with the default 3 warpgroups, and each
-    also with 1 and 2 (the constructor argument the A/B script and the GPU tests vary); with
-    ``(Hpk, Dp)`` the kernel that also makes the proxy LSE partials (``proxy=True``)."""
+    """(name, dtype, H, Hkv, Hs, D, K, block, warpgroups[, (Hpk, Dp)[, qmap]]) of the
+    forward-partials kernels checked: the head layouts, dims and blocks with the default 3
+    warpgroups, and each also with 1 and 2 (the constructor argument the A/B script and the GPU
+    tests vary); with ``(Hpk, Dp)`` the kernel that also makes the proxy LSE partials
+    (``proxy=True``); with ``qmap`` True the query-map kernel (``qmap=True``)."""
     layouts = [
         (f"fwd bf16 anchor D={D} b={block}", "bf16", 16, 2, 4, D, 16, block)
         for D in (64, 128)
@@ -113,6 +115,15 @@ def fwd_configurations():
     for name, dtype, *cfg, hpk, dp in proxy:
         yield f"fwd {dtype} proxy {name}", dtype, *cfg, 3, (hpk, dp)
     yield "fwd bf16 proxy anchor D=128 b=128 wg1", "bf16", 16, 2, 4, 128, 16, 128, 1, (1, 128)
+    # the query map (FwdPartialsSm90(qmap=True), context parallelism), with and without the
+    # proxy part (a CP forward has it wherever the KL or the proxy gradient is wanted); not the
+    # paper layout: it spills 8 bytes with the map (fwd_partials_sm90's docstring), pinned by
+    # tests/test_cute_fwd_qmap_cpu.py instead
+    for name, *cfg in (layouts[i] for i in (0, 3, 5)):  # anchor D=64 / 128, fp16
+        yield f"{name} qmap", *cfg, 3, None, True
+    for name, dtype, *cfg, hpk, dp in proxy:
+        if "paper" not in name:
+            yield f"fwd {dtype} proxy {name} qmap", dtype, *cfg, 3, (hpk, dp), True
 
 
 def bwd_configurations():
@@ -213,7 +224,7 @@ def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=No
     )  # fmt: skip
     if kernel.qmap:  # the query map (Tq,) int32, after the stream
         args += (flat(Int32, "TQ"),)
-    return _compile(kernel, *args, **dump)
+    return compile_kernel(kernel, *args, **dump)
 
 
 def _dtype(name: str):
@@ -224,23 +235,24 @@ def _dtype(name: str):
 
 def compile_fwd(
     dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: int, wgs: int, proxy=None,
-    **dump,
+    qmap: bool = False, **dump,
 ) -> dict:  # fmt: skip
     """Compile :class:`~flash_msa.cute.fwd_partials_sm90.FwdPartialsSm90` on specimen tensors
     of the layouts :func:`~flash_msa.cute.fwd_partials_sm90.partials` passes; ``proxy = (Hpk,
-    Dp)``: the kernel with the proxy LSE part."""
+    Dp)``: the kernel with the proxy LSE part; ``qmap``: the query-map kernel (``Tq`` query
+    rows against ``T`` keys, the map ``(Tq,)`` int32 in the work list)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     from .common import WorkItems
-    from .fwd_partials_sm90 import FwdPartialsSm90, ProxyArgs
+    from .fwd_partials_sm90 import FwdPartialsSm90, MappedWorkItems, ProxyArgs
 
     dt = _dtype(dtype)
     variant = {}
     if proxy is not None:
         variant = dict(proxy=True, proxy_k_heads=proxy[0], proxy_head_dim=proxy[1])
-    kernel = FwdPartialsSm90(dt, H, Hkv, Hs, D, K, block, wgs, **variant)
+    kernel = FwdPartialsSm90(dt, H, Hkv, Hs, D, K, block, wgs, **variant, qmap=qmap)
     sym = cute.sym_int32
     T = sym(symbol="T")
     q = make_fake_tensor(dt, (sym(symbol="TH"), D), stride=(D, 1), assumed_align=16)
@@ -264,7 +276,63 @@ def compile_fwd(
         kp = make_fake_tensor(dt, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16)
         pl = make_fake_compact_tensor(Float32, (sym(symbol="PS"),), assumed_align=16)
         args.append(ProxyArgs(qp, kp, pl, Float32(1.0)))
-    return _compile(kernel, *args, **dump)
+    if qmap:  # the work list with its map (Tq,) int32
+        q_map = make_fake_compact_tensor(Int32, (sym(symbol="TQ"),), assumed_align=16)
+        args[3] = MappedWorkItems(*work, q_map)
+    return compile_kernel(kernel, *args, **dump)
+
+
+def kl_configurations():
+    """(name, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, warpgroups) of the forward partials'
+    KL mode (:class:`~flash_msa.cute.fwd_partials_sm90.FwdKlSm90`): anchor and paper, both
+    dims and blocks, bf16 and fp16, G = H / Hs of 1, 2, 4, 8, 16, several proxy key heads, and
+    1 or 3 warpgroups (the default is 2)."""
+    for dt, H, Hkv, D, Dp, block in (
+        ("bf16", 16, 2, 128, 128, 128), ("bf16", 64, 4, 128, 128, 128),
+        ("fp16", 64, 4, 128, 128, 128), ("fp16", 16, 2, 128, 128, 128),
+        ("bf16", 16, 2, 64, 64, 64), ("bf16", 64, 4, 128, 128, 64),
+        ("bf16", 16, 2, 64, 128, 128), ("bf16", 16, 2, 128, 64, 64),
+    ):  # fmt: skip
+        shape = "anchor" if H == 16 else "paper"
+        yield f"kl {dt} {shape} D={D} Dp={Dp} b={block}", dt, H, Hkv, 4, 1, D, Dp, 16, block, 2
+    yield "kl bf16 G=1 Hpk=2 D=128 b=128", "bf16", 4, 4, 4, 2, 128, 128, 5, 128, 2
+    yield "kl bf16 G=2 Hpk=2 D=64 b=64", "bf16", 8, 2, 4, 2, 64, 64, 8, 64, 2
+    yield "kl bf16 G=8 D=128 b=128", "bf16", 32, 4, 4, 1, 128, 128, 16, 128, 2
+    yield "kl bf16 anchor D=64 Dp=64 b=64 wg3", "bf16", 16, 2, 4, 1, 64, 64, 16, 64, 3
+    yield "kl bf16 anchor D=128 Dp=128 b=128 wg1", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 1
+
+
+def compile_kl(
+    dtype: str, H: int, Hkv: int, Hs: int, Hpk: int, D: int, Dp: int, K: int, block: int,
+    wgs: int = 2, **dump,
+) -> dict:  # fmt: skip
+    """Compile :class:`~flash_msa.cute.fwd_partials_sm90.FwdKlSm90` on specimen tensors of the
+    layouts :func:`~flash_msa.cute.fwd_partials_sm90.kl` passes."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    from .common import WorkItems
+    from .fwd_partials_sm90 import FwdKlSm90
+
+    dt = _dtype(dtype)
+    kernel = FwdKlSm90(dt, H, Hkv, Hs, D, K, block, wgs, True, Dp, Hpk)
+    sym = cute.sym_int32
+    T = sym(symbol="T")
+    q = make_fake_tensor(dt, (sym(symbol="TH"), D), stride=(D, 1), assumed_align=16)
+    k = make_fake_tensor(dt, (T, D, Hkv), stride=(Hkv * D, 1, D), assumed_align=16)
+    qp = make_fake_tensor(dt, (sym(symbol="TS"), Dp), stride=(Dp, 1), assumed_align=16)
+    kp = make_fake_tensor(dt, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16)
+    kinds = ((Int64, "E"), (Int32, "W"), (Int64, "W"), (Int64, "W"), (Int32, "NB"), (Int32, "NB"))
+    work = WorkItems(
+        *(make_fake_compact_tensor(ty, (sym(symbol=n),), assumed_align=16) for ty, n in kinds)
+    )
+
+    def f32(n):
+        return make_fake_compact_tensor(Float32, (sym(symbol=n),), assumed_align=16)
+
+    args = [q, k, work, f32("TH"), qp, kp, f32("TS"), f32("W"), Float32(1.0), Float32(1.0)]
+    return compile_kernel(kernel, *args, Int32(1), make_fake_stream(), **dump)
 
 
 def compile_select(
@@ -300,7 +368,7 @@ def compile_select(
     if key_scale is not None:  # the key scales (T, Hpk) fp32
         ks = make_fake_tensor(Float32, (T, Hpk), stride=(Hpk, 1), assumed_align=16)
         args.append(KeyScales(ks))
-    return _compile(kernel, *args, mma=key_scale is not None, **dump)
+    return compile_kernel(kernel, *args, mma=key_scale is not None, **dump)
 
 
 def main(argv: list[str]) -> int:
@@ -317,9 +385,13 @@ def main(argv: list[str]) -> int:
         checks = [(n, compile_select, c) for n, *c in configurations()]
         checks += [(n, compile_fwd, c) for n, *c in fwd_configurations()]
         checks += [(n, compile_bwd, c) for n, *c in bwd_configurations()]
+        checks += [(n, compile_kl, c) for n, *c in kl_configurations()]
         from .combine_sm90 import combine_configurations, compile_combine
 
         checks += [(n, compile_combine, c) for n, *c in combine_configurations()]
+        from .quantize_sm90 import compile_quantize, quantize_configurations
+
+        checks += [(n, compile_quantize, c) for n, *c in quantize_configurations()]
         for name, compile_one, cfg in checks:
             if name.startswith(only):
                 res = compile_one(*cfg, dump=dump, name=name)

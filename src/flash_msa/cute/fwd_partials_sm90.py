@@ -48,6 +48,22 @@ Its cost per item is one exposed gather latency plus Dp / (2 G D) of the main pa
 and 1/G of its exp2 (one proxy row per G main rows, and no P V).
 Unused slots have no work-list entry and are never written (the partial-buffer contract).
 
+Query map (``qmap=True``, context parallelism; the contract's ``q_map``, docs/distributed.md;
+the driver's ``wl.q_map``): the work list's entries are query rows (``worklist.build(...,
+q_map)``: ``q``, ``q_proxy`` and the partial buffers have ``Tq`` rows, K, V and k_proxy the
+keys' ``T``, blocks by key tokens), so the gathers, the partial slots and ``tok0`` are
+unchanged; only the causal mask of both parts compares the block's keys with the row's token
+``q_map[row]`` instead of the row (:meth:`FwdPartialsSm90.row_info`: one extra load per row,
+issued with the row's ``perm`` load, before the gather wait; at the paper head layout, D = 128
+with R = 4 sub-groups, ptxas then spills 8 bytes at 168 registers, 16 bytes stored and 20
+loaded per thread: loading the positions after the QK MMA, or by cp.async into shared memory
+with the Q rows and reading them there after it, spilled the same 8 bytes; every other
+compiled layout is spill-free: compile_check "fwd ... qmap", the paper ones in
+tests/test_cute_fwd_qmap_cpu.py). Padding rows (``-1``) have no
+entries (``worklist.build`` drops them), so a row the kernel visits always has a token. Without
+the map the kernel compiles to the PTX it had before the field existed (a compile-time branch;
+the map travels in the work-list argument, :class:`MappedWorkItems`, so no argument is added).
+
 Measured variants that left this file (H200, docs/perf-notes.md "CuTe forward partials
 v2-v5", same-run gains of the kept choice, 8 cases): two Q buffers per warpgroup against one
 (-1..+12%), partials staged through shared memory against each thread's 4-byte column-pair
@@ -88,6 +104,14 @@ from .common import (
 
 LN2 = 0.6931471805599453
 
+# The query map in the forward partials (``FwdPartialsSm90(qmap=True)``, module docstring "Query
+# map"; context parallelism): off until its H200 run (tests/test_gpu_cute.py -k q_map).
+# Compiled for sm_90a (compile_check "fwd ... qmap"; tests/test_cute_fwd_qmap_cpu.py): no
+# spills but at the paper layout (8 bytes, module docstring); the map-less PTX unchanged. Read by
+# ``cute.forward_stages`` (the stages' ``q_map``) and the forward's limits: while off, a mapped
+# forward runs on Triton.
+FWD_Q_MAP_DECLARED = False
+
 
 def head_geometry_reason(H: int, Hkv: int, Hs: int) -> str | None:
     """Why the kernel cannot cover these head counts (``None`` if it can): each selection
@@ -122,6 +146,19 @@ def _staged(row, unit):
     accumulator's column-pair writes and for whole-row reads)."""
     seg = FwdPartialsSm90.ROWS * 64  # elements of one 64-column segment of the tile
     return (unit // 8) * seg + row * 64 + ((unit % 8) ^ (row % 8)) * 8
+
+
+class MappedWorkItems(NamedTuple):
+    """A ``WorkItems`` (common.py) and the work list's query map (``FwdPartialsSm90(qmap=True)``:
+    the map travels with the list, as in :class:`flash_msa.worklist.WorkList`)."""
+
+    perm: cute.Tensor
+    item_list: cute.Tensor
+    item_start: cute.Tensor
+    item_end: cute.Tensor
+    block_start: cute.Tensor
+    block_end: cute.Tensor
+    q_map: cute.Tensor  # (Tq,) int32: each query row's packed key token (-1: padding row)
 
 
 class ProxyArgs(NamedTuple):
@@ -161,6 +198,9 @@ class FwdPartialsSm90:
     proxy: bool = False
     proxy_head_dim: int = 128  # Dp (read only when ``proxy``)
     proxy_k_heads: int = 1  # Hpk: proxy key heads (read only when ``proxy``)
+    # query rows through a query map (module docstring, "Query map"): a row's causal position
+    # is ``q_map[row]``; the launch's work list carries the map (:class:`MappedWorkItems`)
+    qmap: bool = False
 
     ROWS: ClassVar[int] = 64  # rows per chunk: one warpgroup's MMA M
     THREADS: ClassVar[int] = 128  # threads per warpgroup
@@ -258,7 +298,7 @@ class FwdPartialsSm90:
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mV: cute.Tensor,
-        work: WorkItems,
+        work: WorkItems | MappedWorkItems,
         mO: cute.Tensor,
         mL: cute.Tensor,
         scale_log2: Float32,
@@ -271,7 +311,9 @@ class FwdPartialsSm90:
         views of k and v; ``work`` the work list; partial buffers ``mO (C*H*K, D)`` and
         ``mL (C*H*K,)``; ``scale_log2`` = softmax scale * log2(e); ``tok0`` the chunk's first
         packed token; ``NB`` the work list's block count; ``proxy`` (:class:`ProxyArgs`) exactly
-        when :attr:`proxy`."""
+        when :attr:`proxy`. With :attr:`qmap` ``work`` is a :class:`MappedWorkItems` (the list
+        and its query map ``(Tq,)`` int32; ``T`` of ``mQ`` and ``tok0`` then count query rows,
+        ``mK``, ``mV`` keep the keys' ``T``), else a ``WorkItems``."""
         ROWS, D, BLOCK, WGS = self.ROWS, self.head_dim, self.block_size, self.warpgroups
         dtype = self.dtype
         assert mQ.element_type == dtype and mQ.shape[1] == D and mK.shape[1:] == (D, self.kv_heads)
@@ -305,6 +347,7 @@ class FwdPartialsSm90:
         gather = row_gather_copy(dtype, self.THREADS, D)
 
         pargs = self.proxy_host(proxy)
+        assert isinstance(work, MappedWorkItems) == self.qmap, "a query map exactly when qmap"
         Storage = self.storage(sQ_layout, sK_layout, pargs)
         dp = self.proxy_head_dim if self.proxy else 0
         smem = self.shared_bytes(dtype.width // 8, D, BLOCK, WGS, dp)["total"]
@@ -371,7 +414,7 @@ class FwdPartialsSm90:
         mK: cute.Tensor,  # TMA coordinates of k seen as (T, D, Hkv)
         tma_v: cute.CopyAtom,
         mV: cute.Tensor,
-        work: WorkItems,
+        work: WorkItems | MappedWorkItems,  # the work list (and its query map: qmap)
         mO: cute.Tensor,  # (C * H * K, D) partial outputs, input dtype
         mL: cute.Tensor,  # (C * H * K,) fp32 partial LSEs
         scale_log2: Float32,
@@ -408,6 +451,7 @@ class FwdPartialsSm90:
         sQ_raw = st.sQ.data_ptr()  # the same bytes, unswizzled: partial staging (_staged)
         sPart = st.sPart.get_tensor(cute.make_layout(ROWS * WGS))  # row's partial index or -1
         kv_bar = st.kv_mbar.data_ptr()
+        qm = (work.q_map,) if cutlass.const_expr(self.qmap) else ()  # the map, for row_info
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(kv_bar, 1)
@@ -469,7 +513,7 @@ class FwdPartialsSm90:
                     # validity. Loaded first so the global-load latency overlaps the gather
                     # wait and the MMA.
                     row_tok, row_part, row_ok = self.row_info(
-                        work.perm, cS, e0 + ch * BT, e1, h0, tok0, G2, H
+                        work.perm, cS, e0 + ch * BT, e1, h0, tok0, G2, H, qm
                     )
                     # 1. this chunk's query rows in shared memory (the next chunk's issued)
                     qb = self.chunk_ready(gq, ch, n_chunks, wg)
@@ -495,7 +539,7 @@ class FwdPartialsSm90:
                 pp = work.item_list[w] // NB
                 self.proxy_part(
                     pargs, sQp, sKp, mma_qk, mma_qk_acc, acc_S, S_rc, cS, work.perm, e0, e1, pp,
-                    ks, ke, tok0, kv_bar + 1, wg, tidx,
+                    ks, ke, tok0, kv_bar + 1, wg, tidx, qm,
                 )  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
@@ -568,13 +612,14 @@ class FwdPartialsSm90:
     @cute.jit
     def proxy_part(
         self, pargs, sQp, sKp, mma_qk, mma_qk_acc, acc_S, S_rc, cS, mPerm, e0, e1, p, ks, ke,
-        tok0, kp_bar, wg, tidx,
+        tok0, kp_bar, wg, tidx, qm=(),
     ):  # fmt: skip
         """The item's proxy LSE partials: chunks of 64 tokens (row = token, head ``p``) taken
         in turn by the warpgroups, each ``S = q_proxy k_proxy^T`` into the main part's S
         registers, masked like the main part, and the natural-log LSE of ``proxy_scale * S``
         stored at the row's slot of ``pl_part``. Q buffers and double buffering as in the main
-        part; called after a CTA barrier (every Q buffer free)."""
+        part; called after a CTA barrier (every Q buffer free). ``qm``: the query map's kernel
+        arguments (:attr:`qmap`)."""
         ROWS, WGS, HS, DP = self.ROWS, self.warpgroups, self.sel_heads, self.proxy_head_dim
         mQp, mPL, pscale_log2, gather_p = pargs[2], pargs[3], pargs[4], pargs[5]
         thr_qk = mma_qk.get_slice(tidx)
@@ -589,7 +634,9 @@ class FwdPartialsSm90:
             self.gather(*gq, wg, wg * self.Q_BUFFERS)
         cute.arch.mbarrier_wait(kp_bar, 0)  # one k_proxy tile per CTA: phase 0
         for ch in cutlass.range(wg, n_chunks, WGS, unroll=1):
-            row_tok, row_part, row_ok = self.row_info(mPerm, cS, e0 + ch * ROWS, e1, p, tok0, 1, HS)
+            row_tok, row_part, row_ok = self.row_info(
+                mPerm, cS, e0 + ch * ROWS, e1, p, tok0, 1, HS, qm
+            )
             qb = self.chunk_ready(gq, ch, n_chunks, wg)
             self.qk(mma_qk, mma_qk_acc, acc_S, tSrQp, tSrKp, qb)
             row_max, row_sum = self.softmax(S_rc, cS, ks, ke, row_tok, pscale_log2)
@@ -619,10 +666,12 @@ class FwdPartialsSm90:
         return qb
 
     @cute.jit
-    def row_info(self, mPerm, cS, c, e1, h0, tok0, G2, H):
+    def row_info(self, mPerm, cS, c, e1, h0, tok0, G2, H, qm=()):
         """For each of this thread's two rows of the chunk whose first entry is ``c`` (rows as
-        in :meth:`gather`): its token, its partial index ``((t - tok0) * H + h) * K + slot`` and
-        whether it is a real entry."""
+        in :meth:`gather`): its causal position (its token ``t``; with the query map ``qm`` the
+        query row ``t``'s token ``q_map[t]``), its partial index ``((t - tok0) * H + h) * K +
+        slot`` and whether it is a real entry. (A pad row past the item's end repeats the last
+        entry's row: a real row, never a padding row of the map.)"""
         HS, K = self.sel_heads, self.top_k
         row_tok = []
         row_part = []
@@ -632,7 +681,10 @@ class FwdPartialsSm90:
             e = c + row // G2
             flat = mPerm[cutlass.min(e, e1 - 1)]
             t = flat // (HS * K)
-            row_tok.append(t)
+            if cutlass.const_expr(self.qmap):  # the causal position: the row's token
+                row_tok.append(qm[0][t])
+            else:
+                row_tok.append(t)
             row_part.append(((t - tok0) * H + h0 + row % G2) * K + flat % K)
             row_ok.append(e < e1)
         return row_tok, row_part, row_ok
@@ -759,22 +811,46 @@ def partials(
     ``tok0 .. tok0 + C`` from work list ``wl`` (:func:`flash_msa.worklist.build`); with
     ``proxy = (q_proxy, k_proxy, pl_part)`` also the proxy LSE partials ``pl_part (C, Hs, K)``
     in the same launch (``FwdPartialsSm90(proxy=True)``; :func:`proxy_fits` says where it
-    can run). ``warpgroups``: the kernel's constructor argument (A/B runs and tests; the
-    default is the measured choice)."""
-    T, H, D = q.shape
+    can run). With the work list's query map ``wl.q_map`` (``worklist.build(..., q_map)``) the
+    rows ``tok0 .. tok0 + C`` are query rows (``q``, ``q_proxy``: ``Tq`` rows; ``k``, ``v``,
+    ``k_proxy``: the keys' ``T``), run by ``FwdPartialsSm90(qmap=True)``. ``warpgroups``: the
+    kernel's constructor argument (A/B runs and tests; the default is the measured choice)."""
+    H, D = q.shape[1:]
     Hkv = k.shape[1]
     variant = {}
     if proxy is not None:
-        q_proxy, k_proxy, pl_part = proxy
+        q_proxy, k_proxy, _ = proxy
         _check_proxy_inputs(q, k, q_proxy, k_proxy, wl.heads)  # before their shapes are read
         variant = dict(proxy=True, proxy_head_dim=q_proxy.shape[2], proxy_k_heads=k_proxy.shape[1])
     # (raises ValueError with the reason if the kernel cannot run this configuration)
     kernel = FwdPartialsSm90(
         cutlass_dtype(q.dtype), H, Hkv, wl.heads, D, wl.slots, cfg.block_size, warpgroups,
-        **variant,
+        **variant, qmap=wl.q_map is not None,
     )  # fmt: skip
+    launch(kernel, q, k, v, wl, o_part, l_part, cfg, tok0, proxy)
+
+
+def launch(kernel: FwdPartialsSm90, q, k, v, wl, o_part, l_part, cfg, tok0=0, proxy=None):
+    """One launch of ``kernel`` over work list ``wl`` (arguments as :func:`partials`, which
+    picks the kernel): the buffers and the query map checked, ValueError naming the argument;
+    the map ``wl.q_map`` goes to a ``qmap`` kernel, and only there."""
+    T, H, D = q.shape
+    if kernel.qmap != (wl.q_map is not None):
+        raise ValueError(
+            f"CuTe forward partials: a kernel with qmap={kernel.qmap} for a work list "
+            f"{'with' if wl.q_map is not None else 'without'} a query map (wl.q_map)"
+        )
+    q_map = wl.q_map
+    if q_map is not None and (
+        q_map.shape != (T,) or q_map.dtype != torch.int32 or q_map.device != q.device
+    ):
+        raise ValueError(
+            f"CuTe forward partials: wl.q_map must be an int32 ({T},) tensor on {q.device} (a "
+            f"row of q each), got {q_map.dtype} {tuple(q_map.shape)} on {q_map.device}"
+        )
     buffers = [("o_part", o_part, (H, wl.slots, D)), ("l_part", l_part, (H, wl.slots))]
     if proxy is not None:
+        q_proxy, k_proxy, pl_part = proxy
         buffers.append(("pl_part", pl_part, (wl.heads, wl.slots)))
     for name, buf, shape in buffers:
         dtype = q.dtype if name == "o_part" else torch.float32
@@ -786,11 +862,16 @@ def partials(
                 f"{', '.join(map(str, shape))}) buffer; got shape {tuple(buf.shape)}, strides "
                 f"{buf.stride()}, address % 16 = {buf.data_ptr() % 16}"
             )
+    work = [cute_tensor(x) for x in wl[:6]]
+    if q_map is not None:  # (the map travels with the list: MappedWorkItems)
+        work = MappedWorkItems(*work, cute_tensor(aligned(q_map.contiguous())))
+    else:
+        work = WorkItems(*work)
     args = [
         cute_tensor(aligned(q).view(T * H, D)),
         cute_tensor(aligned(k).permute(0, 2, 1)),  # (T, D, Hkv): a TMA box = one head's block
         cute_tensor(aligned(v).permute(0, 2, 1)),
-        WorkItems(*(cute_tensor(x) for x in wl[:6])),
+        work,
         cute_tensor(o_part.view(-1, D)),
         cute_tensor(l_part.view(-1)),
         Float32(cfg.softmax_scale * math.log2(math.e)),
@@ -847,12 +928,20 @@ def proxy_fits(q, k, q_proxy, k_proxy, indices, cfg) -> bool:
     return why is None
 
 
-def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False):
+def fwd(
+    q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False, *,
+    q_map=None,
+):  # fmt: skip
     """Backend op ``fwd`` for given indices: the sparse-forward driver
     (:mod:`flash_msa.sparse_forward`) with :func:`partials` as its per-block attention stage
     (and its proxy LSE partials where ``cute.PROXY_LSE_ON_CUTE`` and :func:`proxy_fits`), the
     KL stage and combine of ``cute.forward_stages``; the others are borrowed from the Triton
-    backend through the driver. Limits: ``flash_msa.cute.unsupported_reason("fwd", ...)``."""
+    backend through the driver. Limits: ``flash_msa.cute.unsupported_reason("fwd", ...)``.
+
+    ``q_map``: ``None`` or ``(Tq,)`` int32, the contract's query map (``q``, ``q_proxy``,
+    ``indices`` and the outputs have ``Tq`` rows): the driver hands it to the stages in the
+    work list; it runs where ``cute.forward_stages`` declares the map (:data:`FWD_Q_MAP_DECLARED`),
+    else ValueError."""
     from .. import sparse_forward
     from . import forward_stages
     from .bwd_sm90 import kl_fits
@@ -865,6 +954,548 @@ def fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_gra
         combine_fits(q.dtype, H, Hs, K, D),
         proxy_fits(q, k, q_proxy, k_proxy, indices, cfg),
     )
+    if q_map is not None and not stages.q_map:
+        raise ValueError(
+            "q_map: the CuTe forward's query map is off until its H200 run "
+            "(flash_msa.cute.fwd_partials_sm90.FWD_Q_MAP_DECLARED)"
+        )
     return sparse_forward.fwd(
-        stages, q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad
+        stages, q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad, q_map=q_map
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# the KL value on this kernel (issue 14): FwdKlSm90, the driver stage kl
+# ---------------------------------------------------------------------------------------------
+# The KL stage on the forward partials' kernel (:class:`FwdKlSm90`, :func:`kl`): off until its
+# H200 run (tests/test_gpu_cute_kl.py -k fwd_mode; benchmarks/kl_ab.py "cute fwd-mode stage").
+# Compiled for sm_90a without spills (compile_check "fwd kl ..."; tests/test_cute_kl_fwd_cpu.py).
+# Read by ``cute.forward_stages`` once wired: while off, the CuTe KL stage is ``bwd_sm90.kl``.
+KL_FWD_MODE = False
+
+LOG2E = 1.4426950408889634
+TINY = 1.1754944e-38  # the smallest normal fp32: lg2.approx.ftz takes a subnormal t for 0
+
+
+def _lp_index(row, col, block: int):
+    """Element offset of (token ``row``, key ``col``) in a warpgroup's ``(64, block)`` fp32 tile
+    of proxy log2-probabilities: row-major, 8-float groups XOR-swizzled by ``row % 8``, so the
+    accumulator's column-pair writes (8 rows x 8 floats per warp) and the teacher lanes' reads
+    of one row (:meth:`FwdKlSm90.chunk_terms`) take the fewest shared-memory wavefronts."""
+    return row * block + ((col // 8) ^ (row % 8)) * 8 + col % 8
+
+
+@dataclass(frozen=True)
+class FwdKlSm90(FwdPartialsSm90):
+    """The forward's KL value on the forward partials' kernel (its KL mode: no ``P V``, no
+    partial stores): per work item (selection head ``p``, key block, up to 256 tokens) the sum
+    over the item's (token, visible key) pairs of ``t (ln t - ln p')``, ``t = (1/G) sum_h
+    exp(s[h] - lse[h])`` over the ``G`` main heads of ``p`` (the final ``lse``), ``ln p' = s' -
+    proxy_lse`` (docs/algorithm.md, "The proxy KL"), ``0 ln 0 = 0``.
+
+    A CTA loads the block's K tile (the group's one KV head) and k_proxy tile by TMA; its
+    ``warpgroups`` warpgroups take turns at super-chunks of 64 tokens (warpgroup ``w``: ``w,
+    w + warpgroups, ...``). For a super-chunk a warpgroup
+
+    1. gathers its 64 tokens' q_proxy rows (head ``p``), computes ``S' = q_proxy k_proxy^T``
+       (one ``m64nBLOCK`` wgmma chain) and stores ``log2 p' = S' * proxy_scale * log2 e -
+       proxy_lse * log2 e`` into its own ``(64, BLOCK)`` fp32 tile of shared memory;
+    2. takes the ``G`` main chunks of those tokens, each 64 rows = ``64 / G`` tokens x their
+       ``G`` heads (token-major: one warp's 16 rows are whole tokens): gathers the q rows,
+       computes ``S = q K^T``, ``P = exp2(S * scale * log2 e - lse * log2 e)`` (0 past the
+       block's end, after the token, and for pad rows), and sums each token's ``G`` heads
+       inside the warp: the thread's two rows where they are one token (``G = 16``), then a
+       reduce-scatter over lane bits 2, 3, 4 (as far as ``G`` needs: each xor-shuffle level
+       halves the columns a lane keeps, so a lane ends with distinct columns and no sum is
+       made twice); each lane then adds ``t (log2 t - log2 p')`` for its columns, reading
+       ``log2 p'`` from step 1's tile.
+
+    The q and q_proxy gathers are one double-buffered stream per warpgroup (the next step's
+    rows issued before this step's wait). The item's sum: each thread's terms in program
+    order, the warp's lanes by butterfly shuffles, the CTA's warps in order (thread 0), times
+    ln 2: the same bits every run. Limits (:meth:`can_implement`): bf16 / fp16, D and Dp 64 or
+    128, block 64 or 128, G = H / Hs a power of two <= 16 whose heads share one KV head, Hs a
+    multiple of Hpk; no query map (:func:`kl` hands a mapped call to ``bwd_sm90.kl``).
+
+    Resources (sm_90a, 2 warpgroups = 256 threads; compile_check "fwd kl"): shared memory
+    (:meth:`kl_shared_bytes`) 4 Q buffers of 64 x max(D, Dp) + K and k_proxy tiles + 2 log2 p'
+    tiles of 64 x BLOCK fp32: 197,632 bytes at D = Dp = 128, block 128 (3 warpgroups fit only
+    with smaller tiles), so one CTA per SM; registers: see ``tests/test_cute_kl_fwd_cpu.py``
+    and the compile check (no spills)."""
+
+    warpgroups: int = 2  # 3 exceeds the shared memory at D = Dp = 128, block 128
+    proxy: bool = True  # the KL needs the proxy part's inputs (always True here)
+
+    # -----------------------------------------------------------------------------------------
+    # static limits
+    # -----------------------------------------------------------------------------------------
+    @staticmethod
+    def kl_shared_bytes(
+        elem_bytes: int, head_dim: int, proxy_head_dim: int, block_size: int, warpgroups: int
+    ) -> dict:
+        """Bytes of each shared-memory buffer of the KL mode, in the order of its ``Storage``
+        struct (operand tiles aligned to 1024 bytes), and their sum."""
+        rows = FwdPartialsSm90.ROWS
+        sizes = {
+            "mbar": 16,  # the K tile's and the k_proxy tile's mbarriers
+            "sRed": 16 * warpgroups,  # one fp32 per warp: the item sum's second level
+            "sQ": rows * max(head_dim, proxy_head_dim) * elem_bytes * 2 * warpgroups,
+            "sK": block_size * head_dim * elem_bytes,
+            "sKp": block_size * proxy_head_dim * elem_bytes,
+            "sLp": rows * block_size * 4 * warpgroups,  # log2 p' per warpgroup (fp32)
+        }
+        end = 0
+        for name, size in sizes.items():
+            if name not in ("mbar", "sRed"):
+                end = -(-end // 1024) * 1024
+            end += size
+        return {**sizes, "total": end}
+
+    @classmethod
+    def can_implement(
+        cls, dtype, heads, kv_heads, sel_heads, head_dim, top_k, block_size, warpgroups=2,
+        proxy=True, proxy_head_dim=128, proxy_k_heads=1,
+    ) -> str | None:  # fmt: skip
+        """Why the KL mode cannot run this configuration (``None``: it can); class docstring."""
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"the CuTe KL stage needs bf16 or fp16, not {dtype}"
+        if head_dim not in (64, 128) or proxy_head_dim not in (64, 128):
+            return f"the CuTe KL stage needs D and Dp 64 or 128, not {head_dim}, {proxy_head_dim}"
+        if block_size not in (64, 128):
+            return f"the CuTe KL stage needs block_size 64 or 128, not {block_size}"
+        if warpgroups not in (1, 2, 3):
+            return f"the CuTe KL stage has 1-3 warpgroups per CTA, not {warpgroups}"
+        if not proxy:
+            return "the CuTe KL stage needs the proxy (proxy=True)"
+        if top_k is not None and top_k < 1:
+            return f"top_k must be positive, not {top_k}"
+        if heads % sel_heads or heads % kv_heads:
+            return f"H={heads} must be a multiple of the selection ({sel_heads}) and KV heads"
+        G = heads // sel_heads
+        if G > 16 or G & (G - 1):
+            return f"the CuTe KL stage needs H / Hs a power of two <= 16, not {G}"
+        if (heads // kv_heads) % G:
+            return f"the {G} heads of a selection head must share one KV head (Hkv={kv_heads})"
+        if proxy_k_heads < 1 or sel_heads % proxy_k_heads:
+            return (
+                f"the selection heads ({sel_heads}) must be a multiple of the proxy key heads "
+                f"({proxy_k_heads})"
+            )
+        smem = cls.kl_shared_bytes(
+            dtype.width // 8, head_dim, proxy_head_dim, block_size, warpgroups
+        )["total"]
+        if smem > SHARED_LIMIT:
+            return f"{smem} bytes of shared memory exceed the sm_90 capacity ({SHARED_LIMIT})"
+        return None
+
+    def __post_init__(self):
+        why = self.can_implement(
+            self.dtype, self.heads, self.kv_heads, self.sel_heads, self.head_dim, self.top_k,
+            self.block_size, self.warpgroups, self.proxy, self.proxy_head_dim, self.proxy_k_heads,
+        )  # fmt: skip
+        if why is not None:
+            raise ValueError(f"CuTe KL stage: {why}")
+        if self.qmap:
+            raise ValueError("CuTe KL stage: no query map (bwd_sm90.kl runs a mapped call)")
+
+    # -----------------------------------------------------------------------------------------
+    # host
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        work: WorkItems,
+        mLSE: cute.Tensor,
+        mQp: cute.Tensor,
+        mKp: cute.Tensor,
+        mPLSE: cute.Tensor,
+        mSum: cute.Tensor,
+        scale_log2: Float32,
+        pscale_log2: Float32,
+        NB: Int32,
+        stream: cuda.CUstream,
+    ):
+        """Launch one CTA per work item. ``mQ (T*H, D)``, ``mK`` the ``(T, D, Hkv)`` view of
+        k, ``mLSE (T*H,)`` the final LSEs, ``mQp (T*Hs, Dp)``, ``mKp`` the ``(T, Dp, Hpk)``
+        view of k_proxy, ``mPLSE (T*Hs,)`` the final proxy LSEs (natural log), ``mSum (W,)``
+        fp32: each item's KL sum (every CTA writes its own, 0 for an empty item)."""
+        ROWS, D, DP, BLOCK, WGS = (
+            self.ROWS, self.head_dim, self.proxy_head_dim, self.block_size, self.warpgroups
+        )  # fmt: skip
+        dtype = self.dtype
+        assert mQ.element_type == dtype and mQ.shape[1] == D and mK.shape[1:] == (D, self.kv_heads)
+        assert mQp.element_type == dtype and mQp.shape[1] == DP
+        assert mKp.shape[1:] == (DP, self.proxy_k_heads)
+
+        def make_qk():
+            return sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, BLOCK),
+            )  # fmt: skip
+
+        mmas = (make_qk(), make_qk())  # first k-slice / accumulating
+        nbuf = WGS * self.Q_BUFFERS
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (ROWS, BLOCK, D), dtype, nbuf
+        )
+        sQp_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (ROWS, BLOCK, DP), dtype, nbuf
+        )
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (ROWS, BLOCK, D), dtype, 1)
+        sKp_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (ROWS, BLOCK, DP), dtype, 1
+        )
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)),
+            (BLOCK, D),
+        )  # fmt: skip
+        tma_kp, tma_mKp = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mKp, cute.slice_(sKp_layout, (None, None, 0)),
+            (BLOCK, DP),
+        )  # fmt: skip
+        gathers = (
+            row_gather_copy(dtype, self.THREADS, D),
+            row_gather_copy(dtype, self.THREADS, DP),
+        )
+
+        MemRange, Align = cute.struct.MemRange, cute.struct.Align
+        fields = {
+            "mbar": MemRange[cutlass.Int64, 2],
+            "sRed": MemRange[Float32, 4 * WGS],
+            "sQ": Align[
+                MemRange[dtype, max(cute.cosize(sQ_layout), cute.cosize(sQp_layout))], 1024
+            ],
+            "sK": Align[MemRange[dtype, cute.cosize(sK_layout)], 1024],
+            "sKp": Align[MemRange[dtype, cute.cosize(sKp_layout)], 1024],
+            "sLp": Align[MemRange[Float32, ROWS * BLOCK * WGS], 1024],
+        }
+        Storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
+        smem = self.kl_shared_bytes(dtype.width // 8, D, DP, BLOCK, WGS)["total"]
+        assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
+        self.kl_kernel(
+            mQ, tma_k, tma_mK, mQp, tma_kp, tma_mKp, work, mLSE, mPLSE, mSum, scale_log2,
+            pscale_log2, NB, mmas, (sQ_layout, sQp_layout, sK_layout, sKp_layout), gathers,
+            Storage,
+        ).launch(
+            grid=(work.item_list.shape[0], 1, 1), block=(self.THREADS * WGS, 1, 1), stream=stream
+        )  # fmt: skip
+
+    # -----------------------------------------------------------------------------------------
+    # device
+    # -----------------------------------------------------------------------------------------
+    @cute.kernel
+    def kl_kernel(
+        self,
+        mQ: cute.Tensor,  # (T * H, D): row t * H + h
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,  # TMA coordinates of k seen as (T, D, Hkv)
+        mQp: cute.Tensor,  # (T * Hs, Dp): row t * Hs + p
+        tma_kp: cute.CopyAtom,
+        mKp: cute.Tensor,  # TMA coordinates of k_proxy seen as (T, Dp, Hpk)
+        work: WorkItems,
+        mLSE: cute.Tensor,  # (T * H,) fp32, natural log
+        mPLSE: cute.Tensor,  # (T * Hs,) fp32, natural log
+        mSum: cute.Tensor,  # (W,) fp32: each item's KL sum
+        scale_log2: Float32,
+        pscale_log2: Float32,
+        NB: Int32,
+        mmas: tuple,  # (QK first k-slice, QK accumulating)
+        layouts: tuple,  # shared layouts of q, q_proxy, K, k_proxy tiles
+        gathers: tuple,  # row gathers of q (D) and q_proxy (Dp) rows
+        Storage: Constexpr,
+    ):
+        ROWS, THREADS, D, DP, BLOCK, WGS = (
+            self.ROWS, self.THREADS, self.head_dim, self.proxy_head_dim, self.block_size,
+            self.warpgroups,
+        )  # fmt: skip
+        H, HKV, HS, HPK = self.heads, self.kv_heads, self.sel_heads, self.proxy_k_heads
+        G = H // HS
+        STEPS = G + 1  # per super-chunk: the proxy step, then G main chunks
+        t_all, _, _ = cute.arch.thread_idx()
+        tidx = t_all % THREADS
+        wg = cute.arch.make_warp_uniform(t_all // THREADS)
+        mma_first, mma_rest = mmas
+        mma_first.set(warpgroup.Field.ACCUMULATE, False)
+        mma_rest.set(warpgroup.Field.ACCUMULATE, True)
+        w, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        sQ_layout, sQp_layout, sK_layout, sKp_layout = layouts
+
+        st = SmemAllocator().allocate(Storage)
+        sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, D, WGS * 2)
+        sQp = st.sQ.get_tensor(sQp_layout.outer, swizzle=sQp_layout.inner)  # the same bytes
+        sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sKp = st.sKp.get_tensor(sKp_layout.outer, swizzle=sKp_layout.inner)
+        sLp = st.sLp.get_tensor(cute.make_layout(ROWS * BLOCK * WGS))
+        sRed = st.sRed.get_tensor(cute.make_layout(4 * WGS))
+        bar = st.mbar.data_ptr()
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(bar, 1)
+                cute.arch.mbarrier_init(bar + 1, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        kl2 = Float32(0.0)  # this thread's sum of t (log2 t - log2 p')
+        e0 = work.item_start[w]
+        e1 = work.item_end[w]
+        if e0 < e1:  # CTA-uniform: empty work items (the grid is a worst-case bound) add 0
+            lst = work.item_list[w]
+            p = lst // NB
+            gb = lst % NB
+            ks = work.block_start[gb]  # packed position of the block's first key
+            ke = work.block_end[gb]
+            self.load_tile(tma_k, mK, sK, D, ks, (p * G) // (H // HKV), bar, warp_idx)
+            self.load_tile(tma_kp, mKp, sKp, DP, ks, p // (HS // HPK), bar + 1, warp_idx)
+
+            thr = mma_first.get_slice(tidx)
+            tSrQ = mma_first.make_fragment_A(thr.partition_A(sQ))
+            tSrK = mma_first.make_fragment_B(thr.partition_B(sK))
+            tSrQp = mma_first.make_fragment_A(thr.partition_A(sQp))
+            tSrKp = mma_first.make_fragment_B(thr.partition_B(sKp))
+            acc_S = cute.make_rmem_tensor(thr.partition_shape_C((ROWS, BLOCK)), Float32)
+            S_rc = acc_rows_cols(acc_S)
+            cS = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((ROWS, BLOCK))))
+            thr_g = gathers[0].get_slice(tidx)
+            tGsQ = thr_g.partition_D(sQ)
+            tGcQ = thr_g.partition_D(cute.make_identity_tensor((ROWS, D)))
+            thr_gp = gathers[1].get_slice(tidx)
+            tGsQp = thr_gp.partition_D(sQp)
+            tGcQp = thr_gp.partition_D(cute.make_identity_tensor((ROWS, DP)))
+            # main chunk ch: 64 / G tokens x the G heads from p * G; proxy chunk: 64 tokens
+            gq = (gathers[0], mQ, work.perm, tGsQ, tGcQ, tGcQ[0, 0, 0][1], e0, e1, p * G, G, H)
+            gqp = (gathers[1], mQp, work.perm, tGsQp, tGcQp, tGcQp[0, 0, 0][1], e0, e1, p, 1, HS)
+
+            n_sc = (e1 - e0 + ROWS - 1) // ROWS  # super-chunks of 64 tokens
+            n_steps = (n_sc - wg + WGS - 1) // WGS * STEPS  # this warpgroup's
+            if n_steps > 0:  # the first proxy rows land during the TMA loads
+                self.gather(*gqp, wg, wg * self.Q_BUFFERS)
+            cute.arch.mbarrier_wait(bar, 0)  # one K and one k_proxy tile per CTA: phase 0
+            cute.arch.mbarrier_wait(bar + 1, 0)
+            for s in cutlass.range(n_steps, unroll=1):
+                sc = wg + (s // STEPS) * WGS  # the super-chunk
+                m = s % STEPS - 1  # -1: its proxy step, else its main chunk m
+                qb = wg * self.Q_BUFFERS + s % 2
+                # the next step's rows into the other buffer (last read by step s - 1, before
+                # its closing barrier), then wait for this step's
+                if s + 1 < n_steps:
+                    sc1 = wg + ((s + 1) // STEPS) * WGS
+                    m1 = (s + 1) % STEPS - 1
+                    nb = wg * self.Q_BUFFERS + (s + 1) % 2
+                    if m1 < 0:
+                        self.gather(*gqp, sc1, nb)
+                    else:
+                        self.gather(*gq, sc1 * G + m1, nb)
+                    cute.arch.cp_async_wait_group(1)  # all but the newest group
+                else:
+                    cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.wg_sync(wg)
+                if m < 0:
+                    self.qk(mma_first, mma_rest, acc_S, tSrQp, tSrKp, qb)
+                    self.proxy_scores(
+                        S_rc, cS, sLp, work.perm, mPLSE, e0 + sc * ROWS, e1, p, wg, pscale_log2
+                    )
+                else:
+                    self.qk(mma_first, mma_rest, acc_S, tSrQ, tSrK, qb)
+                    kl2 = self.chunk_terms(
+                        S_rc, cS, sLp, work.perm, mLSE, e0 + (sc * G + m) * (ROWS // G), e1, p,
+                        ks, ke, m, wg, tidx, scale_log2, kl2,
+                    )  # fmt: skip
+                self.wg_sync(wg)  # this Q buffer (and, after a super-chunk, sLp) is rewritten
+        self.store_item_sum(kl2 * Float32(LN2), sRed, mSum, t_all)
+
+    @cute.jit
+    def load_tile(self, tma, mX, sX, dim: Constexpr, ks, head, bar, warp_idx):
+        """Issue the TMA load of head ``head``'s ``(BLOCK, dim)`` tile of the block starting at
+        packed position ``ks`` (warp 0), completing on ``bar``."""
+        BLOCK = self.block_size
+        gX = cute.local_tile(
+            cute.domain_offset((ks, 0, 0), mX)[None, None, head], (BLOCK, dim), (0, 0)
+        )
+        tXsX, tXgX = tma_tiles(tma, sX, gX)
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, BLOCK * dim * (self.dtype.width // 8))
+            cute.copy(tma, tXgX, tXsX[(None, 0)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def proxy_scores(self, S_rc, cS, sLp, mPerm, mPLSE, c, e1, p, wg, pscale_log2):
+        """Store ``log2 p' = S' * pscale_log2 - proxy_lse * log2 e`` of the super-chunk whose
+        first entry is ``c`` (row = token, head ``p``; a pad row repeats the last entry's
+        token: never read) into warpgroup ``wg``'s tile of ``sLp`` (:func:`_lp_index`)."""
+        HS, K, BLOCK, ROWS = self.sel_heads, self.top_k, self.block_size, self.ROWS
+        base = wg * (ROWS * BLOCK)
+        for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
+            row = cS[i, 0][0]
+            t = mPerm[cutlass.min(c + row, e1 - 1)] // (HS * K)
+            plse2 = mPLSE[t * HS + p] * Float32(LOG2E)
+            for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
+                sLp[base + _lp_index(row, cS[i, j][1], BLOCK)] = S_rc[i, j] * pscale_log2 - plse2
+
+    @cute.jit
+    def chunk_terms(
+        self, S_rc, cS, sLp, mPerm, mLSE, c, e1, p, ks, ke, m, wg, tidx, scale_log2, kl2
+    ):  # fmt: skip
+        """Main chunk ``m`` of a super-chunk (first entry ``c``: ``64 / G`` tokens x ``G``
+        heads, token-major) from ``S`` in ``S_rc``: the probabilities ``P`` (0 past the
+        block's end ``ke``, after the token, and for pad rows), each token's head sum by the
+        in-warp reduce-scatter (class docstring), and ``kl2 + sum t (log2 t - log2 p')`` over
+        this lane's columns returned (``log2 p'`` from ``sLp``; ``t`` below the smallest
+        normal fp32 counts as 0: ``t log t`` is below 1e-36 there)."""
+        H, HS, K, BLOCK, ROWS = self.heads, self.sel_heads, self.top_k, self.block_size, self.ROWS
+        G = H // HS
+        BT = ROWS // G  # tokens per main chunk
+        NV = BLOCK // 8  # 8-column groups: a thread holds columns 2 (lane % 4) + {0, 1} + 8 v
+        lane = tidx % 32
+        # 1. P in place (each thread: rows i = 0, 1 of its warp's 16; columns j = v0 + 2 v)
+        for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
+            row = cS[i, 0][0]
+            e = c + row // G
+            t = mPerm[cutlass.min(e, e1 - 1)] // (HS * K)
+            lse2 = Float32(Float32.inf)  # a pad row: P = 0
+            if e < e1:
+                lse2 = mLSE[t * H + p * G + row % G] * Float32(LOG2E)
+            for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
+                kpos = ks + cS[i, j][1]
+                pv = cute.math.exp2(S_rc[i, j] * scale_log2 - lse2, fastmath=True)
+                if kpos >= ke or kpos > t:
+                    pv = Float32(0.0)
+                S_rc[i, j] = pv
+        # 2. each token's sum over its G heads: vals[row][slot][v0], slot = 8-column group
+        n_rows = 2
+        vals = []
+        for i in cutlass.range_constexpr(2):
+            vi = []
+            for v in cutlass.range_constexpr(NV):
+                vi.append([S_rc[i, 2 * v], S_rc[i, 2 * v + 1]])
+            vals.append(vi)
+        if cutlass.const_expr(G == 16):  # rows lane / 4 and lane / 4 + 8: the same token
+            n_rows = 1
+            both = []
+            for v in cutlass.range_constexpr(NV):
+                both.append([vals[0][v][0] + vals[1][v][0], vals[0][v][1] + vals[1][v][1]])
+            vals = [both]
+        levels = min(G.bit_length() - 1, 3)  # lane bits 2 .. 2 + levels - 1 hold the heads
+        v_base = Int32(0)  # this lane's first 8-column group after the levels
+        n = NV
+        for lvl in cutlass.range_constexpr(levels):
+            n = n // 2
+            up = ((lane >> (2 + lvl)) & 1) == 1  # keeps the upper half of the groups
+            v_base = v_base + (Int32(n) if up else Int32(0))
+            halved = []
+            for i in cutlass.range_constexpr(n_rows):
+                hi = []
+                for x in cutlass.range_constexpr(n):
+                    pair = []
+                    for v0 in cutlass.range_constexpr(2):
+                        a = vals[i][x][v0]
+                        b = vals[i][x + n][v0]
+                        send = a if up else b
+                        keep = b if up else a
+                        pair.append(keep + cute.arch.shuffle_sync_bfly(send, offset=4 << lvl))
+                    hi.append(pair)
+                halved.append(hi)
+            vals = halved
+        # 3. the terms of this lane's (token, column) pairs
+        inv_g = Float32(1.0 / G)
+        base = wg * (ROWS * BLOCK)
+        for i in cutlass.range_constexpr(n_rows):
+            tok = m * BT + cS[i, 0][0] // G  # the token's row in the super-chunk's tile
+            for x in cutlass.range_constexpr(n):
+                for v0 in cutlass.range_constexpr(2):
+                    col = 2 * (lane % 4) + v0 + 8 * (v_base + x)
+                    tv = vals[i][x][v0] * inv_g
+                    lp2 = sLp[base + _lp_index(tok, col, BLOCK)]
+                    if tv >= Float32(TINY):
+                        kl2 += tv * (cute.math.log2(tv, fastmath=True) - lp2)
+        return kl2
+
+    @cute.jit
+    def store_item_sum(self, val, sRed, mSum, t_all):
+        """``mSum[item] =`` the sum of every thread's ``val`` in a fixed order: the warp's
+        lanes by butterfly shuffles, then the CTA's warps in order (thread 0)."""
+        for k in cutlass.range_constexpr(5):
+            val = val + cute.arch.shuffle_sync_bfly(val, offset=16 >> k)
+        if t_all % 32 == 0:
+            sRed[t_all // 32] = val
+        cute.arch.sync_threads()
+        if t_all == 0:
+            total = Float32(0.0)
+            for wi in cutlass.range_constexpr(4 * self.warpgroups):
+                total = total + sRed[wi]
+            w, _, _ = cute.arch.block_idx()
+            mSum[w] = total
+
+
+def _kl_reason(q, k, q_proxy, k_proxy, top_k, cfg, warpgroups=FwdKlSm90.warpgroups) -> str | None:
+    """Why :class:`FwdKlSm90` cannot run this call's KL (``None``: it can)."""
+    if q_proxy is None or k_proxy is None:
+        return "no proxy"
+    if q_proxy.dtype != q.dtype or k_proxy.dtype != q.dtype:
+        return f"the proxy must be in q's dtype ({q.dtype})"
+    return FwdKlSm90.can_implement(
+        cutlass_dtype(q.dtype), q.shape[1], k.shape[1], q_proxy.shape[1], q.shape[2], top_k,
+        cfg.block_size, warpgroups, True, q_proxy.shape[2], k_proxy.shape[1],
+    )  # fmt: skip
+
+
+def kl_fits(q, k, q_proxy, k_proxy, indices, cfg) -> bool:
+    """Whether :func:`kl` runs this call's KL on :class:`FwdKlSm90` (a proxy in q's dtype,
+    ``cfg.compute_kl``, and the layout its ``can_implement`` accepts); a call it does not fit
+    is handed to ``bwd_sm90.kl`` by :func:`kl` itself."""
+    if q_proxy is None or not cfg.compute_kl:
+        return False
+    return _kl_reason(q, k, q_proxy, k_proxy, indices.shape[2], cfg) is None
+
+
+def kl(
+    q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None, *,
+    warpgroups: int = FwdKlSm90.warpgroups,
+):  # fmt: skip
+    """Driver stage ``kl`` (:mod:`flash_msa.sparse_forward`; the contract of ``bwd_sm90.kl``):
+    the fp32 0-dim sum of the per-row KL terms of work list ``wl``'s rows from the final
+    ``lse (T, H)`` and ``proxy_lse (T, Hs)``, by :class:`FwdKlSm90` on the driver's items
+    (256 tokens; no split), one fp32 sum per item added by ``torch.sum`` (the same bits every
+    run). ``unit`` must be ``None`` (no proxy gradient). A call the kernel cannot run (a query
+    map ``wl.q_map``, or a layout :func:`kl_fits` refuses) goes to ``bwd_sm90.kl``.
+    ``warpgroups``: the kernel's constructor argument (A/B runs and tests)."""
+    if unit is not None:
+        raise ValueError("unit: the CuTe KL stage does not make the proxy gradient")
+    if wl.q_map is not None or _kl_reason(q, k, q_proxy, k_proxy, wl.slots, cfg, warpgroups):
+        from .bwd_sm90 import kl as kl_bwd
+
+        return kl_bwd(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg)
+    T, H, D = q.shape
+    Hs, Dp = q_proxy.shape[1:]
+    for name, x, shape in (("lse", lse, (T, H)), ("proxy_lse", proxy_lse, (T, Hs))):
+        if x.dtype != torch.float32 or tuple(x.shape) != shape:
+            raise ValueError(
+                f"CuTe KL stage: {name} must be fp32 {shape}, got {x.dtype} {tuple(x.shape)}"
+            )
+    kernel = FwdKlSm90(
+        cutlass_dtype(q.dtype), H, k.shape[1], Hs, D, wl.slots, cfg.block_size, warpgroups,
+        True, Dp, k_proxy.shape[1],
+    )  # fmt: skip
+    W = wl.item_list.shape[0]  # the grid: every CTA writes its item's sum
+    if W == 0:
+        return torch.zeros((), dtype=torch.float32, device=q.device)
+    sums = torch.empty((W,), dtype=torch.float32, device=q.device)
+    run(
+        kernel, q.device,
+        cute_tensor(aligned(q).view(T * H, D)),
+        cute_tensor(aligned(k).permute(0, 2, 1)),  # (T, D, Hkv): a TMA box = one head's block
+        WorkItems(*(cute_tensor(x) for x in wl[:6])),
+        cute_tensor(aligned(lse.contiguous()).view(-1)),
+        cute_tensor(aligned(q_proxy).view(T * Hs, Dp)),
+        cute_tensor(aligned(k_proxy).permute(0, 2, 1)),  # (T, Dp, Hpk)
+        cute_tensor(aligned(proxy_lse.contiguous()).view(-1)),
+        cute_tensor(sums),
+        Float32(cfg.softmax_scale * LOG2E),
+        Float32((cfg.proxy_scale or 1.0) * LOG2E),
+        Int32(wl.num_blocks),
+        stream(q.device),
+    )  # fmt: skip
+    return sums.sum()

@@ -75,6 +75,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .. import quant, worklist
 from ..cubin import SHARED_LIMIT
+from . import quantize_sm90
 from .common import (
     acc_rows_cols,
     aligned,
@@ -811,14 +812,21 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
     sequence-local block numbers, -1 in unused slots (:func:`select_into` a new tensor); with
     ``q_map`` ``(Tq, Hp, top_k)``, all -1 for a padding row.
 
-    ``cfg.selection_precision == "fp8"``: the quantize pass (:func:`flash_msa.quant.quantize`,
-    the shipped key scale and rotation), then :func:`select_fp8_into`; no query map."""
+    ``cfg.selection_precision == "fp8"``: the quantize pass (the shipped key scale and
+    rotation; :func:`flash_msa.cute.quantize_sm90.quantize`, bitwise equal to
+    :func:`flash_msa.quant.quantize`, when its switch ``QUANTIZE_ON_CUTE`` is on and it can run
+    the call, else the torch pass itself), then :func:`select_fp8_into`; no query map."""
     T, Hp, _ = q_proxy.shape
     shape, dev = (T, Hp, cfg.top_k), q_proxy.device
     if cfg.selection_precision == "fp8":
         if q_map is not None:
             raise ValueError("CuTe fp8 selection: no query map (q_map) in the fp8 kernel")
-        qz = quant.quantize(q_proxy, k_proxy, cu_seqlens, cfg.block_size)
+        b = cfg.block_size
+        on_cute = quantize_sm90.QUANTIZE_ON_CUTE  # read per call: off until its H200 run
+        if on_cute and quantize_sm90.can_implement(q_proxy, k_proxy, b) is None:
+            qz = quantize_sm90.quantize(q_proxy, k_proxy, cu_seqlens, b, max_seqlen=cfg.max_seqlen)
+        else:
+            qz = quant.quantize(q_proxy, k_proxy, cu_seqlens, b)
         idx = torch.empty(shape, dtype=torch.int32, device=dev)
         return select_fp8_into(idx, qz, cu_seqlens, cfg)
     if q_map is None:

@@ -1,0 +1,623 @@
+"""The FP8 selection's quantize pass on Hopper (sm_90a) in CuTe DSL: one kernel, bitwise equal
+to :func:`flash_msa.quant.quantize` (issue 15).
+
+OFF UNTIL ITS H200 RUN: :data:`QUANTIZE_ON_CUTE` is False, so the CuTe selection's fp8 branch
+(``select_sm90.select``) still calls the torch pass. To switch it on after
+tests/test_gpu_cute_fp8.py passed there, set it True (the branch asks :func:`can_implement`
+first and falls back to the torch pass otherwise).
+
+What it computes (``quant.quantize``, term for term): per row of ``Dp`` elements (a ``(token,
+head)`` of ``q_proxy (T, Hp, Dp)`` or ``k_proxy (T, Hpk, Dp)``, bf16 or fp16), the rotation
+``quant.hadamard_transform`` (the radix-2 Walsh-Hadamard butterflies at strides 1, 2, ..., Dp/2,
+each pair ``(a, b) -> (a + b, a - b)`` rounded once, then one multiply by the fp32 ``Dp **
+-0.5``), the row's ``amax = max |y|`` (NaN-propagating, as ``torch.amax``), the fp32 scale
+``amax / 448`` (1 below ``quant``'s smallest amax, and for a NaN amax), and the e4m3 values
+``e4m3(clamp(y / scale, -448, 448))``: an IEEE division (``div.rn.f32``) and one
+``cvt.rn.satfinite.e4m3x2.f32`` per pair (round to nearest even; ``satfinite`` maps a finite
+value beyond 448 to 448, exactly what the clamp then the cast do, and keeps NaN). Key scales
+per block (``key_scale="block"``): the max of the rows' amax over the block's tokens, per key
+head (an integer ``atom.max`` on the bits of the non-negative amax in shared memory: exact and
+order-free, NaN's bits above +inf's as in ``torch.amax``), written on every token of the block.
+
+Exactness. Every arithmetic step is one correctly rounded IEEE fp32 operation, with the
+rounding mode explicit in the PTX (``add.rn``, ``sub.rn``, ``fma.rn``, ``mul.rn``, ``div.rn``:
+ptxas may not contract them with a neighbour), no flush of subnormals, in the reference's order;
+max, abs and the bf16/fp16 -> fp32 conversion are exact. So the e4m3 bytes and the scales equal
+the torch pass's on any device, given a reference with that property. ``quant.quantize`` had
+two steps without it, both changed with this kernel (minimal changes in quant.py):
+
+- the rotation was ``x @ hadamard(Dp)``: a matmul sums in an order its library picks (MKL,
+  cuBLAS; TF32 under ``torch.set_float32_matmul_precision("high")``), and each product ``x *
+  fp32(Dp ** -0.5)`` rounds. Measured on CPU (200000 random bf16 rows, ``x @ hadamard(Dp)``
+  against ``quant.hadamard_transform``): at Dp 128, 85% of the rotated values and 79% of the
+  row scales differ in the last bits, and 1.0e-5 of the e4m3 bytes (0.13% of the rows hold
+  one); at Dp 64 (normalization 1/8, exact) 0.08% of the values and no byte. The butterflies
+  compute the same orthonormal rotation; tests/test_cute_quantize_cpu.py checks, bit for bit,
+  that a torch emulation of this kernel's lanes and shuffles computes the reference's.
+- the scale was ``amax / 448.0``: torch on CUDA divides by a Python number as a multiply by its
+  reciprocal (its ``div_true`` kernel: "may lose one bit"), on CPU it divides; on 100000 random
+  fp32 values the two differed in 53%. ``quant._scale`` now divides by a tensor (an IEEE
+  division on every device), as this kernel does (``div.rn``).
+
+Mapping. One CTA per (sequence, key block): grid ``N * ceil(max_seqlen / block)`` (a CTA past
+its sequence's end does nothing). It quantizes the block's tokens' query rows (``nb * Hp`` rows,
+contiguous in memory) and key rows (``nb * Hpk``), ``nb = min(block, tokens left)``; ``Tq == T``
+(the fp8 selection has no query map). A row is ``L = Dp / 16`` lanes: lane ``l`` of the row
+loads the 16-byte pieces ``l`` and ``l + L`` (elements ``8 l .. 8 l + 7`` and ``Dp/2 + 8 l ..``:
+one warp load instruction covers the first halves of ``32 / L`` rows, 128 contiguous bytes each
+at Dp 128), so the butterflies at strides 1, 2, 4 and Dp/2 are within a lane's registers and
+those at 8 .. Dp/4 (3 at Dp 128, 2 at Dp 64) pair lane ``l`` with ``l ^ (stride / 8)`` by a
+butterfly shuffle: every lane computes ``fma(sign, own, partner)`` (the product is exact, so one
+rounding), sign 1 on the lane with the stride bit clear (``a + b``), -1 on the other (``a - b``:
+its own element is the upper one, ``b``). The row's amax: the lane's 16, then shuffles over its
+``L`` lanes. The e4m3 row is stored as two 8-byte pieces per lane, the scale by the row's first
+lane. Each warp keeps ``unroll`` passes of rows in flight (their loads issued before the first
+pass's arithmetic). Block key scales: two passes over the block's key rows, the first for the
+amax only (rows discarded), a barrier, the second recomputes the rows (their loads hit L1/L2)
+and quantizes with the block's scale; the key rows are a fifth of the bytes at the paper layout
+(Hp 4, Hpk 1).
+
+Bytes: per token ``(Hp + Hpk) * Dp * (2 + 1) + (Hp + Hpk) * 4``: at paper 128K (Hp 4, Hpk 1,
+Dp 128) 254 MB, ~53 us at the H200's ~4.8 TB/s. Instructions per element (SASS of the compiled
+kernels, ``python -m flash_msa.cute.compile_check quantize --dump DIR``): 7 FADD/FFMA and 3
+SHFL for the rotation, 1 FMUL, 1 FMNMX, and the IEEE division, ~6 of them in its fast path
+(MUFU.RCP, 4 FFMA, FCHK) plus a branch around a slow-path call, ~20 in all: near the SM's issue
+rate at the HBM rate (~6 elements per clock per SM), so the division may bound it. Not measured
+yet: benchmarks/cute_select_ab.py --fp8 prints ``cute quantize`` lines beside the torch one. If
+it is compute-bound there, the division's reciprocal (a function of the row's scale only) can
+be hoisted out of the row's 16 divisions per lane; that needs an argument that the fast path's
+remaining 3 FFMA round correctly for these operands, so it is not done.
+
+Limits (:meth:`QuantizeSm90.can_implement`): bf16 or fp16 proxies, Dp 64 or 128, block 64 or
+128, ``q_proxy`` and ``k_proxy`` with the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Int64
+from cutlass.memory import SmemAllocator
+
+from .. import quant
+from .common import aligned, cutlass_dtype, run_typed, stream
+
+# OFF UNTIL ITS H200 RUN (module docstring): select_sm90.select's fp8 branch quantizes with this
+# kernel when True and the call fits (can_implement), else with the torch pass quant.quantize
+QUANTIZE_ON_CUTE = False
+
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (64, 128)
+PIECE = 8  # elements of a 16-byte piece of a 2-byte dtype
+ROW_ALIGN = 16  # bytes: base alignment of q_proxy / k_proxy (16-byte loads)
+OUT_ALIGN = 8  # bytes: base alignment of the e4m3 outputs (8-byte stores)
+SCALAR_ALIGN = 4  # bytes: scales, cu_seqlens (one element at a time)
+MIN_AMAX = quant.E4M3_MAX * torch.finfo(torch.float32).tiny  # quant's threshold (exact in fp32)
+
+
+@dataclass(frozen=True)
+class QuantizeSm90:
+    """The quantize pass of one static configuration (module docstring); the fields are all of
+    it (the compile cache keys on the object, and it fixes every launch argument's type).
+
+    Run-time values: the sequence count N and the key blocks per sequence (grid bound)."""
+
+    dtype: type[cutlass.Numeric]  # BFloat16 or Float16: q_proxy and k_proxy
+    head_dim: int  # Dp
+    q_heads: int  # Hp
+    k_heads: int  # Hpk
+    block_size: int  # the selection's key block (the block scale's tokens; the CTA's tokens)
+    key_scale: str  # "block" or "token" (quant.KEY_SCALES)
+    rotate: bool  # the Hadamard rotation first (quant.ROTATE)
+    # tuning (benchmarks/cute_select_ab.py --fp8 times the VARIANTS): warps per CTA, passes of
+    # rows per warp in flight. At 8 warps x 2 passes ptxas settled at 64 registers and spilled
+    # 8-16 bytes in 3 of the 12 checked configurations (around the IEEE division's slow-path
+    # calls); 4 x 2 (62-72 registers), 8 x 1 (40-63) and 8 x 4 (78-102) spill in none.
+    warps: int = 4
+    unroll: int = 2
+
+    @classmethod
+    def can_implement(
+        cls, dtype, head_dim, q_heads, k_heads, block_size, key_scale, rotate=True, warps=4,
+        unroll=2,
+    ) -> str | None:  # fmt: skip
+        """Why this configuration cannot be compiled or run (``None``: it can)."""
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"the CuTe quantize pass needs bf16 or fp16 proxies, not {dtype}"
+        if head_dim not in HEAD_DIMS:
+            return f"the CuTe quantize pass needs a proxy head dim in {HEAD_DIMS}, not {head_dim}"
+        if block_size not in BLOCK_SIZES:
+            return f"the CuTe quantize pass needs a block size in {BLOCK_SIZES}, not {block_size}"
+        if key_scale not in quant.KEY_SCALES:
+            return f"key_scale must be one of {quant.KEY_SCALES}, not {key_scale!r}"
+        if q_heads < 1 or not 1 <= k_heads <= 32:  # (a block's key heads: one smem word each)
+            return f"the head counts must be Hp >= 1, 1 <= Hpk <= 32, got {q_heads}, {k_heads}"
+        if not isinstance(rotate, bool):
+            return f"rotate must be a bool, not {type(rotate).__name__}"
+        if warps not in (1, 2, 4, 8, 16, 32) or unroll not in (1, 2, 4):
+            return f"warps must be a power of two <= 32 and unroll 1, 2 or 4, got {warps}, {unroll}"
+        return None
+
+    def __post_init__(self):
+        why = self.can_implement(
+            self.dtype, self.head_dim, self.q_heads, self.k_heads, self.block_size,
+            self.key_scale, self.rotate, self.warps, self.unroll,
+        )  # fmt: skip
+        if why is not None:
+            raise ValueError(f"CuTe quantize: {why}")
+
+    # -----------------------------------------------------------------------------------------
+    # host: launch
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        pQ: cute.Pointer,
+        pK: cute.Pointer,
+        pCu: cute.Pointer,
+        pQ8: cute.Pointer,
+        pQs: cute.Pointer,
+        pK8: cute.Pointer,
+        pKs: cute.Pointer,
+        n_seq: Int32,
+        blocks: Int32,
+        stream: cuda.CUstream,
+    ):
+        """Launch over ``n_seq * blocks`` CTAs: device addresses of ``q_proxy (T, Hp, Dp)``,
+        ``k_proxy (T, Hpk, Dp)``, ``cu_seqlens (N+1,)`` int32, ``q8 (T, Hp, Dp)`` e4m3,
+        ``q_scale (T, Hp)`` fp32, ``k8 (T, Hpk, Dp)`` e4m3, ``k_scale (T, Hpk)`` fp32 (all
+        contiguous); ``blocks``: key blocks per sequence, at least the longest's."""
+        big = 1 << 30  # the flat sizes are not read: offsets are 64-bit (rows * Dp)
+        lay = cute.make_layout(big)
+        mQ, mK, mQ8, mQs, mK8, mKs = (
+            cute.make_tensor(p, lay) for p in (pQ, pK, pQ8, pQs, pK8, pKs)
+        )
+        mCu = cute.make_tensor(pCu, cute.make_layout(n_seq + 1))
+        self.kernel(mQ, mK, mCu, mQ8, mQs, mK8, mKs, blocks).launch(
+            grid=(n_seq * blocks, 1, 1), block=(32 * self.warps, 1, 1), stream=stream
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # device
+    # -----------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # flat q_proxy (T * Hp * Dp,)
+        mK: cute.Tensor,  # flat k_proxy (T * Hpk * Dp,)
+        mCu: cute.Tensor,  # (N+1,) int32
+        mQ8: cute.Tensor,  # flat e4m3 q8 (T * Hp * Dp,)
+        mQs: cute.Tensor,  # (T * Hp,) fp32 q_scale
+        mK8: cute.Tensor,  # flat e4m3 k8 (T * Hpk * Dp,)
+        mKs: cute.Tensor,  # (T * Hpk,) fp32 k_scale
+        blocks: Int32,  # key blocks per sequence (the grid's bound)
+    ):
+        b, Hp, Hpk = self.block_size, self.q_heads, self.k_heads
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        seq = bid // blocks
+        t0 = mCu[seq] + (bid - seq * blocks) * b
+        end = mCu[seq + 1]
+        amax_bits = None
+        if cutlass.const_expr(self.key_scale == "block"):
+            # the block's amax per key head, as the bits of a non-negative fp32 (their integer
+            # order is the float order, NaN above +inf); zeroed before the CTA-uniform test below
+            amax_bits = SmemAllocator().allocate_tensor(Int32, cute.make_layout(Hpk), 16)
+            if tidx < Hpk:
+                amax_bits[tidx] = Int32(0)
+            cute.arch.sync_threads()
+        if t0 < end:  # CTA-uniform: a block past its sequence's end does nothing
+            nb = cutlass.min(end - t0, b)
+            self.rows(mQ, mQ8, mQs, Int64(t0) * Hp, nb * Hp, tidx, amax_bits, 0)
+            if cutlass.const_expr(self.key_scale == "block"):
+                self.rows(mK, mK8, mKs, Int64(t0) * Hpk, nb * Hpk, tidx, amax_bits, 1)
+                cute.arch.sync_threads()
+                self.rows(mK, mK8, mKs, Int64(t0) * Hpk, nb * Hpk, tidx, amax_bits, 2)
+            else:
+                self.rows(mK, mK8, mKs, Int64(t0) * Hpk, nb * Hpk, tidx, amax_bits, 0)
+
+    @cute.jit
+    def rows(
+        self, mX, mX8, mXs, row0: Int64, n_rows: Int32, tidx: Int32, amax_bits,
+        phase: cutlass.Constexpr,
+    ):  # fmt: skip
+        """Rows ``row0 .. row0 + n_rows - 1`` of one operand (``n_rows >= 1``). ``phase`` 0:
+        each row quantized by its own scale; 1: the rows' amax only, into ``amax_bits[row %
+        Hpk]`` (key rows: ``row0`` is a multiple of Hpk); 2: quantized by the block's scale
+        from ``amax_bits``."""
+        Dp, U = self.head_dim, self.unroll
+        L = Dp // 16  # lanes per row
+        RPC = self.warps * 32 // L  # rows per CTA pass
+        lane = tidx % L  # the lane within its row's group
+        slot = tidx // L  # the thread's row within a pass
+        col0 = lane * PIECE  # the lane's two pieces: elements col0.. and col0 + Dp/2..
+        for base in cutlass.range(0, n_rows, RPC * U, unroll=1):
+            # every load of the U passes first (a row past the end reloads the last one)
+            raws = []
+            for u in cutlass.range_constexpr(U):
+                r = cutlass.min(base + u * RPC + slot, n_rows - 1)
+                raws.append(self.load(mX, row0 + r, col0))
+            for u in cutlass.range_constexpr(U):
+                r = base + u * RPC + slot
+                ok = r < n_rows
+                y = self.rotated(raws[u], lane)
+                if cutlass.const_expr(phase == 1):
+                    amax = self.row_amax(y)
+                    if ok and lane == 0:
+                        cute.arch.atomic_max(amax_bits.iterator + r % self.k_heads, _bits(amax))
+                else:
+                    amax = Float32(0.0)
+                    if cutlass.const_expr(phase == 2):
+                        amax = _from_bits(amax_bits[r % self.k_heads])
+                    else:
+                        amax = self.row_amax(y)
+                    scale = Float32(1.0)
+                    if amax >= Float32(MIN_AMAX):  # quant._scale (False for NaN)
+                        scale = cute.math.div(amax, Float32(quant.E4M3_MAX), rounding=RN)
+                    row = row0 + cutlass.min(r, n_rows - 1)
+                    self.store(mX8, row, col0, y, scale, ok)
+                    if ok and lane == 0:
+                        mXs[row] = scale
+
+    @cute.jit
+    def load(self, mX, row: Int64, col0: Int32):
+        """The lane's two 16-byte pieces of row ``row`` (elements ``col0 ..`` and ``col0 +
+        Dp/2 ..``), as two register tensors of 8 elements."""
+        Dp = self.head_dim
+        out = []
+        for h in cutlass.range_constexpr(2):
+            src = cute.make_tensor(
+                mX.iterator + cute.assume(row * Dp + (col0 + h * (Dp // 2)), divby=PIECE),
+                cute.make_layout(PIECE),
+            )
+            vals = cute.make_rmem_tensor(PIECE, self.dtype)
+            cute.autovec_copy(src, vals)
+            out.append(vals)
+        return out
+
+    @cute.jit
+    def rotated(self, raws, lane: Int32):
+        """The lane's 16 elements of the row in fp32 (element ``e`` at column ``col0 + e % 8 +
+        (e // 8) * Dp / 2``), rotated when ``rotate``: the butterflies at strides 1, 2, 4 (in
+        registers), 8 .. Dp/4 (lane ``l`` with ``l ^ (stride / 8)``), Dp/2 (in registers), in
+        that order, then the multiply by ``fp32(Dp ** -0.5)`` (quant.hadamard_transform)."""
+        x = []
+        for h in cutlass.range_constexpr(2):
+            f = cute.make_rmem_tensor(PIECE, Float32)
+            f.store(raws[h].load().to(Float32))
+            for i in cutlass.range_constexpr(PIECE):
+                x.append(f[i])
+        if cutlass.const_expr(self.rotate):
+            for st in (1, 2, 4):
+                _butterflies(x, st)
+            for m in _lane_bits(self.head_dim):  # lane bit m: stride 8 m
+                # own + partner (bit clear), partner - own (bit set: the upper element)
+                sign = Float32(-1.0) if (lane & m) != 0 else Float32(1.0)
+                _lane_butterflies(x, m, sign)
+            _butterflies(x, 8)
+            c = Float32(rotation_scale(self.head_dim))
+            x = [cute.math.mul(v, c, rounding=RN) for v in x]
+        return x
+
+    @cute.jit
+    def row_amax(self, y):
+        """``max |y|`` over the row (its ``L`` lanes), NaN if any is (``torch.amax``)."""
+        acc = cute.math.abs(y[0])
+        for e in cutlass.range_constexpr(1, 16):
+            acc = cute.arch.fmax(acc, cute.math.abs(y[e]), nan=True)
+        for m in reversed(_lane_bits(self.head_dim)):  # over the row's lanes
+            acc = cute.arch.fmax(acc, cute.arch.shuffle_sync_bfly(acc, offset=m), nan=True)
+        return acc
+
+    @cute.jit
+    def store(self, mX8, row: Int64, col0: Int32, y, scale: Float32, ok):
+        """``e4m3(y / scale)`` (saturated at +-448: the reference's clamp) as the lane's two
+        8-byte pieces of row ``row``, if ``ok``."""
+        Dp = self.head_dim
+        for h in cutlass.range_constexpr(2):
+            f = cute.make_rmem_tensor(PIECE, Float32)
+            for i in cutlass.range_constexpr(PIECE):
+                f[i] = cute.math.div(y[h * PIECE + i], scale, rounding=RN)
+            v8 = cute.make_rmem_tensor(PIECE, cutlass.Float8E4M3FN)
+            v8.store(f.load().to(cutlass.Float8E4M3FN))
+            if ok:
+                dst = cute.make_tensor(
+                    mX8.iterator + cute.assume(row * Dp + (col0 + h * (Dp // 2)), divby=PIECE),
+                    cute.make_layout(PIECE),
+                )
+                cute.autovec_copy(v8, dst)
+
+
+RN = cute.math.RoundingMode.NEAREST_EVEN
+
+
+def rotation_scale(head_dim: int) -> float:
+    """The fp32 normalization of the rotation of a power-of-two ``head_dim`` (a Python float
+    that is an fp32 value: quant.hadamard_transform's multiplier)."""
+    return torch.tensor(head_dim**-0.5, dtype=torch.float32).item()
+
+
+def _lane_bits(head_dim: int) -> tuple:
+    """The lane-index bits of a row's ``head_dim / 16`` lanes: (1, 2, 4) at 128, (1, 2) at 64."""
+    return tuple(1 << i for i in range((head_dim // 16).bit_length() - 1))
+
+
+def _butterflies(x: list, st: int) -> None:
+    """In place on the lane's 16 values: ``(x[e], x[e + st]) -> (a + b, a - b)`` for every
+    ``e`` without bit ``st``, each rounded once (``add.rn`` and ``sub.rn``). Trace-time Python
+    (no staged control flow)."""
+    for e in range(16):
+        if not e & st:
+            a, b = x[e], x[e + st]
+            x[e] = cute.math.add(a, b, rounding=RN)
+            x[e + st] = cute.math.add(a, cute.math.neg(b), rounding=RN)
+
+
+def _lane_butterflies(x: list, m: int, sign) -> None:
+    """In place: the butterflies between this lane and lane ``^ m``: ``fma(sign, own,
+    partner)``, ``sign`` -1 on the lane holding the upper elements (``partner - own``), else 1
+    (``own + partner``). Trace-time Python."""
+    for e in range(16):
+        other = cute.arch.shuffle_sync_bfly(x[e], offset=m)
+        x[e] = cute.math.fma(sign, x[e], other, rounding=RN)
+
+
+def _bits(x):
+    """The bits of fp32 ``x`` as an Int32 (traced inline)."""
+    t = cute.make_rmem_tensor(1, Float32)
+    t[0] = x
+    return cute.recast_tensor(t, Int32)[0]
+
+
+def _from_bits(i):
+    """The fp32 whose bits are Int32 ``i`` (traced inline)."""
+    t = cute.make_rmem_tensor(1, Int32)
+    t[0] = i
+    return cute.recast_tensor(t, Float32)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# host: torch tensors in, quant.Quantized out
+# ---------------------------------------------------------------------------------------------
+def can_implement(q_proxy, k_proxy, block_size, key_scale=quant.KEY_SCALE, rotate=quant.ROTATE):
+    """Why :func:`quantize` cannot run this call on the kernel (``None``: it can): CUDA tensors
+    ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` of one device and dtype (bf16 or fp16),
+    the same tokens, Dp and ``block_size`` the kernel's (:meth:`QuantizeSm90.can_implement`).
+    The switch in ``select_sm90.select`` asks this, else the torch pass runs."""
+    for name, x in (("q_proxy", q_proxy), ("k_proxy", k_proxy)):
+        if not isinstance(x, torch.Tensor):
+            return f"{name} must be a torch.Tensor, not {type(x).__name__}"
+        if x.dim() != 3:
+            return f"{name} must be 3-D (T, heads, Dp), got shape {tuple(x.shape)}"
+    if k_proxy.dtype != q_proxy.dtype:
+        return f"q_proxy and k_proxy must share a dtype, got {q_proxy.dtype} and {k_proxy.dtype}"
+    if k_proxy.shape[0] != q_proxy.shape[0] or k_proxy.shape[2] != q_proxy.shape[2]:
+        return (
+            f"q_proxy (T, Hp, Dp) and k_proxy (T, Hpk, Dp) must have the same T and Dp, got "
+            f"{tuple(q_proxy.shape)} and {tuple(k_proxy.shape)}"
+        )
+    _, Hp, Dp = q_proxy.shape
+    why = QuantizeSm90.can_implement(
+        cutlass_dtype(q_proxy.dtype), Dp, Hp, k_proxy.shape[1], block_size, key_scale, rotate
+    )
+    if why is None and (q_proxy.device.type != "cuda" or k_proxy.device != q_proxy.device):
+        devices = f"{q_proxy.device} and {k_proxy.device}"
+        why = f"q_proxy and k_proxy must be on one CUDA device, got {devices}"
+    return why
+
+
+def quantize(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+    key_scale: str = quant.KEY_SCALE,
+    rotate: bool = quant.ROTATE,
+    *,
+    max_seqlen: int | None = None,
+    out: tuple | None = None,
+    warps: int = QuantizeSm90.warps,
+    unroll: int = QuantizeSm90.unroll,
+) -> quant.Quantized:
+    """:func:`flash_msa.quant.quantize` by the kernel: the same :class:`~flash_msa.quant.Quantized`,
+    bit for bit (module docstring).
+
+    Args:
+        q_proxy: ``(T, Hp, Dp)``, k_proxy: ``(T, Hpk, Dp)``: bf16 or fp16 CUDA tensors (packed
+            tokens; copied if not contiguous or not 16-byte aligned).
+        cu_seqlens: ``(N+1,)`` int32 on their device, ``cu_seqlens[N] == T``.
+        block_size: the selection's key block (64 or 128).
+        key_scale: ``"block"`` or ``"token"``; rotate: the Hadamard rotation first.
+        max_seqlen: at least the longest sequence's length (bounds the grid: ``N *
+            ceil(max_seqlen / block_size)`` CTAs); ``None`` reads it from ``cu_seqlens`` (a
+            host synchronization).
+        out: ``(q8, q_scale, k8, k_scale)`` to write into (e4m3 ``(T, Hp, Dp)``, fp32 ``(T,
+            Hp)``, e4m3 ``(T, Hpk, Dp)``, fp32 ``(T, Hpk)``, contiguous), else new tensors.
+        warps, unroll: the kernel's tuning fields (A/B runs; the defaults are the shipped ones).
+    Raises:
+        TypeError / ValueError naming the argument (:func:`can_implement`'s reasons too).
+    """
+    for name, x in (("q_proxy", q_proxy), ("k_proxy", k_proxy), ("cu_seqlens", cu_seqlens)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"CuTe quantize: {name} must be a torch.Tensor, not {type(x).__name__}")
+    for name, v in (("block_size", block_size), ("max_seqlen", max_seqlen)):
+        if (v is not None or name == "block_size") and (
+            not isinstance(v, int) or isinstance(v, bool)
+        ):
+            raise TypeError(f"CuTe quantize: {name} must be an int, not {type(v).__name__}")
+    if not isinstance(key_scale, str):
+        raise TypeError(f"CuTe quantize: key_scale must be a str, not {type(key_scale).__name__}")
+    if not isinstance(rotate, bool):
+        raise TypeError(f"CuTe quantize: rotate must be a bool, not {type(rotate).__name__}")
+    why = can_implement(q_proxy, k_proxy, block_size, key_scale, rotate)
+    if why is not None:
+        raise ValueError(f"CuTe quantize: {why}")
+    T, Hp, Dp = q_proxy.shape
+    Hpk = k_proxy.shape[1]
+    dev = q_proxy.device
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(
+            f"CuTe quantize: cu_seqlens must be a 1-D int32 (N+1,) tensor, got "
+            f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.device != dev:
+        raise ValueError(f"CuTe quantize: cu_seqlens must be on {dev}, got {cu_seqlens.device}")
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    if max_seqlen < (1 if T else 0):
+        raise ValueError(f"CuTe quantize: max_seqlen must be >= 1 for T = {T}, got {max_seqlen}")
+    kernel = QuantizeSm90(
+        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, block_size, key_scale, rotate, warps, unroll
+    )
+    e4m3, f32 = quant.E4M3, torch.float32
+    want = (((T, Hp, Dp), e4m3), ((T, Hp), f32), ((T, Hpk, Dp), e4m3), ((T, Hpk), f32))
+    names = ("q8", "q_scale", "k8", "k_scale")
+    if out is None:
+        out = tuple(torch.empty(shape, dtype=dt, device=dev) for shape, dt in want)
+    elif not isinstance(out, (tuple, list)) or len(out) != 4:
+        raise TypeError("CuTe quantize: out must be a tuple (q8, q_scale, k8, k_scale)")
+    for name, x, (shape, dt) in zip(names, out, want):
+        align = OUT_ALIGN if dt == e4m3 else SCALAR_ALIGN
+        if (
+            not isinstance(x, torch.Tensor) or x.dtype != dt or tuple(x.shape) != shape
+            or x.device != dev or not x.is_contiguous() or x.data_ptr() % align
+        ):  # fmt: skip
+            got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else x
+            raise ValueError(
+                f"CuTe quantize: out's {name} must be a contiguous, {align}-byte aligned {dt} "
+                f"{shape} tensor on {dev}, got {got}"
+            )
+    q8, q_scale, k8, k_scale = out
+    result = quant.Quantized(q8, q_scale, k8, k_scale, key_scale, rotate)
+    n_seq = cu_seqlens.shape[0] - 1
+    blocks = -(-max_seqlen // block_size)
+    if T == 0 or n_seq == 0 or blocks == 0:
+        return result
+    if n_seq * blocks >= 2**31:
+        raise ValueError(
+            f"CuTe quantize: N * ceil(max_seqlen / block_size) = {n_seq * blocks} CTAs exceed "
+            "the grid's 2^31 - 1"
+        )
+    q = aligned(q_proxy.contiguous())
+    k = aligned(k_proxy.contiguous())
+    cu = aligned(cu_seqlens.contiguous())
+    args = launch_arguments(
+        kernel, q.data_ptr(), k.data_ptr(), cu.data_ptr(), q8.data_ptr(), q_scale.data_ptr(),
+        k8.data_ptr(), k_scale.data_ptr(), n_seq, blocks, stream(dev),
+    )  # fmt: skip
+    run_typed(kernel, dev, args, LAUNCH_SIGNATURE)
+    return result
+
+
+def launch_arguments(kernel: QuantizeSm90, q, k, cu, q8, q_scale, k8, k_scale, n_seq, blocks, strm):
+    """The arguments of a launch of ``kernel`` (its ``__call__``): the seven buffers' device
+    addresses (ints) as typed pointers of the alignments the kernel assumes, the sequence count,
+    the key blocks per sequence and the stream. The types depend on ``kernel`` alone, so the
+    compile cache keys on the kernel object and the compile check compiles what runs
+    (:func:`compile_quantize`)."""
+    from cutlass.cute.runtime import make_ptr
+
+    gmem = cute.AddressSpace.gmem
+    e4m3 = cutlass.Float8E4M3FN
+    return (
+        make_ptr(kernel.dtype, q, gmem, assumed_align=ROW_ALIGN),
+        make_ptr(kernel.dtype, k, gmem, assumed_align=ROW_ALIGN),
+        make_ptr(Int32, cu, gmem, assumed_align=SCALAR_ALIGN),
+        make_ptr(e4m3, q8, gmem, assumed_align=OUT_ALIGN),
+        make_ptr(Float32, q_scale, gmem, assumed_align=SCALAR_ALIGN),
+        make_ptr(e4m3, k8, gmem, assumed_align=OUT_ALIGN),
+        make_ptr(Float32, k_scale, gmem, assumed_align=SCALAR_ALIGN),
+        Int32(n_seq),
+        Int32(blocks),
+        strm,
+    )
+
+
+# the disk cache's text for the argument types: fixed by the kernel object and this module's
+# source (both in the disk key); launches go through common.run_typed
+LAUNCH_SIGNATURE = "quantize_sm90.launch_arguments"
+
+
+# ---------------------------------------------------------------------------------------------
+# compile check (no GPU): hooked into flash_msa.cute.compile_check
+# ---------------------------------------------------------------------------------------------
+# the tuning variants benchmarks/cute_select_ab.py --fp8 times (name: QuantizeSm90 fields), the
+# shipped one first
+VARIANTS = {
+    "w4 u2": dict(warps=4, unroll=2),
+    "w8 u1": dict(warps=8, unroll=1),
+    "w8 u4": dict(warps=8, unroll=4),
+    "w4 u4": dict(warps=4, unroll=4),
+}
+
+
+def quantize_configurations():
+    """(name, dtype, Dp, Hp, Hpk, block, key_scale, rotate, tuning) of the kernels the CuTe
+    compile check compiles (``tuning`` None: the shipped variant): the anchor / paper proxy
+    heads (Hp 4, Hpk 1) at both head dims and key scales, block 64, fp16, several key heads,
+    without the rotation (9 compiles, ~12 s of CPU; the other tuning variants:
+    :func:`variant_configurations`)."""
+    for Dp in HEAD_DIMS:
+        for scale in quant.KEY_SCALES:
+            name = f"quantize bf16 Dp={Dp} b=128 {scale} Hp=4 Hpk=1"
+            yield name, "bf16", Dp, 4, 1, 128, scale, True, None
+    yield "quantize bf16 Dp=128 b=64 block Hp=4 Hpk=1", "bf16", 128, 4, 1, 64, "block", True, None
+    yield "quantize fp16 Dp=128 b=128 block Hp=4 Hpk=1", "fp16", 128, 4, 1, 128, "block", True, None
+    yield "quantize bf16 Dp=64 b=64 block Hp=8 Hpk=2", "bf16", 64, 8, 2, 64, "block", True, None
+    yield "quantize bf16 Dp=128 b=128 token Hp=2 Hpk=2", "bf16", 128, 2, 2, 128, "token", True, None
+    yield "quantize bf16 Dp=128 b=128 block no-rotate", "bf16", 128, 4, 1, 128, "block", False, None
+
+
+def variant_configurations():
+    """(name, ..., tuning) of every other tuning variant of :data:`VARIANTS` (the ones
+    benchmarks/cute_select_ab.py times) at the paper layout, both key scales
+    (``python -m flash_msa.cute.quantize_sm90 --variants``)."""
+    for vname, tuning in list(VARIANTS.items())[1:]:
+        for scale in quant.KEY_SCALES:
+            name = f"quantize bf16 Dp=128 b=128 {scale} Hp=4 Hpk=1 [{vname}]"
+            yield name, "bf16", 128, 4, 1, 128, scale, True, tuning
+
+
+def compile_quantize(dtype, Dp, Hp, Hpk, block, key_scale, rotate, tuning=None, *, dump=None,
+                     name=""):  # fmt: skip
+    """Compile :class:`QuantizeSm90` (``tuning``: a dict of ``warps`` / ``unroll``) for sm_90a
+    on the launch arguments :func:`quantize` passes (:func:`launch_arguments`, dummy
+    addresses); returns cuobjdump's ``{"reg", "stack", "local"}`` (spills show as stack) with
+    ``wgmma``/``tma`` False, like ``compile_check``'s other kernels. ``dump``: a folder for
+    ``<name>.ptx`` / ``.cubin``."""
+    from cutlass import BFloat16, Float16
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .compile_check import compile_kernel
+
+    dt = {"bf16": BFloat16, "fp16": Float16}[dtype]
+    kernel = QuantizeSm90(dt, Dp, Hp, Hpk, block, key_scale, rotate, **(tuning or {}))
+    a = 1 << 20  # a dummy address, 16-byte aligned
+    args = launch_arguments(kernel, a, a, a, a, a, a, a, 1, 1, make_fake_stream())
+    res = compile_kernel(kernel, *args, dump=dump, name=name)
+    return dict(res, wgmma=False, tma=False)
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m flash_msa.cute.quantize_sm90 [--variants]``: compile the shipped variant's
+    configurations (``--variants``: the other tuning variants'), one JSON line each; exit 1 on a
+    spill."""
+    import json
+
+    bad = 0
+    every = variant_configurations if "--variants" in argv else quantize_configurations
+    for name, *cfg in every():
+        res = compile_quantize(*cfg, name=name)
+        bad += res["stack"] > 0 or res["local"] > 0
+        print(json.dumps(dict(kernel=name, **res)), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_main(sys.argv[1:]))
