@@ -2,7 +2,8 @@
 # One GPU session's backward work, in priority order, each step time-boxed; logs under OUTDIR.
 # Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
 #   STEPS: any of tests det ab ncu bench sanitizer hypothesis kl cache combine bench_stages
-#   host small_tiles qmap proxy_lse fp8 (default: tests det ab ncu bench sanitizer hypothesis,
+#   host small_tiles qmap proxy_lse fp8 verify8 verify8b ab8 profile16k train64k (default: tests det ab
+#   ncu bench sanitizer hypothesis,
 #   in that order);
 #   bench_anchor / bench_paper: one half of bench
 #   BWD_TESTS_K / BWD_TESTS_LIMIT: override the test steps' pytest -k selection and time limit
@@ -99,6 +100,36 @@ PY
       grep -E "FAILED|ERROR" "$out/test_gpu_cute_fp8.log" | head -5; tail -1 "$out/test_gpu_cute_fp8.log"
       t timeout 400 python3 benchmarks/cute_select_ab.py --fp8 > "$out/cute_select_ab_fp8.log" 2>&1
       tail -15 "$out/cute_select_ab_fp8.log" ;;
+    verify8)  # the eighth session's unrun kernels and host changes: their GPU tests (-n N)
+      t timeout 540 python3 -m pytest -m gpu -v -p no:cacheprovider ${BWD_TESTS_N:+-n "$BWD_TESTS_N"} \
+        tests/test_gpu_cute_kl.py tests/test_gpu_cute_combine.py tests/test_gpu_cute_fp8.py \
+        > "$out/test_verify8.log" 2>&1
+      grep -E "FAILED|ERROR" "$out/test_verify8.log" | head -8; tail -1 "$out/test_verify8.log" ;;
+    verify8b)  # the forward's query map, fp32 small tiles, and the shared work list under graphs
+      t timeout 540 python3 -m pytest -m gpu -v -p no:cacheprovider ${BWD_TESTS_N:+-n "$BWD_TESTS_N"} \
+        tests/test_gpu_cute.py tests/test_gpu_small_tiles.py tests/test_gpu.py \
+        -k "q_map or fp32 or sync_free or cuda_graph or graph" > "$out/test_verify8b.log" 2>&1
+      grep -E "FAILED|ERROR" "$out/test_verify8b.log" | head -8; tail -1 "$out/test_verify8b.log" ;;
+    ab8)  # the A/Bs of the eighth session's kernels, same run each: KL stage (fwd mode),
+          # combine variants, the fp8 quantize kernel at paper 128K, host time (shared work list)
+      (cd benchmarks && t timeout 200 python3 kl_ab.py --out "$out/kl_ab.json" > "$out/kl_ab.log" 2>&1)
+      tail -6 "$out/kl_ab.log"
+      (cd benchmarks && t timeout 150 python3 combine_ab.py --out "$out/combine_ab.json" > "$out/combine_ab.log" 2>&1)
+      tail -14 "$out/combine_ab.log"
+      t timeout 150 python3 benchmarks/cute_select_ab.py --fp8 --fp8-cases paper:131072 \
+        > "$out/cute_select_ab_fp8.log" 2>&1
+      grep -E "quantize|k=16:" "$out/cute_select_ab_fp8.log" | head -16
+      t timeout 100 python3 benchmarks/step_host_time.py > "$out/step_host_time.log" 2>&1
+      head -1 "$out/step_host_time.log" | cut -c1-200 ;;
+    profile16k)  # where the anchor-16K step goes: kernels by GPU time, busy vs span (auto)
+      t timeout 120 python3 benchmarks/profile_step.py --backend auto --no-kl > "$out/profile16k_nokl.log" 2>&1
+      tail -3 "$out/profile16k_nokl.log" ;;
+    train64k)  # issue 17: the long-retrieval run at 64K tokens, each model in its own call
+      # (LR_MODEL=msa or dense; the summary merges in LR_OUT on the warm machine)
+      t timeout 580 python3 examples/train_long_retrieval.py --seqlen 65536 --no-progress \
+        --out "${LR_OUT:-/root/lr64}" $([ "${LR_MODEL:-msa}" = msa ] && echo --no-dense-baseline || echo --no-msa) \
+        > "$out/train64k_${LR_MODEL:-msa}.log" 2>&1
+      tail -4 "$out/train64k_${LR_MODEL:-msa}.log"; cp -r "${LR_OUT:-/root/lr64}" "$out/" ;;
     bench_stages)  # the training step with the CuTe KL and combine stages on (cute.KL_ON_CUTE, COMBINE_ON_CUTE)
       on='import sys, flash_msa.cute as c; c.KL_ON_CUTE = c.COMBINE_ON_CUTE = True; from flash_msa.cli import main; sys.exit(main(sys.argv[1:]))'
       t timeout 240 python3 -c "$on" bench --shape anchor --seqlen 16384 32768 --backends cute \

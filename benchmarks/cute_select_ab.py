@@ -230,12 +230,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fp8", action="store_true", help="only the bf16 / fp8 A/B")
     parser.add_argument("--kinds", nargs="+", default=["random", "local"])
+    parser.add_argument(
+        "--fp8-cases",
+        nargs="+",
+        default=[f"{shape}:{S}" for shape, S in FP8_CASES],
+        help="the fp8 A/B's cases, shape:S (default: paper:131072 long:1048576)",
+    )
     args = parser.parse_args(argv)
     if not args.fp8:
         for shape, S in FULL_CASES:
             for kind in args.kinds:
                 bf16_ab(shape, S, kind)
-    for shape, S in FP8_CASES:
+    for shape, S in ((c.split(":")[0], int(c.split(":")[1])) for c in args.fp8_cases):
         for kind in args.kinds:
             # top_k 64 at 1M: a 1M-token line takes ~1 s per call; 16 is the setting
             fp8_ab(shape, S, kind, (bench.TOP_K,) if S > REFERENCE_MAX_S else (bench.TOP_K, 64))

@@ -1,6 +1,8 @@
 """Kernel-time breakdown of one MSA training step (torch.profiler), on a GPU.
 
-PYTHONPATH=src python3 benchmarks/profile_step.py --seqlen 16384 [--shape anchor]
+PYTHONPATH=src python3 benchmarks/profile_step.py --seqlen 16384 [--shape anchor] [--backend auto]
+[--no-kl]: the kernels by total GPU time, then the step's GPU busy time against its span (the
+gaps are launch latency and host-bound stretches).
 """
 
 import argparse
@@ -18,6 +20,7 @@ def main():
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--inputs", default="random")
+    ap.add_argument("--no-kl", action="store_true", help="compute_kl=False (issue 13/14 step)")
     args = ap.parse_args()
     os.environ["FLASH_MSA_BACKEND"] = args.backend
     B, H, Hkv, Hp, Hpk, D, Dp, _ = bench.SHAPES[args.shape]
@@ -27,7 +30,7 @@ def main():
     dout = torch.randn_like(xs[2])
 
     def step():
-        out, kl = flash_msa.msa_attention(*xs, bench.TOP_K)
+        out, kl = flash_msa.msa_attention(*xs, bench.TOP_K, compute_kl=not args.no_kl)
         torch.autograd.backward([out, kl], [dout, torch.ones_like(kl)])
 
     for _ in range(2):
@@ -37,8 +40,17 @@ def main():
         step()
         torch.cuda.synchronize()
     print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
     )
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if kernels:  # busy time (union of kernel intervals) against the span, in us
+        spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+        busy, end = 0, spans[0][0]
+        for a, b in spans:
+            busy += max(0, b - max(a, end))
+            end = max(end, b)
+        span = end - spans[0][0]
+        print(f"kernels {len(kernels)}, GPU busy {busy / 1e3:.3f} ms of a {span / 1e3:.3f} ms span")
 
 
 if __name__ == "__main__":
