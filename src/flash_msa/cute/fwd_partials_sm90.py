@@ -1061,6 +1061,12 @@ class FwdKlSm90(FwdPartialsSm90):
             return f"the CuTe KL stage needs bf16 or fp16, not {dtype}"
         if head_dim not in (64, 128) or proxy_head_dim not in (64, 128):
             return f"the CuTe KL stage needs D and Dp 64 or 128, not {head_dim}, {proxy_head_dim}"
+        if head_dim != proxy_head_dim:
+            # the q and q_proxy gathers share one double-buffered Q region read through two
+            # views whose buffer strides are 64 x D and 64 x Dp elements: with D != Dp their
+            # buffers overlap (a race within and across warpgroups; review of the eighth
+            # session, tests/test_review_kl_cpu.py). bwd_sm90.kl runs these calls.
+            return f"the CuTe KL stage needs D == Dp, not {head_dim} and {proxy_head_dim}"
         if block_size not in (64, 128):
             return f"the CuTe KL stage needs block_size 64 or 128, not {block_size}"
         if warpgroups not in (1, 2, 3):
