@@ -44,7 +44,10 @@ cast saturates on CPU but the behaviour is not promised everywhere) and rounded 
 even by the cast. An all-zero row or block gets scale 1 (its e4m3 values are 0 either way).
 Every step is a correctly rounded fp32 operation in a fixed order (the rotation by
 :func:`hadamard_transform`'s butterflies, IEEE divisions), so the bytes and scales are the same
-on every device and equal those of the SM90 kernel ``cute/quantize_sm90.py``.
+on every device and equal those of the SM90 kernel ``cute/quantize_sm90.py``, NaN aside: a
+NaN input gives an e4m3 NaN whose sign bit may differ (torch's cast keeps the sign, x86 makes
+negative NaNs, the kernel's ``satfinite`` conversion gives 0x7F); a NaN proxy has no ranking
+anyway.
 """
 
 from __future__ import annotations

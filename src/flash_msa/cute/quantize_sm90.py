@@ -14,7 +14,8 @@ each pair ``(a, b) -> (a + b, a - b)`` rounded once, then one multiply by the fp
 ``amax / 448`` (1 below ``quant``'s smallest amax, and for a NaN amax), and the e4m3 values
 ``e4m3(clamp(y / scale, -448, 448))``: an IEEE division (``div.rn.f32``) and one
 ``cvt.rn.satfinite.e4m3x2.f32`` per pair (round to nearest even; ``satfinite`` maps a finite
-value beyond 448 to 448, exactly what the clamp then the cast do, and keeps NaN). Key scales
+value beyond 448 to 448, exactly what the clamp then the cast do, and keeps NaN, as 0x7F:
+the torch pass's NaN bytes may carry the other sign). Key scales
 per block (``key_scale="block"``): the max of the rows' amax over the block's tokens, per key
 head (an integer ``atom.max`` on the bits of the non-negative amax in shared memory: exact and
 order-free, NaN's bits above +inf's as in ``torch.amax``), written on every token of the block.
@@ -433,8 +434,9 @@ def quantize(
         block_size: the selection's key block (64 or 128).
         key_scale: ``"block"`` or ``"token"``; rotate: the Hadamard rotation first.
         max_seqlen: at least the longest sequence's length (bounds the grid: ``N *
-            ceil(max_seqlen / block_size)`` CTAs); ``None`` reads it from ``cu_seqlens`` (a
-            host synchronization).
+            ceil(max_seqlen / block_size)`` CTAs; rows past it would be left unwritten, so it
+            must not be smaller, as for the selection's ``cfg.max_seqlen``); ``None`` reads it
+            from ``cu_seqlens`` (a host synchronization).
         out: ``(q8, q_scale, k8, k_scale)`` to write into (e4m3 ``(T, Hp, Dp)``, fp32 ``(T,
             Hp)``, e4m3 ``(T, Hpk, Dp)``, fp32 ``(T, Hpk)``, contiguous), else new tensors.
         warps, unroll: the kernel's tuning fields (A/B runs; the defaults are the shipped ones).
