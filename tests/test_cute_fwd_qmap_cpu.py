@@ -95,10 +95,10 @@ def test_the_switch_decides_whether_the_forward_takes_a_map(monkeypatch):
     from flash_msa import cute
     from flash_msa.cute import fwd_partials_sm90 as fp
 
-    assert fp.FWD_Q_MAP_DECLARED is False
+    assert cute.FWD_Q_MAP_DECLARED is False and not cute.LIMITS["fwd"].q_map
     assert not cute.forward_stages().q_map
     q, k, v, idx, cu, wl, *_, cfg = _case()
     with pytest.raises(ValueError, match="FWD_Q_MAP_DECLARED"):
         fp.fwd(q, k, v, idx, cu, cfg, q_map=wl.q_map)
-    monkeypatch.setattr(fp, "FWD_Q_MAP_DECLARED", True)
+    monkeypatch.setattr(cute, "FWD_Q_MAP_DECLARED", True)
     assert cute.forward_stages().q_map

@@ -779,7 +779,7 @@ def test_cute_forward_op_q_map_matches_reference(layout, kind, dtype, monkeypatc
     def not_this_stage(*args, **kwargs):
         raise AssertionError("Triton's proxy_partials ran: the CuTe partials did not make them")
 
-    monkeypatch.setattr(fwd_partials_sm90, "FWD_Q_MAP_DECLARED", True)
+    monkeypatch.setattr(cute, "FWD_Q_MAP_DECLARED", True)
     monkeypatch.setattr(sparse_fwd, "proxy_partials", not_this_stage)
     _cute()
     assert cute.forward_stages().q_map, "cute.forward_stages must read FWD_Q_MAP_DECLARED"

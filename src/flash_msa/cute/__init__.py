@@ -58,6 +58,12 @@ Q_MAP_DECLARED = True
 # anchor 1M (bf16 655 / 796); Triton's fp8 selection 275-326. No query map in the fp8 kernel
 # (``_select_reason``).
 FP8_SELECTION_ON_CUTE = True
+# The query map in the forward partials (``fwd_partials_sm90.FwdPartialsSm90(qmap=True)``, main
+# and proxy parts; context parallelism): written and compiled in the eighth session (compile_check
+# "fwd ... qmap": no spills but 8 bytes at the paper layout; the map-less PTX unchanged), off
+# until its H200 run (tests/test_gpu_cute.py -k q_map). Declares the map in LIMITS["fwd"] and
+# in forward_stages' q_map: while off, a mapped forward runs on Triton.
+FWD_Q_MAP_DECLARED = False
 # the fused backward (bwd_sm90.py)
 BWD_LIMITS = Limits(
     **_SM90,
@@ -89,9 +95,7 @@ LIMITS = {
         **_SM90,
         head_dims=(64, 128),
         deterministic=True,
-        # the partials' map mode (FwdPartialsSm90(qmap=True)) is off until its H200 run:
-        # _fwd_reason refuses a mapped call while fwd_partials_sm90.FWD_Q_MAP_DECLARED is off
-        q_map=Q_MAP_DECLARED,
+        q_map=FWD_Q_MAP_DECLARED,  # the partials' map mode: see FWD_Q_MAP_DECLARED
         note="per-block attention, the proxy LSE and the KL value on CuTe; the combine is a "
         "Triton stage (with its limits), as are the proxy LSE and the KL where the CuTe "
         "kernels cannot run the call",
@@ -169,7 +173,7 @@ def forward_stages(kl_fits: bool = True, combine_fits: bool = True, proxy_fits: 
     from ..sparse_forward import Stages
     from . import fwd_partials_sm90  # (imported here: the tests patch its switches)
 
-    stages = dict(partials=fwd_partials_sm90.partials, q_map=fwd_partials_sm90.FWD_Q_MAP_DECLARED)
+    stages = dict(partials=fwd_partials_sm90.partials, q_map=FWD_Q_MAP_DECLARED)
     if PROXY_LSE_ON_CUTE and proxy_fits:
         stages["partials_make_proxy"] = True
     if KL_ON_CUTE and kl_fits:
@@ -220,15 +224,9 @@ def _fwd_reason(problem: Problem) -> str | None:
     (``FwdPartialsSm90.can_implement``: the same table plus the head-group arithmetic and
     shared memory), and those of the stages it borrows."""
     from ..sparse_forward import borrowed_reason
-    from . import fwd_partials_sm90
     from .common import cutlass_dtype
     from .fwd_partials_sm90 import FwdPartialsSm90
 
-    if problem.q_map and not fwd_partials_sm90.FWD_Q_MAP_DECLARED:
-        return (
-            "the CuTe forward's query map (q_map) is off until its H200 run "
-            "(fwd_partials_sm90.FWD_Q_MAP_DECLARED)"
-        )
     why = FwdPartialsSm90.can_implement(
         cutlass_dtype(problem.dtype), problem.num_heads, problem.num_kv_heads,
         problem.num_sel_heads, problem.head_dim, problem.cfg.top_k, problem.cfg.block_size,

@@ -104,14 +104,6 @@ from .common import (
 
 LN2 = 0.6931471805599453
 
-# The query map in the forward partials (``FwdPartialsSm90(qmap=True)``, module docstring "Query
-# map"; context parallelism): off until its H200 run (tests/test_gpu_cute.py -k q_map).
-# Compiled for sm_90a (compile_check "fwd ... qmap"; tests/test_cute_fwd_qmap_cpu.py): no
-# spills but at the paper layout (8 bytes, module docstring); the map-less PTX unchanged. Read by
-# ``cute.forward_stages`` (the stages' ``q_map``) and the forward's limits: while off, a mapped
-# forward runs on Triton.
-FWD_Q_MAP_DECLARED = False
-
 
 def head_geometry_reason(H: int, Hkv: int, Hs: int) -> str | None:
     """Why the kernel cannot cover these head counts (``None`` if it can): each selection
@@ -940,7 +932,7 @@ def fwd(
 
     ``q_map``: ``None`` or ``(Tq,)`` int32, the contract's query map (``q``, ``q_proxy``,
     ``indices`` and the outputs have ``Tq`` rows): the driver hands it to the stages in the
-    work list; it runs where ``cute.forward_stages`` declares the map (:data:`FWD_Q_MAP_DECLARED`),
+    work list; it runs where ``cute.forward_stages`` declares the map (``cute.FWD_Q_MAP_DECLARED``),
     else ValueError."""
     from .. import sparse_forward
     from . import forward_stages
@@ -957,7 +949,7 @@ def fwd(
     if q_map is not None and not stages.q_map:
         raise ValueError(
             "q_map: the CuTe forward's query map is off until its H200 run "
-            "(flash_msa.cute.fwd_partials_sm90.FWD_Q_MAP_DECLARED)"
+            "(flash_msa.cute.FWD_Q_MAP_DECLARED)"
         )
     return sparse_forward.fwd(
         stages, q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad, q_map=q_map
