@@ -486,7 +486,10 @@ class _MSAFunction(torch.autograd.Function):
             **qm,
         )
         out, lse, proxy_lse, kl, unit = f
-        kept, ctx.lists = _kept_lists(f, bwd_be is not None)
+        # kept for a backward that builds a work list: not one that only scales the forward's
+        # unit proxy gradient (main inputs frozen, proxy trained by the KL)
+        main_grads = any(ctx.needs_input_grad[2:5])
+        kept, ctx.lists = _kept_lists(f, bwd_be is not None and (main_grads or unit is None))
         if kl is None:  # compute_kl=False: the value is 0, the gradient stays exact
             kl = torch.zeros((), dtype=lse.dtype, device=q.device)
         ctx.save_for_backward(

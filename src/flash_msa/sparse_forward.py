@@ -225,6 +225,11 @@ def fwd(
     f = Forward(out, lse, proxy_lse, kl, unit)
     if C < T or not keeps(sorted_lists, q, k, v):
         return f  # chunked (long context): each chunk's lists are gone; or too large to keep
+    if cfg.deterministic:  # the ordered backwards sort per chunk of their own when their dQ
+        from . import ordered  # partials (>= H K D fp32 per row) need chunks: nothing to keep
+
+        if ordered.token_chunk(T, H * K * D * 4) < T:
+            return f
     return worklist.carry(f, sorted_lists)
 
 

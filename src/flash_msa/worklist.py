@@ -251,8 +251,9 @@ def matches(
 ) -> bool:
     """Whether ``sorted_lists`` (``None``: no) can stand for ``lists(indices, cu_seqlens,
     block_size, 0, total_tokens, q_map)``: made from all of the call's rows with the same
-    shapes, block size, key count and query-map presence (host values only, no sync). The
-    data itself is the caller's promise: the forward's lists of the same saved tensors."""
+    shapes, block size, key count and the same query map object (api.py re-attaches the
+    backward's own; host values only, no sync). The data itself is the caller's promise: the
+    forward's lists of the same saved tensors (autograd's version counters guard them)."""
     if sorted_lists is None:
         return False
     s = sorted_lists
@@ -260,7 +261,7 @@ def matches(
     NB = total_tokens // block_size + cu_seqlens.numel() - 1
     return (
         s.tok0 == 0 and (s.rows, s.heads, s.slots) == (C, Hs, K) and s.block_size == block_size
-        and s.num_blocks == NB and (s.q_map is None) == (q_map is None)
+        and s.num_blocks == NB and s.q_map is q_map
         and s.perm.device == indices.device
     )  # fmt: skip
 
