@@ -251,3 +251,74 @@ def measure(
     out["bf16_vs_fp32"] = m
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def fp8_rerank_select(q_proxy, k_proxy, cu_seqlens, cfg: Config, m, *, quantized=None):
+    """An fp8 candidate pass plus an exact re-rank (a protocol variant, not a shipped mode).
+
+    The fp8 selection (:func:`flash_msa.reference.select`, ``selection_precision="fp8"``, of
+    ``quantized`` or the shipped :func:`flash_msa.quant.quantize`) keeps ``m`` blocks per row
+    (own block included); their exact block scores (:func:`block_scores`) pick the final
+    ``cfg.top_k`` with the selection's rules (:func:`refine`). ``m = cfg.top_k`` is the plain
+    fp8 selection; ``m >= nb`` keeps every visible block as a candidate and so gives the exact
+    selection. Here the exact scores are computed for every block and gathered (simple on
+    CPU); a kernel would score only the ``m`` candidates, ``m / nb`` of the selection's work.
+
+    Args:
+        q_proxy: ``(T, Hp, Dp)``; k_proxy: ``(T, Hpk, Dp)``; cu_seqlens: ``(N+1,)`` int32.
+        cfg: uses ``top_k``, ``block_size``, ``proxy_scale`` (its ``selection_precision`` is
+            ignored: the candidates are always fp8, the re-rank always exact).
+        m: the number of fp8 candidates per row, an int ``>= cfg.top_k``.
+    Returns:
+        ``(T, Hp, top_k)`` int32 sequence-local block numbers, ascending, -1 padded.
+    """
+    if isinstance(m, bool) or not isinstance(m, int):
+        raise TypeError(f"m must be an int, got {type(m).__name__}")
+    if m < cfg.top_k:
+        raise ValueError(f"m must be >= cfg.top_k ({cfg.top_k}), got {m}")
+    wide = dataclasses.replace(cfg, top_k=m, selection_precision="fp8")
+    cand = reference.select(q_proxy, k_proxy, cu_seqlens, wide, quantized=quantized)
+    out = torch.full((q_proxy.shape[0], q_proxy.shape[1], cfg.top_k), -1, dtype=torch.int32)
+    bounds = cu_seqlens.tolist()
+    for s0, s1 in zip(bounds[:-1], bounds[1:]):  # block numbers and own blocks are per sequence
+        if s1 > s0:
+            scores = block_scores(q_proxy[s0:s1], k_proxy[s0:s1], cfg)
+            out[s0:s1] = refine(cand[s0:s1].cpu(), scores, cfg.top_k, cfg.block_size)
+    return out.to(q_proxy.device)
+
+
+def measure_rerank(
+    kind,
+    S,
+    layout=(16, 2, 4, 1),
+    D=128,
+    *,
+    top_k=16,
+    block_size=128,
+    seed=0,
+    ms=(16, 20, 24, 32),
+):
+    """One case of :func:`measure`'s protocol (same inputs, bf16 reference and metrics, no
+    downstream errors) for :func:`fp8_rerank_select`: ``{"fp8": metrics of the plain shipped
+    fp8 selection, "rerank<m>": metrics for each m in ms, "seconds"}``."""
+    t0 = time.perf_counter()
+    qp, kp, q, k, _ = [x[0] for x in make_case(kind, S, layout, D, seed=seed)]
+    cu = testing.cu([S])
+    cfg = Config(
+        block_size=block_size,
+        softmax_scale=D**-0.5,
+        max_seqlen=S,
+        proxy_scale=D**-0.5,
+        top_k=top_k,
+    )
+    ref = reference.select(qp, kp, cu, cfg)
+    mass = block_mass(q, k, cu, block_size, cfg.softmax_scale)
+    qz = quant.quantize(qp, kp, cu, block_size)  # the shipped quantization, made once
+    fp8 = dataclasses.replace(cfg, selection_precision="fp8")
+    idx = reference.select(qp, kp, cu, fp8, quantized=qz)
+    out = {"fp8": selection_metrics(idx, ref, mass, top_k, block_size)}
+    for m in ms:
+        pick = fp8_rerank_select(qp, kp, cu, cfg, m, quantized=qz)
+        out[f"rerank{m}"] = selection_metrics(pick, ref, mass, top_k, block_size)
+    out["seconds"] = time.perf_counter() - t0
+    return out
