@@ -2,7 +2,7 @@
 
 Usage: ``python benchmarks/fp8_recall.py [--S 4096 8192] [--seeds 0 1 2] [--kinds ...]
 [--layout 16,2,4,1] [--dim 128] [--top-k 16] [--block 128] [--no-downstream | --downstream-all]
-[--rerank M [M ...]] [--out FILE.jsonl]``.
+[--out FILE.jsonl]``.
 
 For each (kind, S, seed) it builds the inputs of :func:`flash_msa.recall.make_case` and prints
 one line per variant: recall of the bf16 selection (own block excluded, rows with a choice),
@@ -12,12 +12,6 @@ relative errors of ``out``, ``kl`` and the five gradients. The gates of issue 15
 structured (``local``) kinds: recall >= 99 % and covered mass >= 99.5 % of bf16's; ``GATE``
 says whether the shipped variant meets them there. These are the torch reference's numbers,
 not a GPU kernel's (whose fp32 sums differ only in order).
-
-``--rerank M [M ...]`` measures instead an fp8 candidate pass of ``M`` blocks per row re-ranked
-exactly to ``top_k`` (:func:`flash_msa.recall.fp8_rerank_select`, a protocol variant, not a
-shipped mode): one line for the plain fp8 selection and one per ``M`` with the same metrics (no
-downstream errors), a ``GATE`` line per ``M`` on the structured kinds; the exit status stays the
-plain selection's gate. JSON rows then carry ``"mode": "rerank"``.
 """
 
 from __future__ import annotations
@@ -46,42 +40,27 @@ def main(argv=None) -> int:
         action="store_true",
         help="downstream errors of the refine variants and of bf16 vs fp32 too (slower)",
     )
-    parser.add_argument(
-        "--rerank",
-        type=int,
-        nargs="+",
-        metavar="M",
-        help="fp8 candidates per row, re-ranked exactly to top_k (M >= top_k; no downstream)",
-    )
     parser.add_argument("--out", help="write every result as JSON lines to this file")
     args = parser.parse_args(argv)
     layout = tuple(int(x) for x in args.layout.split(","))
     shipped = quant.KEY_SCALE + ("+rot" if quant.ROTATE else "")
-    if args.rerank and min(args.rerank) < args.top_k:
-        parser.error(f"--rerank: every M must be >= --top-k ({args.top_k}), got {args.rerank}")
-    if args.rerank:
-        shipped = "fp8"  # measure_rerank's name of the plain shipped fp8 selection
     sink = open(args.out, "w") if args.out else None  # noqa: SIM115
     failed = False
     print(f"shipped quantization: k scale per {quant.KEY_SCALE}, rotation {quant.ROTATE}")
     for S in args.S:
         for kind in args.kinds:
             for seed in args.seeds:
-                common = dict(top_k=args.top_k, block_size=args.block, seed=seed)
-                if args.rerank:
-                    res = recall.measure_rerank(
-                        kind, S, layout, args.dim, ms=tuple(args.rerank), **common
-                    )
-                else:
-                    res = recall.measure(
-                        kind,
-                        S,
-                        layout,
-                        args.dim,
-                        with_downstream=not args.no_downstream,
-                        downstream_all=args.downstream_all,
-                        **common,
-                    )
+                res = recall.measure(
+                    kind,
+                    S,
+                    layout,
+                    args.dim,
+                    top_k=args.top_k,
+                    block_size=args.block,
+                    seed=seed,
+                    with_downstream=not args.no_downstream,
+                    downstream_all=args.downstream_all,
+                )
                 head = f"{kind:>15} S={S} seed={seed}"
                 for name, m in res.items():
                     if name == "seconds":
@@ -99,11 +78,6 @@ def main(argv=None) -> int:
                     print(line.rstrip(), flush=True)
                 m = res[shipped]
                 ok = m["recall"] >= RECALL_GATE and m["mass_ratio"] >= MASS_GATE
-                for M in args.rerank or ():
-                    r = res[f"rerank{M}"]
-                    r_ok = r["recall"] >= RECALL_GATE and r["mass_ratio"] >= MASS_GATE
-                    if kind.startswith("local"):
-                        print(f"{head} GATE m={M}: {'pass' if r_ok else 'FAIL'}")
                 if kind.startswith("local"):
                     failed |= not ok
                     print(f"{head} GATE {'pass' if ok else 'FAIL'} ({res['seconds']:.0f} s)")
@@ -112,8 +86,6 @@ def main(argv=None) -> int:
                 if sink:
                     row = dict(kind=kind, S=S, seed=seed, layout=layout, D=args.dim)
                     row.update(top_k=args.top_k, block=args.block, shipped=shipped, results=res)
-                    if args.rerank:
-                        row.update(mode="rerank", rerank=args.rerank)
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
     return 1 if failed else 0
