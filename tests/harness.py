@@ -20,6 +20,7 @@ would leave only one fp32 rounding of slack for the kernel's own fp32 reductions
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -147,3 +148,15 @@ def declare_cute_q_map(monkeypatch) -> None:
 
     for op in ("select", "bwd"):  # (bwd_kernel_reason reads LIMITS["bwd"] too)
         monkeypatch.setitem(cute.LIMITS, op, dataclasses.replace(cute.LIMITS[op], q_map=True))
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """The block must not synchronize with the host: CUDA's sync debug mode set to raise on
+    one (after a synchronize, so that earlier work does not count), restored afterwards."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -33,6 +33,7 @@ from harness import (
     check,
     config,
     incoming,
+    no_host_sync,
     packed_inputs,
     references,
     results,
@@ -171,12 +172,8 @@ def test_cute_select_is_sync_free_and_graph_capturable():
     cute_be = _cute()
     qp, kp, cu, cfg = _select_case((3000, 700), 4, 1, 128, 128, 16, torch.bfloat16)
     first = cute_be.select(qp, kp, cu, cfg)  # compiles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         again = cute_be.select(qp, kp, cu, cfg)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(first, again)  # deterministic
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -376,12 +373,8 @@ def test_cute_forward_is_sync_free_and_graph_capturable():
         (3000, 1000), 16, 2, 4, 128, 128, 8, torch.bfloat16, 3
     )
     cute_be.fwd(q, k, v, idx, cu, cfg, qp, kp)  # compile outside the checks
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         eager = cute_be.fwd(q, k, v, idx, cu, cfg, qp, kp)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -644,12 +637,8 @@ def test_cute_select_q_map_is_sync_free_and_graph_capturable():
     q_map = _q_map("zigzag", (3000, 700), 128)
     qp_l = _local_rows(qp, q_map)
     first = cute_be.select(qp_l, kp, cu, cfg, q_map=q_map)  # compiles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         again = cute_be.select(qp_l, kp, cu, cfg, q_map=q_map)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(first, again)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

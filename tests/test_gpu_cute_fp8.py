@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from flash_msa import backends, quant, reference, testing
-from harness import config, packed_inputs
+from harness import config, no_host_sync, packed_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -217,12 +217,8 @@ def test_cute_fp8_select_is_sync_free():
     select_sm90 = _select_sm90()
     qp, kp, cu, cfg, _ = _case((3000, 700), 4, 1, 128, 128, 16, torch.bfloat16)
     first = select_sm90.select(qp, kp, cu, cfg)  # compiles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         again = select_sm90.select(qp, kp, cu, cfg)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(first, again)
 
 
@@ -358,12 +354,8 @@ def test_cute_fp8_select_op_with_the_cute_quantize_pass(monkeypatch):
     monkeypatch.setattr(qs, "quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = select_sm90.select(qp, kp, cu, cfg)
     assert calls and torch.equal(got, torch_pass)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         again = select_sm90.select(qp, kp, cu, cfg)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(again, got)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
