@@ -59,11 +59,11 @@ Q_MAP_DECLARED = True
 # (``_select_reason``).
 FP8_SELECTION_ON_CUTE = True
 # The query map in the forward partials (``fwd_partials_sm90.FwdPartialsSm90(qmap=True)``, main
-# and proxy parts; context parallelism): written and compiled in the eighth session (compile_check
-# "fwd ... qmap": no spills but 8 bytes at the paper layout; the map-less PTX unchanged), off
-# until its H200 run (tests/test_gpu_cute.py -k q_map). Declares the map in LIMITS["fwd"] and
-# in forward_stages' q_map: while off, a mapped forward runs on Triton.
-FWD_Q_MAP_DECLARED = False
+# and proxy parts; context parallelism). Declared (ninth session, H200, benchmarks/results/
+# stage9/test_verify8b.log: tests/test_gpu_cute.py -k q_map passed with the other mapped
+# tests, 67 in all); compile_check "fwd ... qmap": no spills but 8 bytes at the paper layout.
+# Declares the map in LIMITS["fwd"] and in forward_stages' q_map.
+FWD_Q_MAP_DECLARED = True
 # the fused backward (bwd_sm90.py)
 BWD_LIMITS = Limits(
     **_SM90,
@@ -96,9 +96,9 @@ LIMITS = {
         head_dims=(64, 128),
         deterministic=True,
         q_map=FWD_Q_MAP_DECLARED,  # the partials' map mode: see FWD_Q_MAP_DECLARED
-        note="per-block attention, the proxy LSE and the KL value on CuTe; the combine is a "
-        "Triton stage (with its limits), as are the proxy LSE and the KL where the CuTe "
-        "kernels cannot run the call",
+        note="every stage on CuTe: per-block attention, the proxy LSE, the combine and the "
+        "KL value; where a CuTe stage cannot run the call (its *_fits), the Triton stage "
+        "runs it, with its limits",
     ),
     "bwd": BWD_LIMITS,
     "warmup": "warmup (dense attention, no selection) is not on CuTe (auto runs it on Triton)",
@@ -137,15 +137,14 @@ KL_ON_CUTE = True
 
 
 # The combine on CuTe (``combine_sm90.py``). Its first version (one warp per row, 16-byte loads
-# of the used slots' partial rows) was exact (tests/test_gpu_cute_combine.py, 25 passed on the
-# H200) but slower than Triton's: benchmarks/combine_ab.py (benchmarks/results/cute-stage3/
-# combine_ab.log), main combine 0.44 / 0.72 / 0.73 ms against Triton's 0.28 / 0.55 / 0.56 at
-# anchor 16K / 32K, paper 128K, and a ~0.13 ms floor for the proxy LSE (host time per launch).
-# Rewritten in the eighth session (raw-pointer launch, cp.async staging of every load, the
-# main and proxy merges in one launch: ``combine_makes_proxy``), compiled without spills and
-# reviewed, not yet run: off until its GPU tests and A/B (the variants side by side with
-# Triton's, one H200 call) say it is exact and at least as fast.
-COMBINE_ON_CUTE = False
+# of the used slots' partial rows) was exact but slower than Triton's (benchmarks/results/
+# cute-stage3/combine_ab.log: 0.44 / 0.72 / 0.73 ms against 0.28 / 0.55 / 0.56). Rewritten in
+# the eighth session (raw-pointer launch, cp.async staging, the main and proxy merges in one
+# launch: ``combine_makes_proxy``). On (ninth session, H200, benchmarks/results/stage9/):
+# tests/test_gpu_cute_combine.py passed; benchmarks/combine_ab.py, device time of the main and
+# proxy merges, same run: 0.257 / 0.518 / 0.523 ms against Triton's 0.270 / 0.542 / 0.535 at
+# anchor 16K / 32K, paper 128K.
+COMBINE_ON_CUTE = True
 
 
 # The proxy LSE partials in the CuTe partials' own launch (``FwdPartialsSm90(proxy=True)``:

@@ -1,10 +1,9 @@
 """The FP8 selection's quantize pass on Hopper (sm_90a) in CuTe DSL: one kernel, bitwise equal
 to :func:`flash_msa.quant.quantize` (issue 15).
 
-OFF UNTIL ITS H200 RUN: :data:`QUANTIZE_ON_CUTE` is False, so the CuTe selection's fp8 branch
-(``select_sm90.select``) still calls the torch pass. To switch it on after
-tests/test_gpu_cute_fp8.py passed there, set it True (the branch asks :func:`can_implement`
-first and falls back to the torch pass otherwise).
+On (:data:`QUANTIZE_ON_CUTE`, after its H200 run): the CuTe selection's fp8 branch
+(``select_sm90.select``) asks :func:`can_implement` and falls back to the torch pass
+``quant.quantize`` where the kernel cannot run the call.
 
 What it computes (``quant.quantize``, term for term): per row of ``Dp`` elements (a ``(token,
 head)`` of ``q_proxy (T, Hp, Dp)`` or ``k_proxy (T, Hpk, Dp)``, bf16 or fp16), the rotation
@@ -87,9 +86,13 @@ from cutlass.memory import SmemAllocator
 from .. import quant
 from .common import aligned, cutlass_dtype, run_typed, stream
 
-# OFF UNTIL ITS H200 RUN (module docstring): select_sm90.select's fp8 branch quantizes with this
-# kernel when True and the call fits (can_implement), else with the torch pass quant.quantize
-QUANTIZE_ON_CUTE = False
+# On (ninth session, H200, benchmarks/results/stage9/): tests/test_gpu_cute_fp8.py passed (bytes
+# and scales bitwise equal to quant.quantize); benchmarks/cute_select_ab.py --fp8 at paper 128K:
+# 0.199 ms (w8 u1, shipped) / 0.228 (w4 u2) / 0.217 (w8 u4) / 0.237 (w4 u4) against 4.00 ms for
+# the torch pass; the fp8 selection with it 12.45 ms (706 TFLOP/s) against 15.72 (560).
+# select_sm90.select's fp8 branch quantizes with this kernel when the call fits
+# (can_implement), else with the torch pass quant.quantize.
+QUANTIZE_ON_CUTE = True
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
@@ -118,13 +121,13 @@ class QuantizeSm90:
     # rows per warp in flight. At 8 warps x 2 passes ptxas settled at 64 registers and spilled
     # 8-16 bytes in 3 of the 12 checked configurations (around the IEEE division's slow-path
     # calls); 4 x 2 (62-72 registers), 8 x 1 (40-63) and 8 x 4 (78-102) spill in none.
-    warps: int = 4
-    unroll: int = 2
+    warps: int = 8
+    unroll: int = 1
 
     @classmethod
     def can_implement(
-        cls, dtype, head_dim, q_heads, k_heads, block_size, key_scale, rotate=True, warps=4,
-        unroll=2,
+        cls, dtype, head_dim, q_heads, k_heads, block_size, key_scale, rotate=True, warps=8,
+        unroll=1,
     ) -> str | None:  # fmt: skip
         """Why this configuration cannot be compiled or run (``None``: it can)."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
@@ -550,10 +553,7 @@ LAUNCH_SIGNATURE = "quantize_sm90.launch_arguments"
 # the tuning variants benchmarks/cute_select_ab.py --fp8 times (name: QuantizeSm90 fields), the
 # shipped one first
 VARIANTS = {
-    "w4 u2": dict(warps=4, unroll=2),
     "w8 u1": dict(warps=8, unroll=1),
-    "w8 u4": dict(warps=8, unroll=4),
-    "w4 u4": dict(warps=4, unroll=4),
 }
 
 
