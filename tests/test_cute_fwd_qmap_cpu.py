@@ -89,13 +89,15 @@ def test_host_refuses_a_kernel_and_list_mismatch_and_a_bad_map():
 
 
 def test_the_switch_decides_whether_the_forward_takes_a_map(monkeypatch):
-    """Off (the shipped value until the H200 run): ``fwd`` refuses a map naming the switch,
-    and ``cute.forward_stages`` does not declare it; on: the stages declare it (the driver
-    then runs the mapped kernel; cute/__init__.py's forward_stages reads the switch)."""
+    """On (the shipped value since its H200 run): the stages declare the map (the driver then
+    runs the mapped kernel; cute/__init__.py's forward_stages reads the switch); off: ``fwd``
+    refuses a map naming the switch, and ``cute.forward_stages`` does not declare it."""
     from flash_msa import cute
     from flash_msa.cute import fwd_partials_sm90 as fp
 
-    assert cute.FWD_Q_MAP_DECLARED is False and not cute.LIMITS["fwd"].q_map
+    assert cute.FWD_Q_MAP_DECLARED is True and cute.LIMITS["fwd"].q_map
+    assert cute.forward_stages().q_map
+    monkeypatch.setattr(cute, "FWD_Q_MAP_DECLARED", False)
     assert not cute.forward_stages().q_map
     q, k, v, idx, cu, wl, *_, cfg = _case()
     with pytest.raises(ValueError, match="FWD_Q_MAP_DECLARED"):

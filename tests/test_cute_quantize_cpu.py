@@ -151,13 +151,14 @@ def test_host_refuses_bad_arguments_naming_them():
 
 def test_select_fp8_branch_takes_the_kernel_only_when_switched_on(monkeypatch):
     """``select_sm90.select`` with ``selection_precision="fp8"`` (the kernel launch replaced):
-    the torch pass while ``QUANTIZE_ON_CUTE`` is off (the shipped state until its H200 run) or
-    the call does not fit, the CuTe pass with the Config's ``max_seqlen`` when on and it fits
+    the torch pass while ``QUANTIZE_ON_CUTE`` is off or the call does not fit, the CuTe pass
+    with the Config's ``max_seqlen`` when on (the shipped state since its H200 run) and it fits
     (``can_implement`` patched: these tensors are on the CPU)."""
     from flash_msa.cute import quantize_sm90, select_sm90
     from flash_msa.problem import Config
 
-    assert quantize_sm90.QUANTIZE_ON_CUTE is False
+    assert quantize_sm90.QUANTIZE_ON_CUTE is True
+    monkeypatch.setattr(quantize_sm90, "QUANTIZE_ON_CUTE", False)
     calls = []
     monkeypatch.setattr(select_sm90, "select_fp8_into", lambda idx, qz, cu, cfg: qz)
     for module, name in ((quantize_sm90, "cute"), (quant, "torch")):  # (quant: select's too)

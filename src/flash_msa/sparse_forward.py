@@ -30,8 +30,9 @@ the index row. The KL stage reads the final ``lse`` and ``proxy_lse`` of the chu
 
 A backend that does not have a stage yet leaves it ``None``: the driver then runs the Triton
 backend's stage in its place (:func:`borrowed`), and :func:`borrowed_reason` adds that stage's
-limits to the backend's own. Today the CuTe backend supplies ``partials`` only (its combine,
-proxy LSE and KL run on Triton's stages; the README's backend table says so).
+limits to the backend's own. The CuTe backend supplies every stage (``cute.forward_stages``);
+it leaves one out, and so borrows Triton's, only where its kernel cannot run the call (its
+``*_fits``; the README's backend table says so).
 
 With a query map (``q_map``, context parallelism) the chunks are chunks of query rows, ``k``,
 ``v``, ``k_proxy`` keep the keys' ``T`` rows, and the map reaches the stages inside the work
