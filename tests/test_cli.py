@@ -114,3 +114,130 @@ def test_bench_verify_fails_wrong_triton_gradient(monkeypatch):
     _plant(monkeypatch, triton_ref, {"dq": 0.9})
     ok, msg = bench.verify_msa("triton", SHAPE, **TINY)
     assert not ok and "FAILED: dq " in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-msa bench --cuda-graph: the steps replayed from a CUDA graph (the capture needs a GPU;
+# the flag, the steps captured, the replay's check and the table are checked here)
+# ---------------------------------------------------------------------------------------------
+def test_bench_cuda_graph_flag(monkeypatch, capsys):
+    from flash_msa import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_cmd_bench", lambda args: seen.append(args) or 0)
+    assert main(["bench", "--cuda-graph", "--dense"]) == 0
+    assert main(["bench"]) == 0
+    assert [a.cuda_graph for a in seen] == [True, False]
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "--cuda-graph" in capsys.readouterr().out
+
+
+def _steps_on_cpu(prov):
+    xs = [x.requires_grad_() for x in bench_inputs()]
+    return bench.graph_steps(prov, xs, bench._dense_providers())
+
+
+def bench_inputs():
+    from flash_msa import testing
+
+    B, H, Hkv, Hp, Hpk, D, Dp, _ = SHAPE
+    return testing.make_inputs(1, 300, H, Hkv, Hp, Hpk, D, Dp, dtype=torch.float32, seed=1)
+
+
+def test_bench_graph_steps_return_outputs_and_gradients():
+    """The steps a graph captures return every output and gradient, fresh each call, equal from
+    call to call (torch backend and SDPA on the CPU), and the compute_kl=False step has kl = 0
+    and the KL step's gradients."""
+    steps = _steps_on_cpu("torch")
+    assert set(steps) == {"step_graph_ms", "step_nokl_graph_ms"}
+    step, names = steps["step_graph_ms"]
+    first, again = step(), step()
+    assert len(first) == len(names) == 7 and first[0].data_ptr() != again[0].data_ptr()
+    assert bench.graph_mismatch(names, first, first, again) == []
+    nokl, _ = steps["step_nokl_graph_ms"]
+    no = nokl()
+    assert no[1].item() == 0 and first[1].item() > 0
+    grads = slice(2, None)
+    assert bench.graph_mismatch(names[grads], no[grads], first[grads], again[grads]) == []
+    step, names = _steps_on_cpu("sdpa")["step_graph_ms"]
+    assert names == ("out", "dq", "dk", "dv") and len(step()) == 4
+
+
+def test_bench_graph_mismatch_reports_skipped_and_wrong_work():
+    from flash_msa import testing
+
+    g = torch.Generator().manual_seed(0)
+    eager = [torch.randn(64, 8, generator=g).bfloat16(), torch.tensor(1.7)]
+    # a second eager step with fp32 accumulations in another order: one rounding apart
+    again = [eager[0].float().mul(1 + 2**-9).bfloat16(), eager[1] + 1e-7]
+    names = ("out", "kl")
+    assert bench.graph_mismatch(names, [t.clone() for t in eager], eager, again) == []
+    assert bench.graph_mismatch(names, again, eager, again) == []  # within the eager spread
+    # a kernel the replay did not run leaves the poisoned (NaN) buffer: err = inf
+    skipped = [testing.poison(eager[0].clone()), eager[1].clone()]
+    assert bench.graph_mismatch(names, skipped, eager, again) == ["out inf > " + _tol(eager, 0)]
+    # a part computed wrongly (one row 10% off: 1% is below bf16 rounding at max |out| ~ 3),
+    # or a wrong KL value (0.1% off: fp32)
+    wrong = [eager[0].clone(), eager[1] * 1.001]
+    wrong[0][5] *= 1.1
+    bad = bench.graph_mismatch(names, wrong, eager, eager)
+    assert [b.split()[0] for b in bad] == ["out", "kl"], bad
+    bad = bench.graph_mismatch(names, [eager[0][:32], eager[1]], eager, again)
+    assert bad == ["out shape (32, 8) != (64, 8)"]
+
+
+def _tol(eager, i):
+    from flash_msa import testing
+
+    return f"{testing.tolerance(eager[i], eager[i], eager[i].dtype):.2e}"
+
+
+def test_bench_table_graph_columns():
+    rows = [
+        dict(shape="anchor", S=16384, inputs="random", provider="cute", step_ms=9.0),
+        dict(shape="anchor", S=16384, inputs="random", provider="fa4", step_ms=6.0),
+    ]
+    assert "graph" not in bench.table([dict(r) for r in rows])  # the eager table, unchanged
+    rows[0].update(step_graph_ms=5.0, step_nokl_graph_ms=4.8)
+    rows[1].update(graph_error="step_graph_ms: RuntimeError: " + "x" * 60)
+    header = bench.table(rows).splitlines()[0].split()
+    assert header[-3:] == ["step_graph_ms", "step_nokl_graph_ms", "graph_error"]
+    rows[1].update(step_graph_ms=6.0)  # fa4 graphed too: the graphed speedup appears
+    text = bench.table(rows)
+    assert text.splitlines()[0].split()[-2:] == ["graph_speedup_vs_fa4", "graph_error"]
+    assert rows[0]["graph_speedup_vs_fa4"] == 6.0 / 5.0
+    assert "4.800" in text and "x" * 10 in text and "x" * 41 not in text
+
+
+def test_bench_graph_failure_is_reported_not_raised():
+    """A step whose capture fails (here: no CUDA at all) gives ``graph_error`` naming each
+    step and the exception's first line, no time, and no exception out of the bench."""
+    res = bench._measure_graph("torch", bench_inputs(), {}, iters=1)
+    assert set(res) == {"graph_error"}, res
+    parts = res["graph_error"].split("; ")
+    assert [p.split(":")[0] for p in parts] == ["step_graph_ms", "step_nokl_graph_ms"], parts
+    assert all("\n" not in p for p in parts)
+
+
+def test_bench_exit_code_counts_graph_errors(monkeypatch, capsys):
+    """A graph that failed its check fails the run; one out of memory does not (as eager)."""
+    import argparse
+
+    row = dict(shape="anchor", S=16384, inputs="random", provider="cute", step_ms=9.0)
+    errors = {
+        None: 0,
+        "step_graph_ms: RuntimeError: CUDA graph replay differs from the eager step: dq": 1,
+        "step_graph_ms: OutOfMemoryError: CUDA out of memory.": 0,
+        "step_graph_ms: OutOfMemoryError: x; step_nokl_graph_ms: RuntimeError: capture": 1,
+    }
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = argparse.Namespace(
+        shape=["anchor"], seqlen=None, backends=["cute"], inputs=["random"], iters=1, dense=[],
+        selection_precision=["bf16"], cuda_graph=True, json=None, plot=None,
+    )  # fmt: skip
+    for error, code in errors.items():
+        rows = [dict(row, **({"graph_error": error} if error else {}))]
+        monkeypatch.setattr(bench, "run", lambda *a, rows=rows: iter(rows))
+        assert bench.main(args) == code, error
+    assert "graph_error" in capsys.readouterr().out

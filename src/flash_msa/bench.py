@@ -13,6 +13,13 @@ conventions of docs/performance.md:
     KL     = 2*(D*H + 3*Dp*Hp)*sparse
     fwd counts SELECT + FWD + KL, bwd counts BWD, fwd+bwd counts all four; dense providers
     count 4*D*H*causal (fwd) and 14*D*H*causal (fwd+bwd).
+
+With ``cuda_graph`` (``flash-msa bench --cuda-graph``) each provider's training step (and, for
+MSA, the ``compute_kl=False`` step) is also timed as the replay of one ``torch.cuda.CUDAGraph``
+captured from it (:func:`graph_replay_ms`): what a trainer under CUDA graphs (``torch.compile``
+mode ``"reduce-overhead"``) pays, without the host's time to enqueue the step's ~120 kernels,
+which bounds the eager step at 16K (5.6-5.8 ms of host time for 5.65 ms of GPU work, H200).
+The replay is checked against eager steps before it is timed (:func:`graph_mismatch`).
 """
 
 from __future__ import annotations
@@ -204,11 +211,19 @@ def _verify_dense(fn, shape):
 
 
 def run(
-    shapes, seqlens, backends, inputs, iters=5, dense_names=("sdpa", "fa4"), precisions=("bf16",)
+    shapes,
+    seqlens,
+    backends,
+    inputs,
+    iters=5,
+    dense_names=("sdpa", "fa4"),
+    precisions=("bf16",),
+    cuda_graph=False,
 ):
     """Yield one result dict per (shape, S, input kind, provider, selection precision): each
     MSA provider runs once per ``precisions`` entry (``selection_precision``: ``"bf16"``
-    exact, ``"fp8"`` the opt-in approximate selection), a dense one once."""
+    exact, ``"fp8"`` the opt-in approximate selection), a dense one once. ``cuda_graph`` adds
+    the graphed steps' keys (:func:`_measure_graph`) after the eager ones are measured."""
     from . import testing
     from .api import select_blocks
 
@@ -273,6 +288,8 @@ def run(
                     except torch.cuda.OutOfMemoryError as e:
                         res = dict(error=f"out of memory: {str(e).splitlines()[0]}")
                     torch.cuda.empty_cache()
+                    if cuda_graph and "error" not in res:  # after, so the eager keys are as before
+                        res.update(_measure_graph(prov, xs, dense, iters, prec or "bf16"))
                     if prov in backends and "error" not in res:
                         with forced(prov), torch.no_grad():
                             idx = select_blocks(xs[0], xs[1], TOP_K, selection_precision=prec)
@@ -284,9 +301,14 @@ def run(
                         ("fwd_ms", "fwd"),
                         ("bwd_ms", "bwd"),
                         ("step_ms", "step"),
+                        ("step_graph_ms", "step"),
                     ):
                         if prov in dense:
-                            fkey = {"fwd_ms": "dense_fwd", "step_ms": "dense_step"}.get(key)
+                            fkey = {
+                                "fwd_ms": "dense_fwd",
+                                "step_ms": "dense_step",
+                                "step_graph_ms": "dense_step",
+                            }.get(key)
                         if res.get(key) and fkey:
                             res[key.replace("_ms", "_tflops")] = fl[fkey] / res[key] / 1e9
                     _log(f"      done in {time.time() - t0:.1f}s: {res}")
@@ -337,6 +359,129 @@ def _measure(prov, xs, dense, iters, precision="bf16"):
     return res
 
 
+def graph_mismatch(names, graph, eager, again):
+    """The quantities where a CUDA graph's replay differs from an eager step on the same inputs
+    (``[]``: none), as ``"name err > tol"`` strings; every argument a sequence of tensors in the
+    order of ``names`` (outputs, then gradients).
+
+    The yardstick is the eager step itself: ``again`` is a second eager step, and the rule is
+    :func:`flash_msa.testing.tolerance`'s with ``eager`` in the exact value's place, ``err(graph
+    vs eager) <= 2 * err(again vs eager) + atol`` (atol: one rounding of the dtype at the scale
+    of ``eager``). Why not bitwise: the timed step is the default, non-deterministic one (fp32
+    atomics in the backward), and ``deterministic=True`` runs other kernels than the ones
+    timed, so a bitwise check in that mode would not check the graph that reports the time.
+    The bf16 outputs of a reordered fp32 accumulation differ by at most about one rounding,
+    which atol covers; the KL value is summed without atomics. A graph that skipped a kernel
+    (its outputs poisoned with NaN before the replay, :func:`graph_replay_ms`) fails with
+    ``err = inf``, and one that computed something else fails by the size of the values."""
+    from . import testing
+
+    bad = []
+    for name, mine, ref, ref2 in zip(names, graph, eager, again, strict=True):
+        if mine.shape != ref.shape:
+            bad.append(f"{name} shape {tuple(mine.shape)} != {tuple(ref.shape)}")
+            continue
+        err, tol = testing.max_err(mine, ref), testing.tolerance(ref, ref2, mine.dtype)
+        if not err <= tol:
+            bad.append(f"{name} {err:.2e} > {tol:.2e}")
+    return bad
+
+
+def graph_replay_ms(step, names, iters=5):
+    """Median milliseconds of one replay of a ``torch.cuda.CUDAGraph`` captured from ``step``,
+    after checking one replay against eager steps (:func:`graph_mismatch`); raises
+    ``RuntimeError`` naming the quantities that differ.
+
+    ``step()``: one training step on static inputs, returning its outputs and gradients (the
+    order of ``names``) as new tensors, with no host synchronization (the MSA op is capture-safe:
+    tests/test_gpu.py -k sync_free). The recipe of the torch docs ("CUDA Graphs", whole-network
+    capture): warm-up calls on a side stream (compiles the kernels, fills the allocator's cache
+    outside the capture), capture of one call, its returned tensors the static outputs, which
+    live in the graph's private memory pool. The pool is freed before returning, whatever
+    happens (graph and static tensors deleted, ``torch.cuda.empty_cache()``), so the next
+    provider runs with the memory it would have had without the graph."""
+    from . import testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager, again = step(), step()
+    graph, static = torch.cuda.CUDAGraph(), ()
+    try:
+        with torch.cuda.graph(graph):
+            static = step()
+        # NaN in every output before the replay: what the replay does not write cannot equal
+        # the eager value (the capture itself ran no kernel, so these buffers hold garbage that
+        # might otherwise match by accident)
+        testing.poison(*static)
+        graph.replay()
+        torch.cuda.synchronize()
+        bad = graph_mismatch(names, static, eager, again)
+        if bad:
+            raise RuntimeError("CUDA graph replay differs from the eager step: " + ", ".join(bad))
+        return time_ms(graph.replay, iters=iters)
+    finally:
+        del graph, static, eager, again
+        torch.cuda.empty_cache()
+
+
+def graph_steps(prov, leaves, dense, precision="bf16"):
+    """``{result key: (step, names)}``: the training steps :func:`_measure_graph` captures, for
+    provider ``prov`` on the leaves ``(q_proxy, k_proxy, q, k, v)`` (requiring grad). Each
+    ``step()`` returns ``out`` (and ``kl``), then the gradients, new tensors every call
+    (``torch.autograd.grad``, not ``.grad``: in a capture they are allocated from the graph's
+    pool, and no accumulation kernel is added; the eager ``step_ms`` accumulates into ``.grad``,
+    five elementwise adds). The incoming gradients are those of the eager step: a random
+    ``dout``, ``dkl = 1``. Runs on any device (a CPU test calls the steps)."""
+    from .api import msa_attention
+
+    if prov in dense:
+        fn, (q, k, v) = dense[prov], leaves[2:]
+        dout = torch.randn_like(q)
+
+        def step():
+            out = fn(q, k, v)
+            return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+        return {"step_graph_ms": (step, ("out", "dq", "dk", "dv"))}
+    dout = torch.randn_like(leaves[2])
+    names = ("out", "kl", "dq_proxy", "dk_proxy", "dq", "dk", "dv")
+
+    def msa_step(compute_kl):
+        with forced(_mix(prov)):
+            out, kl = msa_attention(
+                *leaves, TOP_K, compute_kl=compute_kl, selection_precision=precision
+            )
+            return (out, kl, *torch.autograd.grad((out, kl), leaves, (dout, torch.ones_like(kl))))
+
+    return {
+        "step_graph_ms": (lambda: msa_step(True), names),
+        "step_nokl_graph_ms": (lambda: msa_step(False), names),
+    }
+
+
+def _measure_graph(prov, xs, dense, iters, precision="bf16"):
+    """The graphed steps' keys of one provider (:func:`graph_replay_ms` of each
+    :func:`graph_steps` entry): ``step_graph_ms`` (and ``step_nokl_graph_ms`` for MSA), or,
+    where a capture or its check failed, ``graph_error`` (the step and the exception's first
+    line; the other step is still tried) in place of the step's time."""
+    leaves = [x.detach().requires_grad_() for x in xs]
+    res, errors = {}, []
+    for key, (step, names) in graph_steps(prov, leaves, dense, precision).items():
+        try:
+            res[key] = graph_replay_ms(step, names, iters)
+        except Exception as e:  # reported in the row, never a crash of the whole bench
+            lines = str(e).strip().splitlines()
+            errors.append(f"{key}: {type(e).__name__}: {lines[0] if lines else ''}")
+        torch.cuda.empty_cache()  # here, not in the except: its traceback held the tensors
+    if errors:
+        res["graph_error"] = "; ".join(errors)
+    return res
+
+
 def environment():
     from .diagnostics import version
 
@@ -383,12 +528,21 @@ def table(rows):
         ("speedup_vs_sdpa", "{:.2f}x"),
         ("speedup_vs_fa4", "{:.2f}x"),
     ]
+    graphed = [  # only with --cuda-graph: the eager table is unchanged without it
+        ("step_graph_ms", "{:.3f}"),
+        ("step_nokl_graph_ms", "{:.3f}"),
+        ("graph_speedup_vs_sdpa", "{:.2f}x"),
+        ("graph_speedup_vs_fa4", "{:.2f}x"),
+        ("graph_error", "{:.40}"),
+    ]
     for base in ("sdpa", "fa4"):  # fwd+bwd speedup against each dense baseline, same (shape, S)
-        ref = {(r["shape"], r["S"]): r.get("step_ms") for r in rows if r["provider"] == base}
-        for r in rows:
-            t = ref.get((r["shape"], r["S"]))
-            if t and r.get("step_ms"):
-                r[f"speedup_vs_{base}"] = t / r["step_ms"]
+        for key, name in (("step_ms", "speedup_vs"), ("step_graph_ms", "graph_speedup_vs")):
+            ref = {(r["shape"], r["S"]): r.get(key) for r in rows if r["provider"] == base}
+            for r in rows:
+                t = ref.get((r["shape"], r["S"]))
+                if t and r.get(key):
+                    r[f"{name}_{base}"] = t / r[key]
+    cols += [c for c in graphed if any(r.get(c[0]) is not None for r in rows)]
     for r in rows:
         if r.get("step_tflops"):
             r["step_pct_peak"] = 100 * r["step_tflops"] / PEAK_TFLOPS
@@ -431,6 +585,7 @@ def main(args) -> int:
     from . import backends
     from .diagnostics import sample_problem
 
+    cuda_graph = getattr(args, "cuda_graph", False)
     names = args.backends or [
         n
         for n in ("cute", "triton")
@@ -439,7 +594,7 @@ def main(args) -> int:
     rows = list(
         run(
             args.shape, args.seqlen, names, args.inputs, args.iters, args.dense,
-            args.selection_precision,
+            args.selection_precision, cuda_graph,
         )
     )  # fmt: skip
     print(table(rows))
@@ -451,4 +606,13 @@ def main(args) -> int:
             plot(rows, args.plot)
         except ImportError:
             _log("matplotlib is not installed: no plot")
-    return 1 if any("error" in r and "memory" not in r["error"] for r in rows) else 0
+    # a graph that could not be captured or differs from the eager step fails the run too (its
+    # row keeps the eager times; graph_error says why the graphed one is missing); running out
+    # of memory, eager or graphed, is a result, not a failure
+    failed = [
+        part
+        for r in rows
+        for part in [r.get("error", ""), *r.get("graph_error", "").split("; ")]
+        if part and "memory" not in part.lower()
+    ]
+    return 1 if failed else 0

@@ -130,6 +130,14 @@ def main(argv=None) -> int:
         help="run each MSA backend with these selection precisions (fp8: the opt-in e4m3 "
         "selection, approximate)",
     )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also time each provider's training step (and MSA's compute_kl=False step) as the "
+        "replay of one CUDA graph captured from it, after checking one replay against eager "
+        "steps (columns step_graph_ms, step_nokl_graph_ms; a failed capture or check is "
+        "reported in graph_error and fails the run). The eager columns are unchanged",
+    )
     p.add_argument("--json", help="write results and environment to this JSON file")
     p.add_argument("--plot", help="write a log-log PNG of time vs length (needs matplotlib)")
     p.set_defaults(func=_cmd_bench)
