@@ -1,9 +1,11 @@
-"""Combine-stage A/B on one GPU: the CuTe combine's variants (``cute/combine_sm90.py``:
-``VARIANTS``) against the Triton stage it would replace, on the same partial buffers of one
-forward chunk, in one run, interleaved; the main merge (``out`` and ``lse``), the proxy LSE (LSE
-only) and both (Triton: its two launches; CuTe: one fused launch, ``proxy=``).
+"""Combine-stage A/B on one GPU: the CuTe combine against the Triton stage.
 
-Usage: ``python benchmarks/combine_ab.py [--out FILE.json] [--iters N] [--variants idx lse ...]
+The CuTe combine (``cute/combine_sm90.py``, the backend's stage since the ninth session) and the
+Triton stage on the same partial buffers of one forward chunk, in one run, interleaved: the main
+merge (``out`` and ``lse``), the proxy LSE (LSE only) and both (Triton: its two launches; CuTe:
+one fused launch, ``proxy=``, as the driver runs it).
+
+Usage: ``python benchmarks/combine_ab.py [--out FILE.json] [--iters N]
 [--cases anchor:16384 anchor:32768 paper:131072]``. A case is the chunk the driver
 (``flash_msa.sparse_forward``) combines for one sequence of S tokens: C = min(S,
 PARTIAL_BYTES / (H K D 2)) tokens (anchor 16K and 32K: the whole sequence, 1 and 2 GiB of
@@ -92,7 +94,7 @@ def host_us(fn, iters: int) -> float:
     return t
 
 
-def case(shape: str, S: int, iters: int, variants: list[str]) -> dict:
+def case(shape: str, S: int, iters: int) -> dict:
     from flash_msa.cute import combine_sm90
     from flash_msa.triton_ref import sparse_fwd
 
@@ -120,16 +122,9 @@ def case(shape: str, S: int, iters: int, variants: list[str]) -> dict:
         return run
 
     fns = {f"triton {k}": stage(sparse_fwd.combine, k) for k in ("main", "proxy", "both")}
-
-    def cute(tuning):
-        return lambda *a: combine_sm90.combine(*a, **tuning)
-
-    for v in variants:
-        tuning = combine_sm90.VARIANTS[v]
-        fns[f"cute {v} main"] = stage(cute(tuning), "main")
-        fns[f"cute {v} proxy"] = stage(cute(combine_sm90.lse_only_tuning(tuning)), "proxy")
-        if tuning["order"] != "lse":  # the fused launch
-            fns[f"cute {v} both"] = stage(cute(tuning), "both", fused=True)
+    fns["cute main"] = stage(combine_sm90.combine, "main")
+    fns["cute proxy"] = stage(combine_sm90.combine, "proxy")
+    fns["cute both"] = stage(combine_sm90.combine, "both", fused=True)  # the fused launch
     ref = {k: fns[f"triton {k}"]() for k in ("main", "proxy", "both")}
     res["max_diff"] = {}
     for name in list(fns):
@@ -167,18 +162,15 @@ def case(shape: str, S: int, iters: int, variants: list[str]) -> dict:
 
 
 def main(argv):
-    from flash_msa.cute.combine_sm90 import VARIANTS
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--cases", nargs="+", default=["anchor:16384", "anchor:32768", "paper:131072"])
     args = ap.parse_args(argv)
 
     def one(shape, S):
         torch.cuda.empty_cache()  # the previous case's partial buffers
-        return case(shape, S, args.iters, args.variants)
+        return case(shape, S, args.iters)
 
     run_cases(one, args.cases, args.out)
     return 0

@@ -20,9 +20,10 @@ same input:
   and with other pipeline depths (``stages=``; ``select_sm90.FP8_STAGES`` is the default);
 - ``triton-fp8 k=K``: the Triton oracle (``triton_ref/selection_fp8.py``) on the same operands;
 - a ``quantize`` line: the torch quantize pass alone (ms), and ``cute quantize [variant]``
-  lines beside it: the CuTe pass alone in each tuning variant (``quantize_sm90.VARIANTS``, the
-  shipped one first), checked bitwise equal to the torch pass's bytes and scales first, with
-  the HBM rate its bytes would take (inputs read once, e4m3 and scales written).
+  lines beside it: the CuTe pass alone in each tuning variant of ``quantize_sm90.VARIANTS``
+  (since the ninth session's A/B the shipped one alone, w8 u1), checked bitwise equal to the
+  torch pass's bytes and scales first, with the HBM rate its bytes would take (inputs read
+  once, e4m3 and scales written).
 
 Verification, per line and before it is timed, on that line's own output (a NaN-like poisoned
 index buffer, ``testing.POISON_INT``): every slot written, and every (token, head) row's block

@@ -1,10 +1,9 @@
 """CPU checks of the CuTe combine stage (``flash_msa/cute/combine_sm90.py``; its numerics are
-tested on the GPU: tests/test_gpu_cute_combine.py): the shipped variant, the first version and
-the fused proxy LSE compile for sm_90a without spills (the full lists are
-``combine_configurations``, run by the CuTe compile check, and ``variant_configurations``), the
-limits, the host's refusals of bad buffers, naming the argument, and what the host passes to a
-launch (addresses, token count; its CPU time). CPU time on the 2-core machine: ~3 s in pytest,
-~1.5 s of it the four compiles (plus the session start)."""
+tested on the GPU: tests/test_gpu_cute_combine.py): the main merge, the LSE-only mode and the
+fused proxy LSE compile for sm_90a without spills (the full list is ``combine_configurations``,
+run by the CuTe compile check), the limits, the host's refusals of bad buffers, naming the
+argument, and what the host passes to a launch (addresses, token count; its CPU time). CPU time
+on the 2-core machine: ~2 s in pytest, ~1 s of it the three compiles (plus the session start)."""
 
 from __future__ import annotations
 
@@ -17,15 +16,14 @@ cutlass = pytest.importorskip("cutlass")
 
 
 def test_configurations_compile_for_sm90_without_spills():
-    from flash_msa.cute.combine_sm90 import VARIANTS, combine_configurations, compile_combine
+    from flash_msa.cute.combine_sm90 import combine_configurations, compile_combine
 
     names = [name for name, *_ in combine_configurations()]
-    assert len(names) == len(set(names)) == 28 + 4 + len(VARIANTS) - 1 + 1
+    assert len(names) == len(set(names)) == 24 + 4 + 4
     for cfg in (
         ("bf16", 16, 4, 16, 128, True),
         (None, 4, 4, 16, 0, False),
-        ("bf16", 64, 4, 16, 128, True, dict(proxy=True)),
-        ("bf16", 16, 4, 16, 128, True, VARIANTS["lse"]),
+        ("bf16", 64, 4, 16, 128, True, True),  # the fused proxy LSE
     ):
         res = compile_combine(*cfg)
         assert res["stack"] == 0 and res["local"] == 0, (cfg, res)  # spills show up as stack
@@ -34,7 +32,8 @@ def test_configurations_compile_for_sm90_without_spills():
 def test_limits():
     from cutlass import BFloat16, Float16, Float32
 
-    from flash_msa.cute.combine_sm90 import CombineSm90, combine_fits
+    from flash_msa.cubin import SHARED_LIMIT
+    from flash_msa.cute.combine_sm90 import MAX_TOPK, CombineSm90, combine_fits
 
     ok = CombineSm90.can_implement
     assert ok(BFloat16, 64, 4, 64, 128, True) is None
@@ -44,23 +43,24 @@ def test_limits():
     assert "top_k" in ok(BFloat16, 16, 4, 65, 128, True)
     assert "multiple" in ok(BFloat16, 6, 4, 16, 128, True)
     assert "LSE-only" in ok(BFloat16, 4, 4, 16, 0, False)
-    assert "warps" in ok(BFloat16, 16, 4, 16, 128, True, warps=3)
-    assert "order" in ok(BFloat16, 16, 4, 16, 128, True, order="late")
-    assert "rows" in ok(BFloat16, 16, 4, 16, 128, True, rows=3)
-    assert "rows" in ok(BFloat16, 16, 4, 16, 128, True, rows=2, order="lse")
-    assert "batch" in ok(BFloat16, 16, 4, 16, 128, True, batch=5)
-    assert "proxy" in ok(BFloat16, 16, 4, 16, 128, True, order="lse", proxy=True)
+    assert ok(Float16, 64, 4, 64, 64, True, proxy=True) is None
     assert "proxy" in ok(None, 4, 4, 16, 0, False, proxy=True)
-    # shared memory: 8 warps x 2 rows x 32 loads x 512 bytes = 256 KiB > the sm_90 capacity
-    assert "shared memory" in ok(BFloat16, 16, 4, 64, 128, True, warps=8, rows=2)
-    assert ok(BFloat16, 16, 4, 64, 128, True, warps=8, rows=2, smem=False) is None
+    # can_implement checks no shared memory: the largest CTA (K 64, D 128, the fused proxy)
+    # takes 64 KiB of partial-row pieces + 3 KiB of staged rows
+    largest = max(
+        CombineSm90.shared_bytes(D, K, proxy)
+        for D in (64, 128)
+        for K in range(1, MAX_TOPK + 1)
+        for proxy in (False, True)
+    )
+    assert largest == CombineSm90.shared_bytes(128, 64, True) == 68_608 < SHARED_LIMIT
     with pytest.raises(ValueError, match="top_k"):
         CombineSm90(BFloat16, 16, 4, 0, 128, True)
     assert combine_fits(torch.bfloat16, 16, 4, 16, 128)
     assert not combine_fits(torch.float32, 16, 4, 16, 128)
     assert not combine_fits(torch.bfloat16, 16, 4, 16, 256)
     assert hash(CombineSm90(BFloat16, 16, 4, 16, 128, True)) != hash(
-        CombineSm90(BFloat16, 16, 4, 16, 128, True, warps=8)
+        CombineSm90(BFloat16, 16, 4, 16, 128, True, proxy=True)
     )
 
 
@@ -114,15 +114,15 @@ def test_host_passes_the_buffers_addresses(monkeypatch):
         return [int(a._pointer) for a in args[:7]], int(args[7])
 
     combine_sm90.combine(o_part, l_part, idx, out, lse)
-    combine_sm90.combine(None, pl_part, idx, None, plse, order="all")
-    combine_sm90.combine(o_part, l_part, idx, out, lse, (pl_part, plse), rows=2)
+    combine_sm90.combine(None, pl_part, idx, None, plse)
+    combine_sm90.combine(o_part, l_part, idx, out, lse, (pl_part, plse))
     (k1, a1), (k2, a2), (k3, a3) = seen
     ptr = [t.data_ptr() for t in (o_part, l_part, idx, out, lse, pl_part, plse)]
     assert addresses(a1) == ([*ptr[:5], ptr[1], ptr[4]], 8)
     assert addresses(a2) == ([ptr[5], ptr[5], ptr[2], ptr[6], ptr[6], ptr[5], ptr[6]], 8)
     assert addresses(a3) == (ptr, 8)
-    assert (k1.has_o, k1.proxy, k2.has_o, k2.order, k3.proxy, k3.rows) == (
-        True, False, False, "all", True, 2,
+    assert (k1.has_o, k1.proxy, k2.has_o, k2.heads, k3.has_o, k3.proxy) == (
+        True, False, False, 4, True, True,
     )  # fmt: skip
     n = 200
     t0 = time.perf_counter()

@@ -1,11 +1,10 @@
 """GPU tests of the CuTe combine stage (``flash_msa/cute/combine_sm90.py``) on Hopper: the merge
-of a chunk's per-block partials by LSE, against the Triton stage it would replace and the
+of a chunk's per-block partials by LSE, against the Triton stage it replaces and the
 fp64 torch math of the contract (``flash_msa.sparse_forward``), by the harness's rule; and the
 sparse forward with it in the driver against the reference.
 
-Every variant of ``combine_sm90.VARIANTS`` (the shipped one at bf16 and fp16, the others at
-bf16), each also with the main merge and the proxy LSE in one launch (``proxy=``). The partial
-buffers are built by hand: used slots with random LSEs (some ``-inf``: no visible
+At bf16 and fp16, each also with the main merge and the proxy LSE in one launch (``proxy=``).
+The partial buffers are built by hand: used slots with random LSEs (some ``-inf``: no visible
 key), unused slots (index -1, scattered or last, whole rows of them) and ``-inf`` partials left
 NaN in ``o_part`` and ``l_part`` (the kernel must not read them), buffers longer than the
 chunk (the driver's last chunk), outputs NaN-poisoned (every row must be written).
@@ -38,8 +37,8 @@ LAYOUTS = {
     "K=64": (257, 16, 4, 64, 128),
     "K=5-D=64": (301, 8, 2, 5, 64),
     "K=33": (130, 4, 4, 33, 128),
-    # C * H a multiple of neither 4 nor 8 (the main merge's last partial CTA) and G = 3 (with
-    # rows 2 a warp spans two selection heads: a proxy row made through its second index row)
+    # C * H a multiple of neither 4 nor 8 (the main merge's last partial CTA) and G = 3 (the
+    # proxy rows of the fused launch made by every third warp)
     "H=6-Hs=2": (301, 6, 2, 16, 64),
 }
 
@@ -107,18 +106,6 @@ def _run(stage, o_part, l_part, idx, dtype, H, D, lse_out=None, **kw):
     return out, lse
 
 
-def _variants():
-    """(variant, dtype) pairs: the shipped variant at bf16 and fp16, the others at bf16."""
-    pytest.importorskip("cutlass")
-    from flash_msa.cute.combine_sm90 import VARIANTS
-
-    first, *rest = VARIANTS
-    return [(first, torch.bfloat16), (first, torch.float16)] + [(v, torch.bfloat16) for v in rest]
-
-
-VARIANT_CASES = _variants() if torch.cuda.is_available() else []
-
-
 def _check_lse(name, mine, exact, same):
     """``-inf`` exactly where the exact LSE is (``-inf - -inf`` is not an error of 0), the
     finite entries by the rule."""
@@ -128,47 +115,40 @@ def _check_lse(name, mine, exact, same):
     testing.assert_close(name, mine[~empty], exact[~empty], same[~empty])
 
 
-@pytest.mark.parametrize(
-    "variant,dtype", VARIANT_CASES, ids=[f"{v}-{str(d)[6:]}" for v, d in VARIANT_CASES]
-)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_cute_combine_matches_triton_and_exact(layout, variant, dtype):
-    """out and lse of the CuTe stage (variant ``variant``) by the rule against the fp64 merge,
-    Triton's stage as the same-dtype result; rows with no visible key: out 0, lse -inf; two
-    runs bitwise equal; the LSE-only call (the proxy LSE) the same way; the fused call (main and
-    proxy in one launch) too (its sums may round differently from the separate calls')."""
+def test_cute_combine_matches_triton_and_exact(layout, dtype):
+    """out and lse of the CuTe stage by the rule against the fp64 merge, Triton's stage as the
+    same-dtype result; rows with no visible key: out 0, lse -inf; two runs bitwise equal; the
+    LSE-only call (the proxy LSE) the same way; the fused call (main and proxy in one launch)
+    too (its sums may round differently from the separate calls')."""
     combine_sm90 = _combine_module()
     from flash_msa.triton_ref import sparse_fwd
 
-    tuning = combine_sm90.VARIANTS[variant]
     C, H, Hs, K, D = layout
     o_part, l_part, idx = _partials(C, H, Hs, K, D, dtype, seed=C + K)
     exact_out, exact_lse = _exact(o_part, l_part, idx)
-    out, lse = _run(combine_sm90.combine, o_part, l_part, idx, dtype, H, D, **tuning)
+    out, lse = _run(combine_sm90.combine, o_part, l_part, idx, dtype, H, D)
     tri_out, tri_lse = _run(sparse_fwd.combine, o_part, l_part, idx, dtype, H, D)
     empty = torch.isneginf(exact_lse)
     assert empty.any() and (~empty).any()
     assert (out[empty] == 0).all()
     testing.assert_close("out", out, exact_out, tri_out, dtype=dtype)
     _check_lse("lse", lse, exact_lse, tri_lse)
-    again = _run(combine_sm90.combine, o_part, l_part, idx, dtype, H, D, **tuning)
+    again = _run(combine_sm90.combine, o_part, l_part, idx, dtype, H, D)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
 
     # the proxy LSE: l_part (C, Hs, K) by the selection heads' own index rows (NaN where
     # unused, as l_part); the buffer longer than the chunk, as the driver's
     pl_part = l_part[:, :: H // Hs].contiguous()
-    lse_only = combine_sm90.lse_only_tuning(tuning)
-    _, plse = _run(combine_sm90.combine, None, pl_part, idx, dtype, Hs, D, **lse_only)
+    _, plse = _run(combine_sm90.combine, None, pl_part, idx, dtype, Hs, D)
     _, tri_plse = _run(sparse_fwd.combine, None, pl_part, idx, dtype, Hs, D)
     _check_lse("proxy lse", plse, _exact(None, pl_part, idx)[1], tri_plse)
 
-    if tuning["order"] == "lse":  # no fused launch in the first version
-        return
     fused_plse = testing.poisoned((C, Hs), torch.float32, "cuda")
     f_out, f_lse = _run(
-        combine_sm90.combine, o_part, l_part, idx, dtype, H, D, proxy=(pl_part, fused_plse),
-        **tuning,
-    )  # fmt: skip
+        combine_sm90.combine, o_part, l_part, idx, dtype, H, D, proxy=(pl_part, fused_plse)
+    )
     testing.assert_close("fused out", f_out, exact_out, tri_out, dtype=dtype)
     _check_lse("fused lse", f_lse, exact_lse, tri_lse)
     _check_lse("fused proxy lse", fused_plse, _exact(None, pl_part, idx)[1], tri_plse)

@@ -550,8 +550,8 @@ LAUNCH_SIGNATURE = "quantize_sm90.launch_arguments"
 # ---------------------------------------------------------------------------------------------
 # compile check (no GPU): hooked into flash_msa.cute.compile_check
 # ---------------------------------------------------------------------------------------------
-# the tuning variants benchmarks/cute_select_ab.py --fp8 times (name: QuantizeSm90 fields), the
-# shipped one first
+# the tuning variants benchmarks/cute_select_ab.py --fp8 times (name: QuantizeSm90 fields): the
+# shipped one alone since the ninth session's A/B (its numbers: above QUANTIZE_ON_CUTE)
 VARIANTS = {
     "w8 u1": dict(warps=8, unroll=1),
 }
@@ -561,8 +561,7 @@ def quantize_configurations():
     """(name, dtype, Dp, Hp, Hpk, block, key_scale, rotate, tuning) of the kernels the CuTe
     compile check compiles (``tuning`` None: the shipped variant): the anchor / paper proxy
     heads (Hp 4, Hpk 1) at both head dims and key scales, block 64, fp16, several key heads,
-    without the rotation (9 compiles, ~12 s of CPU; the other tuning variants:
-    :func:`variant_configurations`)."""
+    without the rotation (9 compiles, ~12 s of CPU)."""
     for Dp in HEAD_DIMS:
         for scale in quant.KEY_SCALES:
             name = f"quantize bf16 Dp={Dp} b=128 {scale} Hp=4 Hpk=1"
@@ -572,16 +571,6 @@ def quantize_configurations():
     yield "quantize bf16 Dp=64 b=64 block Hp=8 Hpk=2", "bf16", 64, 8, 2, 64, "block", True, None
     yield "quantize bf16 Dp=128 b=128 token Hp=2 Hpk=2", "bf16", 128, 2, 2, 128, "token", True, None
     yield "quantize bf16 Dp=128 b=128 block no-rotate", "bf16", 128, 4, 1, 128, "block", False, None
-
-
-def variant_configurations():
-    """(name, ..., tuning) of every other tuning variant of :data:`VARIANTS` (the ones
-    benchmarks/cute_select_ab.py times) at the paper layout, both key scales
-    (``python -m flash_msa.cute.quantize_sm90 --variants``)."""
-    for vname, tuning in list(VARIANTS.items())[1:]:
-        for scale in quant.KEY_SCALES:
-            name = f"quantize bf16 Dp=128 b=128 {scale} Hp=4 Hpk=1 [{vname}]"
-            yield name, "bf16", 128, 4, 1, 128, scale, True, tuning
 
 
 def compile_quantize(dtype, Dp, Hp, Hpk, block, key_scale, rotate, tuning=None, *, dump=None,
@@ -605,14 +594,12 @@ def compile_quantize(dtype, Dp, Hp, Hpk, block, key_scale, rotate, tuning=None, 
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m flash_msa.cute.quantize_sm90 [--variants]``: compile the shipped variant's
-    configurations (``--variants``: the other tuning variants'), one JSON line each; exit 1 on a
-    spill."""
+    """``python -m flash_msa.cute.quantize_sm90``: compile :func:`quantize_configurations`,
+    one JSON line each; exit 1 on a spill."""
     import json
 
     bad = 0
-    every = variant_configurations if "--variants" in argv else quantize_configurations
-    for name, *cfg in every():
+    for name, *cfg in quantize_configurations():
         res = compile_quantize(*cfg, name=name)
         bad += res["stack"] > 0 or res["local"] > 0
         print(json.dumps(dict(kernel=name, **res)), flush=True)
