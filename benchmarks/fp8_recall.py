@@ -8,9 +8,13 @@ For each (kind, S, seed) it builds the inputs of :func:`flash_msa.recall.make_ca
 one line per variant: recall of the bf16 selection (own block excluded, rows with a choice),
 the fraction of equal rows, the covered main attention mass relative to the bf16 selection's
 and, for the shipped quantization (``quant.KEY_SCALE``, ``quant.ROTATE``), the downstream
-relative errors of ``out``, ``kl`` and the five gradients. The gates of issue 15 apply to the
-structured (``local``) kinds: recall >= 99 % and covered mass >= 99.5 % of bf16's; ``GATE``
-says whether the shipped variant meets them there. These are the torch reference's numbers,
+relative errors of ``out``, ``kl`` and the five gradients; ``fp8_rerank`` is the shipped
+``selection_precision="fp8_rerank"`` (the fp8 top ``top_k + quant.RERANK_EXTRA`` re-ranked
+exactly), ``refine+m`` the protocol's re-rank with other ``m`` (``--refine-extra``). The gates
+of issue 15 apply to the structured (``local``) kinds: recall >= 99 % and covered mass >=
+99.5 % of bf16's; ``GATE`` says whether each shipped mode (plain ``fp8``, ``fp8_rerank``)
+meets them there, and the exit status is 1 when ``fp8_rerank`` fails one (the plain fp8 top-k
+is known to fail the recall gate: docs/algorithm.md). These are the torch reference's numbers,
 not a GPU kernel's (whose fp32 sums differ only in order).
 """
 
@@ -40,6 +44,9 @@ def main(argv=None) -> int:
         action="store_true",
         help="downstream errors of the refine variants and of bf16 vs fp32 too (slower)",
     )
+    parser.add_argument(
+        "--refine-extra", type=int, nargs="*", default=[2], help="m of the refine+m variants"
+    )
     parser.add_argument("--out", help="write every result as JSON lines to this file")
     args = parser.parse_args(argv)
     layout = tuple(int(x) for x in args.layout.split(","))
@@ -60,6 +67,7 @@ def main(argv=None) -> int:
                     seed=seed,
                     with_downstream=not args.no_downstream,
                     downstream_all=args.downstream_all,
+                    refine_extra=tuple(args.refine_extra),
                 )
                 head = f"{kind:>15} S={S} seed={seed}"
                 for name, m in res.items():
@@ -76,11 +84,14 @@ def main(argv=None) -> int:
                         f"mass {100 * m['mass_ratio']:7.3f}% {rest}"
                     )
                     print(line.rstrip(), flush=True)
-                m = res[shipped]
-                ok = m["recall"] >= RECALL_GATE and m["mass_ratio"] >= MASS_GATE
                 if kind.startswith("local"):
-                    failed |= not ok
-                    print(f"{head} GATE {'pass' if ok else 'FAIL'} ({res['seconds']:.0f} s)")
+                    verdicts = []
+                    for mode, name in (("fp8", shipped), ("fp8_rerank", "fp8_rerank")):
+                        m = res[name]
+                        ok = m["recall"] >= RECALL_GATE and m["mass_ratio"] >= MASS_GATE
+                        verdicts.append(f"{mode} {'pass' if ok else 'FAIL'}")
+                        failed |= mode == "fp8_rerank" and not ok
+                    print(f"{head} GATE {', '.join(verdicts)} ({res['seconds']:.0f} s)")
                 else:
                     print(f"{head} (no gate) ({res['seconds']:.0f} s)")
                 if sink:

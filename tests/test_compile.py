@@ -35,6 +35,21 @@ def test_triton_kernels_compile_for_sm90_without_spills(kernel):
     assert res.returncode == 0, res.stderr
 
 
+def test_triton_rerank_kernel_compiles_for_sm90_without_spills():
+    """The fp8_rerank selection's exact re-rank (``triton_ref/reranking.py``): every
+    configuration its compile check lists, spill-free (it has no MMA: one (row, head) per
+    program, the scores on CUDA cores)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-m", "flash_msa.triton_ref.reranking"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) >= 4, res.stderr
+    assert all(r["spill_bytes"] == 0 for r in rows), rows
+    assert res.returncode == 0, res.stderr
+
+
 # sm_80 (A100), sm_89 (L4, L40S, RTX 40xx), sm_100 (B200), sm_120 (RTX 50xx): the anchor and
 # paper head layouts at head dim 128 and block 128 (the largest tiles), without the query-map
 # kernels, each list walked from its end (compile_check --any: one compile per configuration

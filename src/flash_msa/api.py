@@ -814,8 +814,15 @@ def msa_attention(
             (docs/algorithm.md, "FP8 selection"). Only the indices change: the own block,
             causality, ``-inf`` blocks and the tie order stay, and the attention, the KL and
             every gradient over the kept blocks are exact. Only backends whose limits declare
-            it select in fp8, for now ``torch`` alone (``auto`` skips the others: on GPU
-            tensors it raises until a GPU kernel declares it; a forced backend raises).
+            it select in fp8 (``cute`` on SM90 and ``torch``; ``auto`` skips the others, a
+            forced backend raises).
+            ``"fp8_rerank"``: the fp8 selection keeps ``top_k + quant.RERANK_EXTRA`` (4)
+            blocks and their exact block scores (fp32, the input-dtype operands, the scores
+            ``"bf16"`` ranks) keep ``top_k`` by the same rules: equal to the ``"bf16"``
+            selection whenever its blocks are among the fp8 candidates (recall 99.87-100 %
+            measured, docs/algorithm.md). Its two steps may run on two backends (the fp8 one on
+            a backend that declares it, the re-rank on ``triton`` or ``torch``:
+            ``flash_msa.backends``).
 
     Returns:
         ``(out, kl)``: ``out`` like ``q``; ``kl`` a 0-dim fp32 tensor (fp64 for fp64 inputs),
@@ -893,7 +900,8 @@ def select_blocks(
         k_proxy: ``(B, S, Hpk, Dp)`` or varlen ``(T, Hpk, Dp)``; ``Hp % Hpk == 0``.
         top_k, block_size, proxy_scale, cu_seqlens, max_seqlen, selection_precision: as in
             :func:`msa_attention` (``top_k`` in ``[1, MAX_TOP_K]``; ``selection_precision``
-            ``"bf16"``, exact, or ``"fp8"``, approximate).
+            ``"bf16"``, exact, ``"fp8"``, approximate, or ``"fp8_rerank"``, the fp8 top
+            ``top_k + 4`` re-ranked by exact scores).
 
     Returns:
         int32 ``(B, S, Hp, top_k)`` (or ``(T, Hp, top_k)``): sequence-local block numbers,

@@ -90,6 +90,8 @@ def _cmd_bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    from .quant import PRECISIONS
+
     parser = argparse.ArgumentParser(prog="flash-msa", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="versions, devices and the backend each op would use")
@@ -126,9 +128,9 @@ def main(argv=None) -> int:
         "--selection-precision",
         nargs="+",
         default=["bf16"],
-        choices=["bf16", "fp8"],
+        choices=list(PRECISIONS),
         help="run each MSA backend with these selection precisions (fp8: the opt-in e4m3 "
-        "selection, approximate)",
+        "selection, approximate; fp8_rerank: the fp8 top_k + 4 re-ranked exactly)",
     )
     p.add_argument(
         "--cuda-graph",

@@ -498,8 +498,8 @@ def msa_attention(
             ``deterministic`` covers this rank's op; the sums inside the collectives (the fp32
             reduce-scatter of the key gradients) are ordered by the process group's backend.
         selection_precision: as in :func:`flash_msa.msa_attention` (``"fp8"``: e4m3 selection;
-            the key scales are those of the gathered keys, so every rank ranks like the
-            single-process op).
+            ``"fp8_rerank"``: its top ``top_k + 4`` re-ranked by exact scores; the key scales
+            are those of the gathered keys, so every rank ranks like the single-process op).
         layout: this rank's :class:`Layout`; group: the CP process group (default: the world).
         overlap: ``True`` (default) waits for the ``k``/``v`` all-gathers after the selection
             (they overlap it); ``False`` waits for them before it, as a baseline for

@@ -20,9 +20,11 @@ positional because ``torch.library`` refuses keyword-only tensors; a call withou
 pass it, so a map-less graph holds the same nodes as before the argument existed.
 
 ``select`` also takes the keyword-only ``selection_precision: str = "bf16"``
-(``Config.selection_precision``; ``api.py`` passes it only when it is ``"fp8"``, so a bf16 graph
-is unchanged): it reaches ``backends.resolve`` (a backend whose ``Limits`` do not declare
-``fp8_selection`` is not chosen) and the backend's ``Config``.
+(``Config.selection_precision``; ``api.py`` passes it only when it is not ``"bf16"``, so a bf16
+graph is unchanged): it reaches ``backends.resolve`` (a backend whose ``Limits`` do not declare
+``fp8_selection`` is not chosen; ``"fp8_rerank"`` resolves its fp8 candidates and its exact
+re-rank as two steps, ``backends.RerankSelect``, inside this one op) and the backend's
+``Config``.
 
 Each also takes the keyword-only ``deterministic: bool = False`` (``Config.deterministic``, the
 value ``api.py`` resolved when the graph was traced): it reaches ``backends.resolve`` (a backend
@@ -79,15 +81,21 @@ def _module(name: str):
     return module
 
 
-def resolve(backend: str, op: str, problem: Problem) -> str:
-    """The backend that runs ``op``: :func:`backends.resolve` as if ``FLASH_MSA_BACKEND`` were
-    ``backend`` (the value read when the graph was traced), the same rules and messages."""
+def resolved(backend: str, op: str, problem: Problem):
+    """``(name, module)`` that runs ``op``: :func:`backends.resolve` as if ``FLASH_MSA_BACKEND``
+    were ``backend`` (the value read when the graph was traced), the same rules and messages
+    (an ``"fp8_rerank"`` select: its two steps as one :class:`backends.RerankSelect`)."""
     if backend == backends.requested():
-        return backends.resolve(op, problem)[0]
+        return backends.resolve(op, problem)
     if backend not in backends.CHOICES:
         raise ValueError(f"backend must be one of {', '.join(backends.CHOICES)}; got {backend!r}")
     with backends.forced(backend):  # FLASH_MSA_BACKEND changed since the trace
-        return backends.resolve(op, problem)[0]
+        return backends.resolve(op, problem)
+
+
+def resolve(backend: str, op: str, problem: Problem) -> str:
+    """The name of the backend that runs ``op`` (:func:`resolved`)."""
+    return resolved(backend, op, problem)[0]
 
 
 def _call(
@@ -197,8 +205,8 @@ def select(
         q_map,
         selection_precision,
     )
-    name = resolve(backend, "select", problem)
-    return _module(name).select(q_proxy, k_proxy, cu_seqlens, cfg, **_mapped(q_map))
+    module = resolved(backend, "select", problem)[1]  # a RerankSelect for "fp8_rerank"
+    return module.select(q_proxy, k_proxy, cu_seqlens, cfg, **_mapped(q_map))
 
 
 @select.register_fake

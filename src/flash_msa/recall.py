@@ -165,19 +165,15 @@ def block_scores(q_proxy, k_proxy, cfg: Config, chunk=1024):
 
 def refine(candidates, scores, top_k, block_size):
     """The top ``top_k`` of ``candidates`` ``(T, Hp, top_k + m)`` (an fp8 selection with ``m``
-    more blocks) ranked by the exact ``scores`` of :func:`block_scores`, with the selection's
-    rules (own block first, ties to the lower block, ``-inf`` never kept): int32
-    ``(T, Hp, top_k)``, ascending, -1 padded. A protocol variant (not a shipped mode): what
-    over-selecting in fp8 and re-ranking the few candidates exactly would recover."""
+    more blocks) ranked by the exact ``scores`` ``(T, Hp, nb)`` of :func:`block_scores`, with
+    the selection's rules (own block first, ties to the lower block, ``-inf`` never kept):
+    int32 ``(T, Hp, top_k)``, ascending, -1 padded (one sequence). The protocol's form of the
+    shipped ``selection_precision="fp8_rerank"`` with any ``m``: the same rules,
+    :func:`flash_msa.quant.refine`, on the dense scores instead of the candidates' own."""
     T, Hp, nb = scores.shape
-    cand = torch.where(candidates < 0, nb, candidates.long())  # ascending, padding last
+    cand = torch.where(candidates < 0, nb, candidates.long())
     s = torch.nn.functional.pad(scores, (0, 1), value=-math.inf).gather(-1, cand)
-    own = (torch.arange(T) // block_size)[:, None, None]
-    s = torch.where(cand == own, math.inf, s)
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :top_k]
-    pick = torch.where(s.gather(-1, order) == -math.inf, nb, cand.gather(-1, order))
-    pick = torch.sort(pick, dim=-1).values
-    return torch.where(pick == nb, -1, pick).to(torch.int32)
+    return quant.refine(candidates, s, top_k, torch.arange(T) // block_size)
 
 
 def measure(
@@ -190,7 +186,8 @@ def measure(
     block_size=128,
     seed=0,
     variants=VARIANTS,
-    refine_extra=(2, 4),
+    refine_extra=(2,),
+    rerank=True,
     with_downstream=True,
     downstream_all=False,
     fp8_select=None,
@@ -198,11 +195,15 @@ def measure(
     """One case, every variant against the bf16 selection: ``{name: metrics}`` with the fp8
     variants of ``variants`` (``"block"``, ``"token"``, ``"+rot"`` for the rotation), the
     shipped one also over-selected by ``m`` blocks and re-ranked exactly (``"refine+m"``,
-    :func:`refine`, for ``m`` in ``refine_extra``), the bf16 selection against the fp32 one of
+    :func:`refine`, for ``m`` in ``refine_extra``), with ``rerank`` the shipped
+    ``selection_precision="fp8_rerank"`` (``"fp8_rerank"``: the fp8 top
+    ``quant.candidate_top_k`` blocks re-ranked by :func:`flash_msa.reference.rerank`, i.e.
+    ``"refine+4"`` computed as the op computes it), the bf16 selection against the fp32 one of
     the inputs before their rounding to bf16 (``"bf16_vs_fp32"``: the floor that bf16 itself
-    sets), and ``"seconds"``. Downstream errors (:func:`downstream`) for the shipped variant,
-    with ``downstream_all`` also for the ``refine`` variants and for ``bf16_vs_fp32`` (the
-    fp32 selection's indices against the bf16 one's, on the same bf16 tensors).
+    sets), and ``"seconds"``. Downstream errors (:func:`downstream`) for the shipped variant
+    and ``"fp8_rerank"``, with ``downstream_all`` also for the ``refine`` variants and for
+    ``bf16_vs_fp32`` (the fp32 selection's indices against the bf16 one's, on the same bf16
+    tensors).
 
     ``fp8_select(q_proxy, k_proxy, cu_seqlens, cfg, quantized=...)`` makes the fp8 selections
     (default :func:`flash_msa.reference.select`; e.g. a GPU kernel's hook, which gets the CPU
@@ -244,6 +245,15 @@ def measure(
             if with_downstream and downstream_all:
                 m.update(downstream(tensors, pick, ref, cfg, seed))
             out[f"refine+{extra}"] = m
+    if rerank:
+        mode = dataclasses.replace(cfg, selection_precision="fp8_rerank")
+        qz = quant.quantize(qp, kp, cu, block_size)
+        cand = select(qp, kp, cu, quant.candidates_config(mode), quantized=qz)
+        pick = reference.rerank(qp, kp, cu, cand, mode)
+        m = selection_metrics(pick, ref, mass, top_k, block_size)
+        if with_downstream:
+            m.update(downstream(tensors, pick, ref, cfg, seed))
+        out["fp8_rerank"] = m
     exact = reference.select(fp32[0], fp32[1], cu, cfg)
     m = selection_metrics(ref, exact, mass, top_k, block_size)
     if with_downstream and downstream_all:

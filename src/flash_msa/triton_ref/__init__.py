@@ -1,10 +1,11 @@
 """Triton backend: readable kernels, the oracle of the CuTe backend and the portable fallback.
 
-Ops (contract in docs/design.md): ``select`` (``selection.py``), ``fwd`` (``sparse_fwd.py``) and
-``bwd`` (``sparse_bwd.py``) over the reverse index of ``worklist.py``, the proxy KL value and
-gradient (``proxy.py``); warmup (dense causal attention, KL over every visible key) in
-``dense.py``; deterministic mode's ordered reductions (``Config.deterministic``) in the neutral
-``flash_msa.ordered`` (the CuTe backward uses them too).
+Ops (contract in docs/design.md): ``select`` (``selection.py``), ``rerank`` (``reranking.py``: the
+exact re-rank of ``selection_precision="fp8_rerank"``'s fp8 candidates), ``fwd``
+(``sparse_fwd.py``) and ``bwd`` (``sparse_bwd.py``) over the reverse index of ``worklist.py``,
+the proxy KL value and gradient (``proxy.py``); warmup (dense causal attention, KL over every
+visible key) in ``dense.py``; deterministic mode's ordered reductions (``Config.deterministic``)
+in the neutral ``flash_msa.ordered`` (the CuTe backward uses them too).
 On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 triton is first imported).
 
@@ -111,6 +112,15 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
     from .selection import select as _select
 
     return _select(q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map)
+
+
+def rerank(q_proxy, k_proxy, cu_seqlens, candidates, cfg, *, q_map=None):
+    """Backend op ``rerank`` (``selection_precision="fp8_rerank"``'s exact re-rank of the fp8
+    candidates; run within ``LIMITS["select"]``, ``backends.rerank_reason``): see
+    :func:`flash_msa.triton_ref.reranking.rerank`."""
+    from .reranking import rerank as _rerank
+
+    return _rerank(q_proxy, k_proxy, cu_seqlens, candidates, cfg, q_map=q_map)
 
 
 def fwd(
