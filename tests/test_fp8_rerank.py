@@ -228,6 +228,7 @@ def test_recall_not_below_plain_fp8():
     assert res["fp8_rerank"]["recall"] >= 0.99, res["fp8_rerank"]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["random", "local"])
 def test_gpu_auto_rerank(kind):
