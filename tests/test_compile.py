@@ -416,18 +416,17 @@ def test_cute_fp8_selection_host_and_switch(monkeypatch):
 
     from flash_msa import backends, cute, quant, testing
     from flash_msa.cute import select_sm90
-    from flash_msa.cute.common import static_signature
     from flash_msa.problem import Config, Problem
 
     compiled = []
 
-    def compile_instead(kernel, device, *args):
-        # run's compile-cache key of the e4m3 views and KeyScales (args[5]: the fake stream)
-        hash(static_signature(args[:5] + args[6:]))
+    def compile_instead(kernel, device, args, signature):
+        # run_typed's launch: the pointer arguments select_sm90.launch_arguments built
+        assert signature == select_sm90.LAUNCH_SIGNATURE
         cute_dsl.compile(kernel, *args, options="--gpu-arch sm_90a")
         compiled.append(kernel)
 
-    monkeypatch.setattr(select_sm90, "run", compile_instead)
+    monkeypatch.setattr(select_sm90, "run_typed", compile_instead)
     monkeypatch.setattr(select_sm90, "stream", lambda device: make_fake_stream())
     cu = testing.cu([300, 129])
     qp, kp = (x[0] for x in testing.make_inputs(1, 429, 1, 1, 4, 1, 1, 128)[:2])

@@ -35,11 +35,9 @@ def _child() -> dict:
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
-    from cutlass import BFloat16, Int32
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+    from cutlass import BFloat16
 
-    from flash_msa.cute import disk_cache
-    from flash_msa.cute.common import cute_tensor, static_signature
+    from flash_msa.cute import disk_cache, select_sm90
     from flash_msa.cute.select_sm90 import SelectSm90
 
     imported = time.perf_counter() - t0
@@ -52,33 +50,30 @@ def _child() -> dict:
     cute.compile = counting_compile
     out = dict(import_s=round(imported, 2), kernels=[])
     for _, Dp, Hp, Hpk, K, block in CONFIGS:
-        kernel = SelectSm90(BFloat16, Dp, Hp, Hpk, K, block)
-        T = cute.sym_int32(symbol="T")
-        args = (
-            make_fake_tensor(BFloat16, (T, Dp, Hp), stride=(Hp * Dp, 1, Dp), assumed_align=16),
-            make_fake_tensor(BFloat16, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16),
-            make_fake_compact_tensor(Int32, (cute.sym_int32(symbol="N1"),), assumed_align=16),
-            make_fake_tensor(Int32, (T, Hp, K), stride=(Hp * K, K, 1), assumed_align=16),
-            Int32(1),
+        # the pointer launch's kernel and arguments, as select_into builds them (specimen
+        # tensors: only their layouts matter to the compile)
+        kernel, args = select_sm90.launch_arguments(
+            SelectSm90(BFloat16, Dp, Hp, Hpk, K, block),
+            select_sm90.specimen_tensors(SelectSm90(BFloat16, Dp, Hp, Hpk, K, block)),
+            1,
             cuda.CUstream(0),
         )
         t = time.perf_counter()
         fn = disk_cache.compiled(
-            kernel, args, static_signature(args), "sm_90-test", "--gpu-arch sm_90a"
+            kernel, args, select_sm90.LAUNCH_SIGNATURE, "sm_90-test", "--gpu-arch sm_90a"
         )
         seconds = time.perf_counter() - t
-        # the launch arguments select_into passes, as CuTe views of (CPU) torch tensors
+        # the launch arguments select_into passes for 300 (CPU) tokens
         n = 300
         q = torch.zeros(n, Hp, Dp, dtype=torch.bfloat16)
         k = torch.zeros(n, Hpk, Dp, dtype=torch.bfloat16)
-        launch = (
-            cute_tensor(q.permute(0, 2, 1)),
-            cute_tensor(k.permute(0, 2, 1)),
-            cute_tensor(torch.tensor([0, n], dtype=torch.int32)),
-            cute_tensor(torch.zeros(n, Hp, K, dtype=torch.int32)),
-            Int32(3),
-            cuda.CUstream(0),
+        tensors = (
+            q.permute(0, 2, 1),
+            k.permute(0, 2, 1),
+            torch.tensor([0, n], dtype=torch.int32),
+            torch.zeros(n, Hp, K, dtype=torch.int32),
         )
+        _, launch = select_sm90.launch_arguments(kernel, tensors, 3, cuda.CUstream(0))
         packed, _ = fn.execution_args.generate_execution_args(launch, {})
         out["kernels"].append(
             dict(seconds=round(seconds, 3), packed=len(packed), params=list(
@@ -118,10 +113,10 @@ def test_second_process_loads_instead_of_compiling(tmp_path):
     print(f"slowest kernel: cold {cold_s:.2f} s (compile), warm {warm_s:.3f} s (load)")
     assert warm_s < 0.5 < cold_s, (cold_s, warm_s)
     for k in warm["kernels"]:  # ready to launch: the arguments select_into passes are accepted
-        # (mode_args: the optional last parameter a plain call leaves at its default)
-        params = ["mQ", "mK", "mCu", "mIdx", "n_mblk", "stream", "mode_args"]
-        assert k["params"] == params, k
-        assert k["packed"] >= len(params) - 1, k
+        # (the pointer launch: the four tensors as a pointer and a mode-0 size each, then
+        # n_mblk and the stream)
+        assert k["params"] == ["tensors", "n_mblk", "stream"], k
+        assert k["packed"] == 4 * 2 + 2, k
 
     # a corrupted entry (one byte flipped, as a disk error would) is dropped and recompiled;
     # a truncated one (a writer killed mid-write without the rename) likewise

@@ -1,9 +1,12 @@
-"""CPU tests of the CuTe backward's host code (``cute/bwd_sm90.py``) that need no GPU: the
-deterministic path's glue (token chunks, work-item ranges, partial layouts, the fixed-order sums
-of ``flash_msa.ordered`` under the Triton interpreter) with the kernel replaced by a stand-in
-that writes what the kernel's indexing says it writes."""
+"""CPU tests of the CuTe kernels' host code that need no GPU: the backward's deterministic glue
+(token chunks, work-item ranges, partial layouts, the fixed-order sums of ``flash_msa.ordered``
+under the Triton interpreter) with the kernel replaced by a stand-in that writes what the
+kernel's indexing says it writes; the pointer launches of the selection, the forward partials,
+the KL mode and the backward (``common.pointer_arguments``: the views in the kernel object)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -91,3 +94,127 @@ def test_cute_deterministic_glue_sums_every_partial_once(budget, monkeypatch):
                 want[k0:k1, p // per] += value * written.get((p, g), 0)
         torch.testing.assert_close(buf, want)
     torch.testing.assert_close(dv, 2.0 * dk)
+
+
+# ---------------------------------------------------------------------------------------------
+# pointer launches (common.pointer_arguments): the selection, the forward partials, the KL
+# mode and the backward take typed pointers and mode-0 sizes; the rest of each tensor's view
+# is in the kernel object (its ``views`` field)
+# ---------------------------------------------------------------------------------------------
+def _specimens():
+    """``(module, kernel, tensors, launch)`` per pointer-launched kernel class: the anchor
+    layout's kernel (unbound), CPU stand-ins of its launch tensors and a ``launch(kernel,
+    tensors)`` returning ``launch_arguments``' ``(kernel', args)``."""
+    from cutlass import BFloat16
+    from cutlass.cute.runtime import make_fake_stream
+
+    from flash_msa.cute import bwd_sm90, fwd_partials_sm90, select_sm90
+
+    fp, s = fwd_partials_sm90, make_fake_stream()
+    out = []
+    for kernel in (
+        select_sm90.SelectSm90(BFloat16, 128, 4, 1, 16, 128),
+        select_sm90.SelectSm90(BFloat16, 128, 4, 1, 16, 128, qmap=True),
+    ):
+        out.append((select_sm90, kernel, lambda k, t: select_sm90.launch_arguments(k, t, 1, s)))
+    for kernel in (
+        fp.FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 16, 128, proxy=True, qmap=True),
+        fp.FwdKlSm90(BFloat16, 16, 2, 4, 128, 16, 128, 2, True, 128, 1),
+    ):
+        scalars = (1.0, 1.0, 1) if isinstance(kernel, fp.FwdKlSm90) else (1.0, 0, 1, 1.0)
+        out.append((fp, kernel, lambda k, t, a=scalars: fp.launch_arguments(k, t, a, s)))
+    for kernel in (
+        bwd_sm90.BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128),
+        bwd_sm90.BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, qmap=True, ws=False),
+    ):
+        launch = lambda k, t: bwd_sm90.launch_arguments(k, t, (1.0,) * 4, 1, 0, s)  # noqa: E731
+        out.append((bwd_sm90, kernel, launch))
+    return [(m, k, m.specimen_tensors(k), f) for m, k, f in out]
+
+
+def _layout_text(shape, stride) -> str:
+    """The DSL's text of a layout with a run-time mode-0 size and static strides."""
+    return "({}):({})".format(",".join(["?", *map(str, shape[1:])]), ",".join(map(str, stride)))
+
+
+def test_cute_pointer_launch_views_are_the_dlpack_views():
+    """Each pointer launch's kernel object carries, per tensor, exactly what the tensor's
+    DLPack view (``common.cute_tensor``, the launches' arguments before) baked into the
+    compiled code: its element type and static sizes and strides, mode 0's size run-time;
+    its arguments are a pointer per tensor (the view's element type, global memory, 16-byte
+    alignment) and the mode-0 sizes; the bound object is kept (one per layout) and has a
+    disk-cache text. (CPU time about 1 s.)"""
+    pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+
+    from flash_msa.cute import disk_cache
+    from flash_msa.cute.common import ALIGN, cute_tensor, view_signature
+
+    for module, kernel, tensors, launch in _specimens():
+        bound, args = launch(kernel, tensors)
+        assert type(bound) is type(kernel) and bound != kernel, module.__name__
+        assert bound == dataclasses.replace(kernel, views=bound.views)
+        for t, (dtype, shape, stride) in zip(tensors, bound.views):
+            view = cute_tensor(t)
+            assert dtype is view_signature(view)[1] and shape == (None, *t.shape[1:])
+            # the layout the view gave the compiled code: static strides (a size-1 mode's 0)
+            assert view.__cache_key__[2].endswith(_layout_text(shape, stride)), module.__name__
+            assert stride == tuple(0 if n == 1 else d for n, d in zip(t.shape, t.stride()))
+        pointers, sizes = args[0]
+        assert [int(n) for n in sizes] == [t.shape[0] for t in tensors]
+        for p, view in zip(pointers, bound.views):
+            assert p.__cache_key__ == (view[0], cute.AddressSpace.gmem, ALIGN)
+        again, _ = launch(kernel, tensors)
+        assert again is bound  # (kept: no dataclasses.replace per launch)
+        assert disk_cache.stable_text(bound) != disk_cache.stable_text(kernel)
+        name = module.__name__.rsplit(".", 1)[1]
+        assert f"{name}.launch_arguments" == module.LAUNCH_SIGNATURE
+
+
+def test_cute_pointer_launch_layouts_make_different_kernels():
+    """Two launches that differ only in a layout property the compiled code bakes in (the
+    strides of the heads' and the head dim's modes; a static size, as of a part not made's
+    stand-in buffer) build different kernel objects, so they never share a compiled function,
+    in process or on disk, and two torch layouts of one view share one; a
+    misaligned base, a layout whose view has a run-time stride (its mode 0 is not outermost),
+    a tensor on another device and a wrong tensor count are ValueErrors naming the tensor.
+    (CPU time about 1 s.)"""
+    pytest.importorskip("cutlass")
+    from flash_msa.cute import disk_cache
+    from flash_msa.cute.common import cute_tensor
+
+    for module, kernel, tensors, launch in _specimens():
+        base, _ = launch(kernel, tensors)
+        names = module.launch_tensor_names(kernel)
+        assert len(names) == len(tensors)
+        k = names.index("k_proxy")
+        T, dim, heads = tensors[k].shape
+        assert heads == 1  # (the specimens' proxy key heads, Hpk = 1)
+        # torch strides the view does not have (a size-1 mode's stride is 0 in the view):
+        # the same view, so the same kernel object
+        odd = torch.zeros(T, dim, dtype=tensors[k].dtype).as_strided((T, dim, 1), (dim, 1, 1))
+        same, _ = launch(kernel, tensors[:k] + (odd,) + tensors[k + 1 :])
+        assert same is base, module.__name__
+        # the first (T, dim, heads) view of keys (or queries) with heads > 1, laid out
+        # head-minor ((T, dim, heads) contiguous) instead of (T, heads, dim) permuted: the
+        # strides differ, so the kernel objects and their disk-cache texts do
+        i = next(i for i, t in enumerate(tensors) if t.dim() == 3 and t.shape[2] > 1)
+        minor = torch.zeros(tensors[i].shape, dtype=tensors[i].dtype)
+        other, _ = launch(kernel, tensors[:i] + (minor,) + tensors[i + 1 :])
+        assert other.views[i][2] != base.views[i][2] and other != base, module.__name__
+        assert disk_cache.stable_text(other) != disk_cache.stable_text(base)
+        # a static size: a buffer of twice the width (the backward's stand-in of a part not
+        # made is (1, 64) fp32 where the real buffer is (T*H, D))
+        j = max(i for i, t in enumerate(tensors) if t.dim() > 1)
+        t = tensors[j]
+        wider = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+        other, _ = launch(kernel, tensors[:j] + (wider,) + tensors[j + 1 :])
+        assert other.views[j][1] != base.views[j][1] and other != base, (module.__name__, j)
+        with pytest.raises(ValueError, match=f"{names[0]}'s base is not 16-byte aligned"):
+            launch(kernel, (torch.zeros(64, dtype=tensors[0].dtype)[1:],) + tensors[1:])
+        moved = tensors[0].transpose(0, 1).contiguous().transpose(0, 1)  # mode 0 not outermost
+        assert "?{" in cute_tensor(moved).__cache_key__[2]  # (a run-time stride in the view)
+        with pytest.raises(ValueError, match="run-time stride"):
+            launch(kernel, (moved,) + tensors[1:])
+        with pytest.raises(ValueError, match="expected"):
+            launch(kernel, tensors[:-1])

@@ -72,14 +72,17 @@ from ..cubin import SHARED_LIMIT
 from ..problem import Grads, Saved
 from ..worklist import geometry
 from .common import (
+    PointerTensors,
     WorkItems,
     acc_as_a,
     acc_rows_cols,
     aligned,
-    cute_tensor,
+    bound,
     cutlass_dtype,
+    pointer_arguments,
+    pointer_tensors,
     row_gather_copy,
-    run,
+    run_typed,
     stream,
     tma_tiles,
 )
@@ -128,8 +131,14 @@ class BwdSm90:
     # the rows' kept keys, so the buffer's sum is the KL sum of the work list's rows.
     kl: bool = False
     # query rows through a query map (module docstring): the row data's token is
-    # ``q_map[row]``; the launch takes the map as its last argument
+    # ``q_map[row]``; the launch takes the map as its last tensor
     qmap: bool = False
+    # the launch's tensors as their CuTe views had them (``common.view_layout``: element type,
+    # static sizes and strides, in the order of :data:`LAUNCH_TENSORS`), set by
+    # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
+    # (TMA descriptors' boxes, the rows' strides), so two layouts are two kernel objects.
+    # ``()`` for a configuration not yet bound to a launch's tensors (it cannot be compiled)
+    views: tuple = ()
 
     # the A/B switches' combinations (tests/test_gpu_cute_bwd.py checks each by the rule,
     # benchmarks/bwd_ab.py times them as "cute <name>")
@@ -321,22 +330,7 @@ class BwdSm90:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,
-        mDO: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mLSE: cute.Tensor,
-        mDelta: cute.Tensor,
-        mQp: cute.Tensor,
-        mKp: cute.Tensor,
-        mPLSE: cute.Tensor,
-        work: WorkItems,
-        mDQ: cute.Tensor,
-        mDK: cute.Tensor,
-        mDV: cute.Tensor,
-        mDQp: cute.Tensor,
-        mDKp: cute.Tensor,
-        mKL: cute.Tensor,
+        tensors: PointerTensors,
         scale: Float32,
         scale_log2: Float32,
         pscale_log2: Float32,
@@ -344,19 +338,27 @@ class BwdSm90:
         NB: Int32,
         tok0: Int32,
         stream: cuda.CUstream,
-        q_map: cute.Tensor = None,
     ):
-        """Launch one CTA per work item. ``mQ``, ``mDO (T*H, D)``; ``mK``, ``mV`` the ``(T, D,
-        Hkv)`` views of k and v; ``mLSE``, ``mDelta (T*H,)`` fp32 (natural-log LSE; Delta =
-        rowsum(out * dout)); ``mQp (T*Hs, Dp)``, ``mKp`` the ``(T, Dp, Hpk)`` view of k_proxy,
-        ``mPLSE (T*Hs,)``; fp32 outputs, zero-filled, as rows (2-D: more than 2**31 elements
-        at 1M tokens; the kernel adds by 64-bit offsets from the base): ``mDQ (T*H, D)``,
-        ``mDK``, ``mDV (T*Hkv, D)``, ``mDQp (T*Hs, Dp)``, ``mDKp (T*Hpk, Dp)``; ``mKL
-        (items,)`` fp32, each item's KL sum (:attr:`kl`; zero-filled: empty items write
-        nothing); the scales: softmax scale, its * log2 e, proxy scale * log2 e, coef * proxy
-        scale (coef = 1 / (Hs T)); ``NB`` the block count; ``tok0`` the first token of the work
-        list's chunk (deterministic); ``q_map (Tq,)`` int32 exactly when :attr:`qmap` (the
-        row-indexed tensors then have ``Tq`` query rows, the key-indexed ones the keys' ``T``)."""
+        """Launch one CTA per work item. ``tensors``: per tensor of :data:`LAUNCH_TENSORS` its
+        typed global pointer and mode-0 size (run-time; :class:`~.common.PointerTensors`), the rest
+        of its layout in :attr:`views` (:func:`launch_arguments`); rebuilt here as the tensors the
+        kernel takes: ``mQ``, ``mDO (T*H, D)``; ``mK``, ``mV`` the ``(T, D, Hkv)`` views of k and v;
+        ``mLSE``, ``mDelta (T*H,)`` fp32 (natural-log LSE; Delta = rowsum(out * dout)); ``mQp (T*Hs,
+        Dp)``, ``mKp`` the ``(T, Dp, Hpk)`` view of k_proxy, ``mPLSE (T*Hs,)``; the work list's six
+        tensors (:class:`~.common.WorkItems`); fp32 outputs, zero-filled, as rows (2-D: more than
+        2**31 elements at 1M tokens; the kernel adds by 64-bit offsets from the base): ``mDQ (T*H,
+        D)``, ``mDK``, ``mDV (T*Hkv, D)``, ``mDQp (T*Hs, Dp)``, ``mDKp (T*Hpk, Dp)``; ``mKL
+        (items,)`` fp32, each item's KL sum (:attr:`kl`; zero-filled: empty items write nothing);
+        ``q_map (Tq,)`` int32 exactly when :attr:`qmap` (the row-indexed tensors then have ``Tq``
+        query rows, the key-indexed ones the keys' ``T``). The scales: softmax scale, its * log2 e,
+        proxy scale * log2 e, coef * proxy scale (coef = 1 / (Hs T)); ``NB`` the block count;
+        ``tok0`` the first token of the work list's chunk (deterministic)."""
+        assert len(self.views) == len(LAUNCH_TENSORS) + self.qmap, "views of every tensor"
+        t = pointer_tensors(tensors, self.views)
+        mQ, mDO, mK, mV, mLSE, mDelta, mQp, mKp, mPLSE = t[:9]
+        work = WorkItems(*t[9:15])
+        mDQ, mDK, mDV, mDQp, mDKp, mKL = t[15:21]
+        q_map = t[21] if cutlass.const_expr(self.qmap) else None
         ROWS, D, DP, BLOCK = self.ROWS, self.head_dim, self.proxy_head_dim, self.block_size
         dtype = self.dtype
         mmas = self._mmas(D)
@@ -408,7 +410,6 @@ class BwdSm90:
             dtype.width // 8, D, DP, BLOCK, self.teacher, STAGES, self.deterministic
         )["total"]  # fmt: skip
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
-        assert (q_map is not None) == self.qmap, "q_map given exactly when qmap"
         qm = (q_map,) if cutlass.const_expr(self.qmap) else ()  # the map's kernel arguments
         self.kernel(
             mQ, mDO, tma_k, tma_mK, tma_v, tma_mV, mLSE, mDelta, mQp, tma_kp, tma_mKp, mPLSE,
@@ -1061,31 +1062,33 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, *, q_map=None, **variant) -> G
     )  # raises ValueError with the reason if the kernel cannot run this configuration
     f32 = dict(dtype=torch.float32, device=q.device)
     dummy = unused_buffer(q.device)  # fp32 inputs of a part not made
-    qv = cute_tensor(aligned(q).view(T * H, D))
-    kv = cute_tensor(aligned(k).permute(0, 2, 1))  # (T, D, Hkv): a TMA box = one head's block
-    lse_t = cute_tensor(aligned(lse.contiguous()).view(-1))
+    # (contiguous: the launch bakes every stride in, mode 0's size aside; a tensor laid out
+    # otherwise is copied once here, where its CuTe view had a run-time stride before)
+    qv = aligned(q.contiguous()).view(T * H, D)
+    kv = aligned(k.contiguous()).permute(0, 2, 1)  # (T, D, Hkv): a TMA box = one head's block
+    lse_t = aligned(lse.contiguous()).view(-1)
     if main:
         dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)  # (T, H)
-        dO, vt = cute_tensor(aligned(dout).view(T * H, D)), cute_tensor(aligned(v).permute(0, 2, 1))
-        main_args = (dO, kv, vt, lse_t, cute_tensor(delta.view(-1)))
+        dO, vt = aligned(dout).view(T * H, D), aligned(v.contiguous()).permute(0, 2, 1)
+        main_args = (dO, kv, vt, lse_t, delta.view(-1))
     else:
-        main_args = (qv, kv, kv, lse_t, cute_tensor(dummy.view(-1)))
+        main_args = (qv, kv, kv, lse_t, dummy.view(-1))
     if proxy:
         proxy_args = (
-            cute_tensor(aligned(q_proxy).view(T * Hs, Dp)),
-            cute_tensor(aligned(k_proxy).permute(0, 2, 1)),
-            cute_tensor(aligned(proxy_lse.contiguous()).view(-1)),
+            aligned(q_proxy.contiguous()).view(T * Hs, Dp),
+            aligned(k_proxy.contiguous()).permute(0, 2, 1),
+            aligned(proxy_lse.contiguous()).view(-1),
         )
         pscale = cfg.proxy_scale
     else:
         proxy_args = (qv, kv, lse_t)
         pscale = 1.0
     scalars = (
-        Float32(cfg.softmax_scale),
-        Float32(cfg.softmax_scale * LOG2E),
-        Float32(pscale * LOG2E),
-        Float32(pscale / (Hs * T)),  # coef = 1 / (Hs T): the unit KL gradient, times pscale
+        cfg.softmax_scale,
+        cfg.softmax_scale * LOG2E,
+        pscale * LOG2E,
+        pscale / (Hs * T),  # coef = 1 / (Hs T): the unit KL gradient, times pscale
     )
 
     def launch(wl, outs, tok0=0, w0=0, w1=None):
@@ -1137,9 +1140,10 @@ def unused_buffer(device: torch.device) -> torch.Tensor:
 
 def launch_items(kernel, inputs, scalars, wl, outs, tok0=0, w0=0, w1=None):
     """One launch of ``kernel`` (a :class:`BwdSm90`) over items ``w0 .. w1`` of work list
-    ``wl``: ``inputs`` its tensor views up to ``mPLSE``, ``outs`` the dq, dk, dv, dqp, dkp
-    buffers and the per-item KL buffer (``None``: a part not made), ``scalars`` the four
-    scales; the query map ``wl.q_map`` goes to a ``qmap`` kernel (and only there)."""
+    ``wl``: ``inputs`` its tensors up to ``mPLSE`` (:data:`LAUNCH_TENSORS`), ``outs`` the dq,
+    dk, dv, dqp, dkp buffers and the per-item KL buffer (``None``: a part not made),
+    ``scalars`` the four scales (floats); the query map ``wl.q_map`` goes to a ``qmap`` kernel
+    (and only there)."""
     if kernel.qmap != (wl.q_map is not None):
         raise ValueError(
             f"CuTe backward: a kernel with qmap={kernel.qmap} for a work list "
@@ -1148,16 +1152,68 @@ def launch_items(kernel, inputs, scalars, wl, outs, tok0=0, w0=0, w1=None):
     dev = wl.perm.device
     w1 = wl.num_items if w1 is None else w1
     items = (wl.item_list[w0:w1], wl.item_start[w0:w1], wl.item_end[w0:w1])
-    items = (aligned(x) for x in items)  # (a range's slice: copied unless 16-byte aligned)
-    work = WorkItems(*(cute_tensor(x) for x in (wl.perm, *items, wl.block_start, wl.block_end)))
+    # (a range's slice: copied unless 16-byte aligned; the whole lists are fresh buffers)
+    work = [aligned(x) for x in (wl.perm, *items, wl.block_start, wl.block_end)]
     dummy = unused_buffer(dev)  # a part not made
-    views = [cute_tensor(dummy) if x is None else cute_tensor(x) for x in outs[:5]]
-    views.append(cute_tensor(dummy.view(-1) if outs[5] is None else outs[5]))  # (items,)
-    extra = () if wl.q_map is None else (cute_tensor(aligned(wl.q_map.contiguous())),)
-    run(
-        kernel, dev, *inputs, work, *views, *scalars, Int32(wl.num_blocks), Int32(tok0),
-        stream(dev), *extra,
+    bufs = [dummy if x is None else x for x in outs[:5]]
+    bufs.append(dummy.view(-1) if outs[5] is None else outs[5])  # (items,)
+    extra = [] if wl.q_map is None else [aligned(wl.q_map.contiguous())]
+    kernel, args = launch_arguments(
+        kernel, (*inputs, *work, *bufs, *extra), scalars, wl.num_blocks, tok0, stream(dev)
+    )
+    run_typed(kernel, dev, args, LAUNCH_SIGNATURE)
+
+
+# the launch's tensors, in the order of BwdSm90.views and __call__'s pointers (+ "q_map" last
+# for a qmap kernel)
+LAUNCH_TENSORS = (
+    "q", "dout", "k", "v", "lse", "delta", "q_proxy", "k_proxy", "proxy_lse",
+    "perm", "item_list", "item_start", "item_end", "block_start", "block_end",
+    "dq", "dk", "dv", "dq_proxy", "dk_proxy", "kl",
+)  # fmt: skip
+_NAMES = (LAUNCH_TENSORS, (*LAUNCH_TENSORS, "q_map"))
+
+
+def launch_tensor_names(kernel: BwdSm90) -> tuple[str, ...]:
+    """The launch's tensors, in the order of ``kernel.views`` and its ``__call__``'s pointers:
+    :data:`LAUNCH_TENSORS` (+ "q_map" for a ``qmap`` kernel)."""
+    return _NAMES[kernel.qmap]
+
+
+def launch_arguments(kernel: BwdSm90, tensors, scalars, num_blocks: int, tok0: int, strm):
+    """``(kernel', args)`` of a launch of ``kernel``: ``tensors`` the torch tensors of
+    :data:`LAUNCH_TENSORS` (and the query map last for a ``qmap`` kernel), laid out as the
+    kernel takes them (``BwdSm90.__call__``), ``scalars`` the four scales, ``num_blocks`` and
+    ``tok0`` ints, ``strm`` the stream. ``kernel'`` is ``kernel`` with :attr:`BwdSm90.views`
+    set to the tensors' layouts (``common.view_layout``: what their CuTe views baked in),
+    ``args`` its ``__call__``'s arguments: typed pointers and mode-0 sizes in one
+    :class:`~.common.PointerTensors` (``common.pointer_arguments``: ~1 us a tensor instead of a
+    DLPack view's 10-40 us), the scales as ``Float32``, the ints as ``Int32``. Every argument's type
+    is then fixed by ``kernel'``, so :func:`~.common.run_typed` keys the compile cache on it alone.
+
+    The tensors' dtypes are in the views (each pointer has its tensor's element type), as
+    they were in the views' signatures. Raises ValueError for a tensor count that does not
+    match ``kernel.qmap``, a base that is not 16-byte aligned, a tensor on another device
+    than the work list's (``tensors[9]``, ``perm``) or a layout whose view would have a
+    run-time stride."""
+    names = launch_tensor_names(kernel)
+    if len(tensors) != len(names):
+        raise ValueError(
+            f"CuTe backward: {len(tensors)} launch tensors for a kernel with qmap="
+            f"{kernel.qmap} ({len(names)} expected)"
+        )
+    views, pointers = pointer_arguments("CuTe backward", names, tensors, tensors[9].device)
+    scale, scale_log2, pscale_log2, pcoef = scalars
+    args = (
+        pointers, Float32(scale), Float32(scale_log2), Float32(pscale_log2),
+        Float32(pcoef), Int32(num_blocks), Int32(tok0), strm,
     )  # fmt: skip
+    return bound(kernel, views), args
+
+
+# the disk cache's text for the argument types: fixed by the kernel object (its views) and
+# this module's source (both in the disk key); launches go through common.run_typed
+LAUNCH_SIGNATURE = "bwd_sm90.launch_arguments"
 
 
 def kl_fits(q, k, q_proxy, k_proxy, indices, cfg) -> bool:
@@ -1207,21 +1263,18 @@ def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
     sums = torch.zeros((max(wl.num_items, 1),), dtype=torch.float32, device=q.device)
     if wl.num_items == 0:
         return sums.sum()
-    qv = cute_tensor(aligned(q).view(T * H, D))
-    kv = cute_tensor(aligned(k).permute(0, 2, 1))
-    lse_t = cute_tensor(aligned(lse.contiguous()).view(-1))
-    dummy = cute_tensor(unused_buffer(q.device).view(-1))
+    qv = aligned(q.contiguous()).view(T * H, D)  # (contiguous: see bwd)
+    kv = aligned(k.contiguous()).permute(0, 2, 1)
+    lse_t = aligned(lse.contiguous()).view(-1)
+    dummy = unused_buffer(q.device).view(-1)
     inputs = (
         qv, qv, kv, kv, lse_t, dummy,
-        cute_tensor(aligned(q_proxy).view(-1, Dp)),
-        cute_tensor(aligned(k_proxy).permute(0, 2, 1)),
-        cute_tensor(aligned(proxy_lse.contiguous()).view(-1)),
+        aligned(q_proxy.contiguous()).view(-1, Dp),
+        aligned(k_proxy.contiguous()).permute(0, 2, 1),
+        aligned(proxy_lse.contiguous()).view(-1),
     )  # fmt: skip
     pscale = cfg.proxy_scale
-    scalars = (
-        Float32(cfg.softmax_scale), Float32(cfg.softmax_scale * LOG2E), Float32(pscale * LOG2E),
-        Float32(0.0),
-    )  # fmt: skip
+    scalars = (cfg.softmax_scale, cfg.softmax_scale * LOG2E, pscale * LOG2E, 0.0)
     launch_items(kernel, inputs, scalars, wl, (None,) * 5 + (sums,))
     return sums.sum()
 
@@ -1306,3 +1359,53 @@ def _ordered(
         if proxy:
             ordered.slot_sum(dqp_part[: c1 - c0], dqp, tok0, slots=K, parts=1, idx=idx, group=1)
     return dq, dk, dv, dqp, dkp
+
+
+# ---------------------------------------------------------------------------------------------
+# compile check (no GPU): for flash_msa.cute.compile_check
+# ---------------------------------------------------------------------------------------------
+def specimen_tensors(kernel: BwdSm90, tokens: int = 4) -> tuple:
+    """CPU stand-ins (zero-filled) of a launch's tensors in the layouts :func:`bwd` passes,
+    for ``tokens`` tokens (the work list's sizes too): the ``(T*H, D)`` / ``(T*Hs, Dp)`` rows,
+    the ``(T, D, Hkv)`` / ``(T, Dp, Hpk)`` views of contiguous keys, the fp32 rows' data and
+    outputs, the work list (and the map of a ``qmap`` kernel). Only their layouts matter to a
+    compile (:func:`compile_bwd`)."""
+    T, H, Hkv, Hs = tokens, kernel.heads, kernel.kv_heads, kernel.sel_heads
+    Hpk, D, Dp = kernel.proxy_k_heads, kernel.head_dim, kernel.proxy_head_dim
+    x = {cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16}[kernel.dtype]
+
+    def z(*shape, dtype=torch.float32):
+        return torch.zeros(shape, dtype=dtype)
+
+    def keys(heads, dim):
+        return z(T, heads, dim, dtype=x).permute(0, 2, 1)
+
+    i32, i64 = torch.int32, torch.int64
+    return (
+        z(T * H, D, dtype=x), z(T * H, D, dtype=x), keys(Hkv, D), keys(Hkv, D), z(T * H),
+        z(T * H), z(T * Hs, Dp, dtype=x), keys(Hpk, Dp), z(T * Hs),
+        z(T, dtype=i64), z(T, dtype=i32), z(T, dtype=i64), z(T, dtype=i64), z(T, dtype=i32),
+        z(T, dtype=i32),
+        z(T * H, D), z(T * Hkv, D), z(T * Hkv, D), z(T * Hs, Dp), z(T * Hpk, Dp), z(T),
+    ) + ((z(T, dtype=i32),) if kernel.qmap else ())  # fmt: skip
+
+
+def compile_bwd(
+    dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=None, *, dump=None, name=""
+) -> dict:
+    """Compile :meth:`BwdSm90.make`'s kernel for a configuration (``dtype`` "bf16" / "fp16",
+    ``variant`` its switches) for sm_90a on the launch arguments :func:`launch_items` passes
+    (:func:`launch_arguments` of :func:`specimen_tensors`; the configurations:
+    ``compile_check.bwd_configurations``); returns ``compile_check.compile_kernel``'s report
+    (``dump``: a folder for ``<name>.ptx`` / ``.cubin``)."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .compile_check import compile_kernel
+
+    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
+    kernel = BwdSm90.make(
+        dt, H, Hkv, Hs, Hpk, D, Dp, K, block, bool(main), bool(proxy), **(variant or {})
+    )
+    tensors = specimen_tensors(kernel)
+    kernel, args = launch_arguments(kernel, tensors, (1.0, 1.0, 1.0, 1.0), 1, 0, make_fake_stream())
+    return compile_kernel(kernel, *args, dump=dump, name=name)

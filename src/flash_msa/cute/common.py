@@ -5,13 +5,14 @@ cache keyed by everything a compiled kernel bakes in, in-process and on disk).""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float16
+from cutlass import BFloat16, Float16, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from . import disk_cache
@@ -104,6 +105,117 @@ def view_signature(x) -> tuple:
     shape = tuple(None if d else n for n, d in zip(x.shape, x.dynamic_shapes_mask))
     stride = tuple(None if d else n for n, d in zip(x.stride, x.dynamic_strides_mask))
     return type(x), x.element_type, x.memspace, shape, stride
+
+
+def view_layout(t: torch.Tensor) -> tuple | None:
+    """``(element type, shape, stride)`` of :func:`cute_tensor`'s view of ``t`` (shape[0]
+    ``None``: the run-time size), or ``None`` where the view has another run-time value (a
+    stride that ``mark_compact_shape_dynamic`` derives from mode 0's size: mode 0 is not the
+    outermost). Kept per ``(dtype, inner sizes, strides, device type)``; the view is made only
+    the first time a layout is seen. A pointer launch (:func:`pointer_arguments`) rebuilds the
+    same view inside its ``@cute.jit`` function from this and a run-time size.
+
+    The sizes and strides are read from the view's layout text (``__cache_key__``), the
+    layout the compiled code got: the view's ``stride`` and ``dynamic_strides_mask`` differ
+    from it (nvidia-cutlass-dsl here): a size-1 mode has stride 0 in the layout (torch's
+    ``(T, 128, 1)`` keys with strides ``(128, 1, 128)``: ``(?,128,1):(128,1,0)``) and a
+    run-time stride has mask 0 (``(?,128,4):(4,?{i64 div=4},1)``). Where the text has an
+    unknown form, the view's ``shape`` / ``stride`` and the order rule stand in."""
+    key = (t.dtype, tuple(t.shape[1:]), t.stride(), t.device.type)
+    if key in _VIEW_LAYOUTS:
+        return _VIEW_LAYOUTS[key]
+    view = cute_tensor(t)
+    dtype = view._flash_msa_signature[1]
+    parsed = _LAYOUT_TEXT.search(view.__cache_key__[2])
+    if parsed is not None:
+        shape, stride = (
+            tuple(None if a.startswith("?") else int(a) for a in _LAYOUT_ITEM.findall(g))
+            for g in parsed.groups()
+        )
+        static = len(shape) == len(stride) == t.dim() and None not in shape[1:] + stride
+    else:  # (an unknown text: mode 0 outermost in cute_tensor's order means every stride static)
+        _, _, _, shape, stride = view._flash_msa_signature
+        static = min(range(t.dim()), key=lambda d: (-t.stride(d), d)) == 0
+    layout = (dtype, shape, stride) if static and shape[0] is None else None
+    if len(_VIEW_LAYOUTS) > 4096:  # (a bound: layouts are few, but never grow forever)
+        _VIEW_LAYOUTS.clear()
+    _VIEW_LAYOUTS[key] = layout
+    return layout
+
+
+# a flat layout's text at the end of a view's cache key, "(?,128,1):(128,1,0)", and its items
+_LAYOUT_TEXT = re.compile(r"\(([^()]*)\):\(([^()]*)\)$")
+_LAYOUT_ITEM = re.compile(r"\?(?:\{[^}]*\})?|-?\d+")
+_VIEW_LAYOUTS: dict = {}
+
+
+class PointerTensors(NamedTuple):
+    """A pointer launch's tensors (:func:`pointer_arguments`): a typed pointer and the mode-0
+    size of each, one ``@cute.jit`` argument. (A ``NamedTuple``: the compiled function packs
+    its items without the DSL's per-item adapter lookup of a plain ``tuple`` argument, ~3 us
+    an item on this CPU: 125 us for the backward's 42 when they were two tuples.)"""
+
+    pointers: tuple  # cute.Pointer per tensor (global memory, the view's element type)
+    sizes: tuple  # Int32 per tensor: mode 0's size
+
+
+def pointer_arguments(module: str, names: tuple, tensors: tuple, device: torch.device):
+    """``(views, PointerTensors)`` of a pointer launch of ``tensors`` (torch tensors, CUDA but
+    on CPU stand-ins): per tensor its :func:`view_layout` (``views``: the compiled code bakes
+    it in, so it belongs in the kernel object), a global-memory pointer of the view's element
+    type with the view's :data:`ALIGN` (``cute.runtime.make_ptr``: ~1 us, where a DLPack view
+    took 10 us on this CPU and 20-40 on the H200 host's) and mode 0's size as an ``Int32``.
+    Raises ValueError naming ``module`` and the tensor (``names``) for a base that is not
+    16-byte aligned, a tensor on another device, or a layout with a run-time stride (the
+    pointer launches bake every stride but mode 0's size in: the caller passes tensors whose
+    outermost mode is mode 0, e.g. contiguous ones)."""
+    from cutlass.cute.runtime import make_ptr
+
+    gmem = cute.AddressSpace.gmem
+    views, pointers, sizes = [], [], []
+    for name, t in zip(names, tensors):
+        if t.device != device:
+            raise ValueError(f"{module}: {name} is on {t.device}, not {device}")
+        address = t.data_ptr()
+        if address % ALIGN:
+            raise ValueError(f"{module}: {name}'s base is not {ALIGN}-byte aligned ({address:#x})")
+        view = view_layout(t)
+        if view is None:
+            raise ValueError(
+                f"{module}: {name} {tuple(t.shape)} with strides {t.stride()} has a run-time "
+                "stride in its view (its mode 0 is not the outermost): pass a contiguous tensor"
+            )
+        views.append(view)
+        pointers.append(make_ptr(view[0], address, gmem, assumed_align=ALIGN))
+        sizes.append(Int32(t.shape[0]))
+    return tuple(views), PointerTensors(tuple(pointers), tuple(sizes))
+
+
+def pointer_tensors(tensors: PointerTensors, views: tuple) -> list:
+    """Inside a ``@cute.jit`` launch: the tensors of :func:`pointer_arguments`, each at its
+    pointer with its run-time mode-0 size and the static rest of its ``views`` entry
+    (:func:`view_layout`: what :func:`cute_tensor` gave)."""
+    out = []
+    for pointer, size, (_, shape, stride) in zip(tensors.pointers, tensors.sizes, views):
+        layout = cute.make_layout((size, *shape[1:]), stride=stride)
+        out.append(cute.make_tensor(pointer, layout))
+    return out
+
+
+def bound(kernel, views: tuple):
+    """``kernel`` (a frozen dataclass with a ``views`` field) with ``views`` set: the object a
+    pointer launch compiles and keys on (:func:`run_typed`), kept per ``(kernel, views)`` so a
+    launch does not rebuild it (``dataclasses.replace`` re-runs its checks: tens of us)."""
+    key = (kernel, views)
+    k = _BOUND.get(key)
+    if k is None:
+        if len(_BOUND) > 4096:  # (a bound: configurations are few, but never grow forever)
+            _BOUND.clear()
+        k = _BOUND[key] = dataclasses.replace(kernel, views=views)
+    return k
+
+
+_BOUND: dict = {}
 
 
 def row_gather_copy(dtype, threads: int, width: int):

@@ -180,51 +180,11 @@ def bwd_configurations():
 
 
 def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=None, **dump) -> dict:
-    """Compile :class:`~flash_msa.cute.bwd_sm90.BwdSm90` on specimen tensors of the layouts
-    :func:`~flash_msa.cute.bwd_sm90.bwd` passes."""
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+    """:func:`flash_msa.cute.bwd_sm90.compile_bwd`: the kernel compiled on the pointer
+    launch's arguments."""
+    from .bwd_sm90 import compile_bwd as compile_one
 
-    from .bwd_sm90 import BwdSm90
-    from .common import WorkItems
-
-    dt = _dtype(dtype)
-    kernel = BwdSm90.make(
-        dt, H, Hkv, Hs, Hpk, D, Dp, K, block, bool(main), bool(proxy), **(variant or {})
-    )
-    sym = cute.sym_int32
-    T = sym(symbol="T")
-
-    def rows(n, dim):
-        return make_fake_tensor(dt, (sym(symbol=n), dim), stride=(dim, 1), assumed_align=16)
-
-    def heads(h, dim):
-        return make_fake_tensor(dt, (T, dim, h), stride=(h * dim, 1, dim), assumed_align=16)
-
-    def flat(ty, n):
-        return make_fake_compact_tensor(ty, (sym(symbol=n),), assumed_align=16)
-
-    def rows32(n, dim):
-        return make_fake_tensor(Float32, (sym(symbol=n), dim), stride=(dim, 1), assumed_align=16)
-
-    work = WorkItems(
-        *(flat(ty, n) for ty, n in (
-            (Int64, "E"), (Int32, "W"), (Int64, "W"), (Int64, "W"), (Int32, "NB"), (Int32, "NB"),
-        ))
-    )  # fmt: skip
-    args = (
-        rows("TH", D), rows("TH", D), heads(Hkv, D), heads(Hkv, D),
-        flat(Float32, "TH"), flat(Float32, "TH"),
-        rows("TS", Dp), heads(Hpk, Dp), flat(Float32, "TS"), work,
-        rows32("TH", D), rows32("TK", D), rows32("TK", D), rows32("TS", Dp), rows32("TP", Dp),
-        flat(Float32, "W"),
-        Float32(1.0), Float32(1.0), Float32(1.0), Float32(1.0), Int32(1), Int32(0),
-        make_fake_stream(),
-    )  # fmt: skip
-    if kernel.qmap:  # the query map (Tq,) int32, after the stream
-        args += (flat(Int32, "TQ"),)
-    return compile_kernel(kernel, *args, **dump)
+    return compile_one(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant, **dump)
 
 
 def _dtype(name: str):
@@ -237,49 +197,12 @@ def compile_fwd(
     dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: int, wgs: int, proxy=None,
     qmap: bool = False, **dump,
 ) -> dict:  # fmt: skip
-    """Compile :class:`~flash_msa.cute.fwd_partials_sm90.FwdPartialsSm90` on specimen tensors
-    of the layouts :func:`~flash_msa.cute.fwd_partials_sm90.partials` passes; ``proxy = (Hpk,
-    Dp)``: the kernel with the proxy LSE part; ``qmap``: the query-map kernel (``Tq`` query
-    rows against ``T`` keys, the map ``(Tq,)`` int32 in the work list)."""
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+    """:func:`flash_msa.cute.fwd_partials_sm90.compile_fwd`: the kernel compiled on the pointer
+    launch's arguments (``proxy = (Hpk, Dp)``: with the proxy LSE part; ``qmap``: the
+    query-map kernel)."""
+    from .fwd_partials_sm90 import compile_fwd as compile_one
 
-    from .common import WorkItems
-    from .fwd_partials_sm90 import FwdPartialsSm90, MappedWorkItems, ProxyArgs
-
-    dt = _dtype(dtype)
-    variant = {}
-    if proxy is not None:
-        variant = dict(proxy=True, proxy_k_heads=proxy[0], proxy_head_dim=proxy[1])
-    kernel = FwdPartialsSm90(dt, H, Hkv, Hs, D, K, block, wgs, **variant, qmap=qmap)
-    sym = cute.sym_int32
-    T = sym(symbol="T")
-    q = make_fake_tensor(dt, (sym(symbol="TH"), D), stride=(D, 1), assumed_align=16)
-    k = make_fake_tensor(dt, (T, D, Hkv), stride=(Hkv * D, 1, D), assumed_align=16)
-    v = make_fake_tensor(dt, (T, D, Hkv), stride=(Hkv * D, 1, D), assumed_align=16)
-    work = WorkItems(
-        *(
-            make_fake_compact_tensor(ty, (sym(symbol=n),), assumed_align=16)
-            for ty, n in (
-                (Int64, "E"), (Int32, "W"), (Int64, "W"), (Int64, "W"), (Int32, "NB"),
-                (Int32, "NB"),
-            )
-        )
-    )  # fmt: skip
-    o = make_fake_tensor(dt, (sym(symbol="P"), D), stride=(D, 1), assumed_align=16)
-    lse = make_fake_compact_tensor(Float32, (sym(symbol="P"),), assumed_align=16)
-    args = [q, k, v, work, o, lse, Float32(1.0), Int32(0), Int32(1), make_fake_stream()]
-    if proxy is not None:
-        Hpk, Dp = proxy
-        qp = make_fake_tensor(dt, (sym(symbol="TS"), Dp), stride=(Dp, 1), assumed_align=16)
-        kp = make_fake_tensor(dt, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16)
-        pl = make_fake_compact_tensor(Float32, (sym(symbol="PS"),), assumed_align=16)
-        args.append(ProxyArgs(qp, kp, pl, Float32(1.0)))
-    if qmap:  # the work list with its map (Tq,) int32
-        q_map = make_fake_compact_tensor(Int32, (sym(symbol="TQ"),), assumed_align=16)
-        args[3] = MappedWorkItems(*work, q_map)
-    return compile_kernel(kernel, *args, **dump)
+    return compile_one(dtype, H, Hkv, Hs, D, K, block, wgs, proxy, qmap, **dump)
 
 
 def kl_configurations():
@@ -305,69 +228,23 @@ def compile_kl(
     dtype: str, H: int, Hkv: int, Hs: int, Hpk: int, D: int, Dp: int, K: int, block: int,
     wgs: int = 2, **dump,
 ) -> dict:  # fmt: skip
-    """Compile :class:`~flash_msa.cute.fwd_partials_sm90.FwdKlSm90` on specimen tensors of the
-    layouts :func:`~flash_msa.cute.fwd_partials_sm90.kl` passes."""
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+    """:func:`flash_msa.cute.fwd_partials_sm90.compile_kl`: the KL mode compiled on the pointer
+    launch's arguments."""
+    from .fwd_partials_sm90 import compile_kl as compile_one
 
-    from .common import WorkItems
-    from .fwd_partials_sm90 import FwdKlSm90
-
-    dt = _dtype(dtype)
-    kernel = FwdKlSm90(dt, H, Hkv, Hs, D, K, block, wgs, True, Dp, Hpk)
-    sym = cute.sym_int32
-    T = sym(symbol="T")
-    q = make_fake_tensor(dt, (sym(symbol="TH"), D), stride=(D, 1), assumed_align=16)
-    k = make_fake_tensor(dt, (T, D, Hkv), stride=(Hkv * D, 1, D), assumed_align=16)
-    qp = make_fake_tensor(dt, (sym(symbol="TS"), Dp), stride=(Dp, 1), assumed_align=16)
-    kp = make_fake_tensor(dt, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16)
-    kinds = ((Int64, "E"), (Int32, "W"), (Int64, "W"), (Int64, "W"), (Int32, "NB"), (Int32, "NB"))
-    work = WorkItems(
-        *(make_fake_compact_tensor(ty, (sym(symbol=n),), assumed_align=16) for ty, n in kinds)
-    )
-
-    def f32(n):
-        return make_fake_compact_tensor(Float32, (sym(symbol=n),), assumed_align=16)
-
-    args = [q, k, work, f32("TH"), qp, kp, f32("TS"), f32("W"), Float32(1.0), Float32(1.0)]
-    return compile_kernel(kernel, *args, Int32(1), make_fake_stream(), **dump)
+    return compile_one(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, wgs, **dump)
 
 
 def compile_select(
     dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
     key_scale: str | None = None, stages: int | None = None, **dump,
 ) -> dict:  # fmt: skip
-    """Compile :class:`~flash_msa.cute.select_sm90.SelectSm90` on specimen tensors of the
-    layouts :func:`~flash_msa.cute.select_sm90.select` passes (``qmap``: the query-map kernel,
-    ``Tq`` query rows against ``T`` keys; ``key_scale``: the FP8 mode, ``dtype`` "e4m3", with
-    the key scales ``(T, Hpk)`` fp32 and the wgmma instructions reported as ``mma``;
-    ``stages``: the pipeline depth, default the mode's)."""
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+    """:func:`flash_msa.cute.select_sm90.compile_select`: the kernel compiled on the pointer
+    launch's arguments (``qmap``: the query-map kernel; ``key_scale``: the FP8 mode, ``dtype``
+    "e4m3"; ``stages``: the pipeline depth, default the mode's)."""
+    from .select_sm90 import compile_select as compile_one
 
-    from .select_sm90 import FP8_STAGES, KeyScales, QueryMap, SelectSm90
-
-    dt = _dtype(dtype)
-    if stages is None:
-        stages = SelectSm90.stages if key_scale is None else FP8_STAGES
-    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale)
-    T = cute.sym_int32(symbol="T")
-    Tq = cute.sym_int32(symbol="Tq") if qmap else T
-    n1 = cute.sym_int32(symbol="N1")
-    q = make_fake_tensor(dt, (Tq, Dp, Hp), stride=(Hp * Dp, 1, Dp), assumed_align=16)
-    k = make_fake_tensor(dt, (T, Dp, Hpk), stride=(Hpk * Dp, 1, Dp), assumed_align=16)
-    cu = make_fake_compact_tensor(Int32, (n1,), assumed_align=16)
-    idx = make_fake_tensor(Int32, (Tq, Hp, K), stride=(Hp * K, K, 1), assumed_align=16)
-    args = [q, k, cu, idx, Int32(1), make_fake_stream()]
-    if qmap:  # q_map, the sorted rows (Tq,) and each sequence's first one (N+1,)
-        maps = (make_fake_compact_tensor(Int32, (n,), assumed_align=16) for n in (Tq, Tq, n1))
-        args.append(QueryMap(*maps))
-    if key_scale is not None:  # the key scales (T, Hpk) fp32
-        ks = make_fake_tensor(Float32, (T, Hpk), stride=(Hpk, 1), assumed_align=16)
-        args.append(KeyScales(ks))
-    return compile_kernel(kernel, *args, mma=key_scale is not None, **dump)
+    return compile_one(dtype, Dp, Hp, Hpk, K, block, qmap, key_scale, stages, **dump)
 
 
 def main(argv: list[str]) -> int:

@@ -90,14 +90,17 @@ from cutlass.tensor_utils import LayoutEnum
 from ..cubin import SHARED_LIMIT
 from ..worklist import geometry
 from .common import (
+    PointerTensors,
     WorkItems,
     acc_as_a,
     acc_rows_cols,
     aligned,
-    cute_tensor,
+    bound,
     cutlass_dtype,
+    pointer_arguments,
+    pointer_tensors,
     row_gather_copy,
-    run,
+    run_typed,
     stream,
     tma_tiles,
 )
@@ -193,6 +196,12 @@ class FwdPartialsSm90:
     # query rows through a query map (module docstring, "Query map"): a row's causal position
     # is ``q_map[row]``; the launch's work list carries the map (:class:`MappedWorkItems`)
     qmap: bool = False
+    # the launch's tensors as their CuTe views had them (``common.view_layout``: element type,
+    # static sizes and strides, in the order of :func:`launch_tensor_names`), set by
+    # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
+    # (TMA descriptors' boxes, the rows' strides), so two layouts are two kernel objects.
+    # ``()`` for a configuration not yet bound to a launch's tensors (it cannot be compiled)
+    views: tuple = ()
 
     ROWS: ClassVar[int] = 64  # rows per chunk: one warpgroup's MMA M
     THREADS: ClassVar[int] = 128  # threads per warpgroup
@@ -287,25 +296,31 @@ class FwdPartialsSm90:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        work: WorkItems | MappedWorkItems,
-        mO: cute.Tensor,
-        mL: cute.Tensor,
+        tensors: PointerTensors,
         scale_log2: Float32,
         tok0: Int32,
         NB: Int32,
         stream: cuda.CUstream,
-        proxy: ProxyArgs = None,
+        pscale_log2: Float32,
     ):
-        """Launch one CTA per work item. ``mQ (T*H, D)``; ``mK``, ``mV`` the ``(T, D, Hkv)``
-        views of k and v; ``work`` the work list; partial buffers ``mO (C*H*K, D)`` and
-        ``mL (C*H*K,)``; ``scale_log2`` = softmax scale * log2(e); ``tok0`` the chunk's first
-        packed token; ``NB`` the work list's block count; ``proxy`` (:class:`ProxyArgs`) exactly
-        when :attr:`proxy`. With :attr:`qmap` ``work`` is a :class:`MappedWorkItems` (the list
-        and its query map ``(Tq,)`` int32; ``T`` of ``mQ`` and ``tok0`` then count query rows,
-        ``mK``, ``mV`` keep the keys' ``T``), else a ``WorkItems``."""
+        """Launch one CTA per work item. ``tensors``: per tensor of :func:`launch_tensor_names`
+        its typed global pointer and mode-0 size (run-time; :class:`~.common.PointerTensors`),
+        the rest of its layout in :attr:`views` (:func:`launch_arguments`); rebuilt here as the
+        tensors the kernel takes: ``mQ (T*H, D)``; ``mK``, ``mV`` the ``(T, D, Hkv)`` views of
+        k and v; ``work`` the work list; partial buffers ``mO (C*H*K, D)`` and ``mL
+        (C*H*K,)``; with :attr:`proxy` a :class:`ProxyArgs` (q_proxy, the k_proxy view,
+        pl_part and ``pscale_log2``, unused without it). ``scale_log2`` = softmax scale *
+        log2(e); ``tok0`` the chunk's first packed token; ``NB`` the work list's block count.
+        With :attr:`qmap` ``work`` is a :class:`MappedWorkItems` (the list and its query map
+        ``(Tq,)`` int32; ``T`` of ``mQ`` and ``tok0`` then count query rows, ``mK``, ``mV``
+        keep the keys' ``T``), else a ``WorkItems``."""
+        assert len(self.views) == len(launch_tensor_names(self)), "views of every tensor"
+        t = pointer_tensors(tensors, self.views)
+        mQ, mK, mV = t[:3]
+        mO, mL = t[9:11]
+        qmap = cutlass.const_expr(self.qmap)  # (the map travels with the list)
+        work = MappedWorkItems(*t[3:9], t[11]) if qmap else WorkItems(*t[3:9])
+        proxy = ProxyArgs(*t[-3:], pscale_log2) if cutlass.const_expr(self.proxy) else None
         ROWS, D, BLOCK, WGS = self.ROWS, self.head_dim, self.block_size, self.warpgroups
         dtype = self.dtype
         assert mQ.element_type == dtype and mQ.shape[1] == D and mK.shape[1:] == (D, self.kv_heads)
@@ -854,34 +869,83 @@ def launch(kernel: FwdPartialsSm90, q, k, v, wl, o_part, l_part, cfg, tok0=0, pr
                 f"{', '.join(map(str, shape))}) buffer; got shape {tuple(buf.shape)}, strides "
                 f"{buf.stride()}, address % 16 = {buf.data_ptr() % 16}"
             )
-    work = [cute_tensor(x) for x in wl[:6]]
-    if q_map is not None:  # (the map travels with the list: MappedWorkItems)
-        work = MappedWorkItems(*work, cute_tensor(aligned(q_map.contiguous())))
-    else:
-        work = WorkItems(*work)
-    args = [
-        cute_tensor(aligned(q).view(T * H, D)),
-        cute_tensor(aligned(k).permute(0, 2, 1)),  # (T, D, Hkv): a TMA box = one head's block
-        cute_tensor(aligned(v).permute(0, 2, 1)),
-        work,
-        cute_tensor(o_part.view(-1, D)),
-        cute_tensor(l_part.view(-1)),
-        Float32(cfg.softmax_scale * math.log2(math.e)),
-        Int32(tok0),
-        Int32(wl.num_blocks),
-        stream(q.device),
+    # (contiguous: the launch bakes every stride in, mode 0's size aside; a tensor laid out
+    # otherwise is copied once here, where its CuTe view had a run-time stride before)
+    tensors = [
+        aligned(q.contiguous()).view(T * H, D),
+        aligned(k.contiguous()).permute(0, 2, 1),  # (T, D, Hkv): a TMA box = one head's block
+        aligned(v.contiguous()).permute(0, 2, 1),
+        *(aligned(x) for x in wl[:6]),  # (fresh buffers: the check is a formality)
+        o_part.view(-1, D),
+        l_part.view(-1),
     ]
+    if q_map is not None:  # (the map travels with the list: MappedWorkItems)
+        tensors.append(aligned(q_map.contiguous()))
+    pscale_log2 = 1.0
     if proxy is not None:
         Hs, Dp = q_proxy.shape[1:]
-        args.append(
-            ProxyArgs(
-                cute_tensor(aligned(q_proxy).view(T * Hs, Dp)),
-                cute_tensor(aligned(k_proxy).permute(0, 2, 1)),  # (T, Dp, Hpk)
-                cute_tensor(pl_part.view(-1)),
-                Float32((cfg.proxy_scale or 1.0) * math.log2(math.e)),
-            )
-        )
-    run(kernel, q.device, *args)
+        tensors += [
+            aligned(q_proxy.contiguous()).view(T * Hs, Dp),
+            aligned(k_proxy.contiguous()).permute(0, 2, 1),  # (T, Dp, Hpk)
+            pl_part.view(-1),
+        ]
+        pscale_log2 = (cfg.proxy_scale or 1.0) * math.log2(math.e)
+    scalars = (cfg.softmax_scale * math.log2(math.e), tok0, wl.num_blocks, pscale_log2)
+    kernel, args = launch_arguments(kernel, tensors, scalars, stream(q.device))
+    run_typed(kernel, q.device, args, LAUNCH_SIGNATURE)
+
+
+def launch_tensor_names(kernel: FwdPartialsSm90) -> tuple[str, ...]:
+    """The launch's tensors, in the order of ``kernel.views`` and its ``__call__``'s pointers:
+    q, k, v, the work list's six, o_part, l_part (+ q_map with :attr:`~FwdPartialsSm90.qmap`,
+    + q_proxy, k_proxy, pl_part with :attr:`~FwdPartialsSm90.proxy`); for a
+    :class:`FwdKlSm90` q, k, the work list's six, lse, q_proxy, k_proxy, proxy_lse, sums."""
+    if isinstance(kernel, FwdKlSm90):
+        return _KL_TENSORS
+    return _TENSORS[kernel.qmap, kernel.proxy]
+
+
+_WORK = ("perm", "item_list", "item_start", "item_end", "block_start", "block_end")
+_MAIN = ("q", "k", "v", *_WORK, "o_part", "l_part")
+_PROXY = ("q_proxy", "k_proxy", "pl_part")
+_TENSORS = {
+    (qmap, proxy): _MAIN + ("q_map",) * qmap + _PROXY * proxy
+    for qmap in (False, True)
+    for proxy in (False, True)
+}
+_KL_TENSORS = ("q", "k", *_WORK, "lse", "q_proxy", "k_proxy", "proxy_lse", "sums")
+
+
+def launch_arguments(kernel: FwdPartialsSm90, tensors, scalars, strm):
+    """``(kernel', args)`` of a launch of ``kernel`` (a :class:`FwdPartialsSm90` or
+    :class:`FwdKlSm90`): ``tensors`` the torch tensors of :func:`launch_tensor_names`, laid out
+    as its ``__call__`` takes them, ``scalars`` its scalars in ``__call__``'s order (floats and
+    ints: ``scale_log2, tok0, NB, pscale_log2`` / ``scale_log2, pscale_log2, NB``), ``strm``
+    the stream. ``kernel'`` is ``kernel`` with ``views`` set to the tensors' layouts
+    (``common.view_layout``: what their CuTe views baked in; the element types too), ``args``
+    its ``__call__``'s arguments: typed pointers and mode-0 sizes in one
+    :class:`~.common.PointerTensors` (``common.pointer_arguments``: ~1 us a tensor instead of a
+    DLPack view's 10-40 us), the scalars as ``Float32`` / ``Int32``. Every argument's type is then
+    fixed by ``kernel'``, so :func:`~.common.run_typed` keys the compile cache on it alone.
+    ValueError (naming the tensor) for a wrong tensor count, a base that is not 16-byte aligned, a
+    tensor on another device than q, or a layout whose view would have a run-time stride."""
+    names = launch_tensor_names(kernel)
+    what = "CuTe KL stage" if isinstance(kernel, FwdKlSm90) else "CuTe forward partials"
+    if len(tensors) != len(names):
+        raise ValueError(f"{what}: {len(tensors)} launch tensors, {len(names)} expected")
+    views, pointers = pointer_arguments(what, names, tensors, tensors[0].device)
+    if isinstance(kernel, FwdKlSm90):
+        scale_log2, pscale_log2, nb = scalars
+        typed = (Float32(scale_log2), Float32(pscale_log2), Int32(nb), strm)
+    else:
+        scale_log2, tok0, nb, pscale_log2 = scalars
+        typed = (Float32(scale_log2), Int32(tok0), Int32(nb), strm, Float32(pscale_log2))
+    return bound(kernel, views), (pointers, *typed)
+
+
+# the disk cache's text for the argument types: fixed by the kernel object (its views) and
+# this module's source (both in the disk key); launches go through common.run_typed
+LAUNCH_SIGNATURE = "fwd_partials_sm90.launch_arguments"
 
 
 def _check_proxy_inputs(q, k, q_proxy, k_proxy, Hs):
@@ -1105,23 +1169,24 @@ class FwdKlSm90(FwdPartialsSm90):
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        work: WorkItems,
-        mLSE: cute.Tensor,
-        mQp: cute.Tensor,
-        mKp: cute.Tensor,
-        mPLSE: cute.Tensor,
-        mSum: cute.Tensor,
+        tensors: PointerTensors,
         scale_log2: Float32,
         pscale_log2: Float32,
         NB: Int32,
         stream: cuda.CUstream,
     ):
-        """Launch one CTA per work item. ``mQ (T*H, D)``, ``mK`` the ``(T, D, Hkv)`` view of
-        k, ``mLSE (T*H,)`` the final LSEs, ``mQp (T*Hs, Dp)``, ``mKp`` the ``(T, Dp, Hpk)``
-        view of k_proxy, ``mPLSE (T*Hs,)`` the final proxy LSEs (natural log), ``mSum (W,)``
-        fp32: each item's KL sum (every CTA writes its own, 0 for an empty item)."""
+        """Launch one CTA per work item. ``tensors``: per tensor of :func:`launch_tensor_names`
+        its typed global pointer and mode-0 size (:class:`~.common.PointerTensors`), the rest
+        of its layout in :attr:`views` (:func:`launch_arguments`); rebuilt here as ``mQ (T*H, D)``,
+        ``mK`` the ``(T, D, Hkv)`` view of k, the work list, ``mLSE (T*H,)`` the final LSEs,
+        ``mQp (T*Hs, Dp)``, ``mKp`` the ``(T, Dp, Hpk)`` view of k_proxy, ``mPLSE (T*Hs,)``
+        the final proxy LSEs (natural log), ``mSum (W,)`` fp32: each item's KL sum (every CTA
+        writes its own, 0 for an empty item)."""
+        assert len(self.views) == len(launch_tensor_names(self)), "views of every tensor"
+        t = pointer_tensors(tensors, self.views)
+        mQ, mK = t[:2]
+        work = WorkItems(*t[2:8])
+        mLSE, mQp, mKp, mPLSE, mSum = t[8:13]
         ROWS, D, DP, BLOCK, WGS = (
             self.ROWS, self.head_dim, self.proxy_head_dim, self.block_size, self.warpgroups
         )  # fmt: skip
@@ -1484,19 +1549,89 @@ def kl(
     if W == 0:
         return torch.zeros((), dtype=torch.float32, device=q.device)
     sums = torch.empty((W,), dtype=torch.float32, device=q.device)
-    run(
-        kernel, q.device,
-        cute_tensor(aligned(q).view(T * H, D)),
-        cute_tensor(aligned(k).permute(0, 2, 1)),  # (T, D, Hkv): a TMA box = one head's block
-        WorkItems(*(cute_tensor(x) for x in wl[:6])),
-        cute_tensor(aligned(lse.contiguous()).view(-1)),
-        cute_tensor(aligned(q_proxy).view(T * Hs, Dp)),
-        cute_tensor(aligned(k_proxy).permute(0, 2, 1)),  # (T, Dp, Hpk)
-        cute_tensor(aligned(proxy_lse.contiguous()).view(-1)),
-        cute_tensor(sums),
-        Float32(cfg.softmax_scale * LOG2E),
-        Float32((cfg.proxy_scale or 1.0) * LOG2E),
-        Int32(wl.num_blocks),
-        stream(q.device),
-    )  # fmt: skip
+    tensors = (
+        aligned(q.contiguous()).view(T * H, D),  # (contiguous: see launch)
+        aligned(k.contiguous()).permute(0, 2, 1),  # (T, D, Hkv): a TMA box = one head's block
+        *(aligned(x) for x in wl[:6]),
+        aligned(lse.contiguous()).view(-1),
+        aligned(q_proxy.contiguous()).view(T * Hs, Dp),
+        aligned(k_proxy.contiguous()).permute(0, 2, 1),  # (T, Dp, Hpk)
+        aligned(proxy_lse.contiguous()).view(-1),
+        sums,
+    )
+    scalars = (cfg.softmax_scale * LOG2E, (cfg.proxy_scale or 1.0) * LOG2E, wl.num_blocks)
+    kernel, args = launch_arguments(kernel, tensors, scalars, stream(q.device))
+    run_typed(kernel, q.device, args, LAUNCH_SIGNATURE)
     return sums.sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# compile check (no GPU): for flash_msa.cute.compile_check
+# ---------------------------------------------------------------------------------------------
+def specimen_tensors(kernel: FwdPartialsSm90, tokens: int = 4) -> tuple:
+    """CPU stand-ins (zero-filled) of a launch's tensors (:func:`launch_tensor_names`) in the
+    layouts :func:`launch` / :func:`kl` pass, ``tokens`` rows each: ``(T*H, D)`` /
+    ``(T*Hs, Dp)`` rows, the ``(T, D, Hkv)`` / ``(T, Dp, Hpk)`` views of contiguous keys, the
+    work list (int64 / int32), the partial buffers or the LSEs and sums (fp32), the map of a
+    ``qmap`` kernel. Only their layouts matter to a compile."""
+    T, H, Hkv, Hs, D = tokens, kernel.heads, kernel.kv_heads, kernel.sel_heads, kernel.head_dim
+    Hpk, Dp = kernel.proxy_k_heads, kernel.proxy_head_dim
+    x = {cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16}[kernel.dtype]
+
+    def z(*shape, dtype=torch.float32):
+        return torch.zeros(shape, dtype=dtype)
+
+    def keys(heads, dim):
+        return z(T, heads, dim, dtype=x).permute(0, 2, 1)
+
+    i32, i64 = torch.int32, torch.int64
+    work = tuple(z(T, dtype=d) for d in (i64, i32, i64, i64, i32, i32))
+    qp, kp = z(T * Hs, Dp, dtype=x), keys(Hpk, Dp)
+    if isinstance(kernel, FwdKlSm90):
+        return (z(T * H, D, dtype=x), keys(Hkv, D), *work, z(T * H), qp, kp, z(T * Hs), z(T))
+    tensors = (z(T * H, D, dtype=x), keys(Hkv, D), keys(Hkv, D), *work, z(T, D, dtype=x), z(T))
+    if kernel.qmap:
+        tensors += (z(T, dtype=i32),)
+    if kernel.proxy:
+        tensors += (qp, kp, z(T))
+    return tensors
+
+
+def compile_fwd(
+    dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: int, wgs: int, proxy=None,
+    qmap: bool = False, *, dump=None, name: str = "",
+) -> dict:  # fmt: skip
+    """Compile :class:`FwdPartialsSm90` for sm_90a on the launch arguments :func:`launch`
+    passes (:func:`launch_arguments` of :func:`specimen_tensors`); ``proxy = (Hpk, Dp)``: the
+    kernel with the proxy LSE part; ``qmap``: the query-map kernel (the configurations:
+    ``compile_check.fwd_configurations``). Returns ``compile_check.compile_kernel``'s report
+    (``dump``: a folder for ``<name>.ptx`` / ``.cubin``)."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .compile_check import compile_kernel
+
+    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
+    variant = {}
+    if proxy is not None:
+        variant = dict(proxy=True, proxy_k_heads=proxy[0], proxy_head_dim=proxy[1])
+    kernel = FwdPartialsSm90(dt, H, Hkv, Hs, D, K, block, wgs, **variant, qmap=qmap)
+    tensors = specimen_tensors(kernel)
+    kernel, args = launch_arguments(kernel, tensors, (1.0, 0, 1, 1.0), make_fake_stream())
+    return compile_kernel(kernel, *args, dump=dump, name=name)
+
+
+def compile_kl(
+    dtype: str, H: int, Hkv: int, Hs: int, Hpk: int, D: int, Dp: int, K: int, block: int,
+    wgs: int = 2, *, dump=None, name: str = "",
+) -> dict:  # fmt: skip
+    """Compile :class:`FwdKlSm90` for sm_90a on the launch arguments :func:`kl` passes (the
+    configurations: ``compile_check.kl_configurations``); as :func:`compile_fwd`."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .compile_check import compile_kernel
+
+    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
+    kernel = FwdKlSm90(dt, H, Hkv, Hs, D, K, block, wgs, True, Dp, Hpk)
+    tensors = specimen_tensors(kernel)
+    kernel, args = launch_arguments(kernel, tensors, (1.0, 1.0, 1), make_fake_stream())
+    return compile_kernel(kernel, *args, dump=dump, name=name)

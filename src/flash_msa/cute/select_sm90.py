@@ -77,12 +77,15 @@ from .. import quant, worklist
 from ..cubin import SHARED_LIMIT
 from . import quantize_sm90
 from .common import (
+    PointerTensors,
     acc_rows_cols,
     aligned,
-    cute_tensor,
+    bound,
     cutlass_dtype,
+    pointer_arguments,
+    pointer_tensors,
     row_gather_copy,
-    run,
+    run_typed,
     stream,
     tma_tiles,
 )
@@ -162,6 +165,12 @@ class SelectSm90:
     # FP8 mode (module docstring): the key scales' granularity, "block" or "token"
     # (quant.KEY_SCALES), with e4m3 operands; None: the exact bf16/fp16 selection
     key_scale: str | None = None
+    # the launch's tensors as their CuTe views had them (``common.view_layout``: element type,
+    # static sizes and strides, in the order of :func:`launch_tensor_names`), set by
+    # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
+    # (TMA descriptors' boxes, the index rows' strides), so two layouts are two kernel
+    # objects. ``()`` for a configuration not yet bound to a launch's tensors
+    views: tuple = ()
 
     TILE_M: ClassVar[int] = TILE_M
     TILE_N: ClassVar[int] = 128  # keys per pipeline stage (one or two key blocks)
@@ -242,22 +251,23 @@ class SelectSm90:
     # host: MMAs, layouts, TMA atoms, shared storage, launch
     # -----------------------------------------------------------------------------------------
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mCu: cute.Tensor,
-        mIdx: cute.Tensor,
-        n_mblk: Int32,
-        stream: cuda.CUstream,
-        mode_args: QueryMap | KeyScales | None = None,
-    ):
-        """Launch: ``mQ (T, Dp, Hp)``, ``mK (T, Dp, Hpk)`` views of the proxy tensors,
-        ``mCu (N+1,)``, ``mIdx (T, Hp, K)``; grid (Hp * N, n_mblk = ceil(max_seqlen / 128)).
-        ``mode_args``: a :class:`QueryMap` exactly when :attr:`qmap` (``mQ`` and ``mIdx`` then
-        have ``Tq`` query rows, ``mK`` the keys' ``T``, and ``n_mblk`` bounds the query rows
-        of one sequence, ceil(min(Tq, max_seqlen) / 128)); :class:`KeyScales` exactly in the
-        FP8 mode (:attr:`key_scale`); else none."""
+    def __call__(self, tensors: PointerTensors, n_mblk: Int32, stream: cuda.CUstream):
+        """Launch. ``tensors``: per tensor of :func:`launch_tensor_names` its typed global pointer
+        and mode-0 size (run-time), the rest of its layout in :attr:`views`
+        (:func:`launch_arguments`); rebuilt here as ``mQ (T, Dp, Hp)``, ``mK (T, Dp, Hpk)`` views of
+        the proxy tensors, ``mCu (N+1,)``, ``mIdx (T, Hp, K)``; grid (Hp * N, n_mblk =
+        ceil(max_seqlen / 128)). ``mode_args``: a :class:`QueryMap` exactly when :attr:`qmap`
+        (``mQ`` and ``mIdx`` then have ``Tq`` query rows, ``mK`` the keys' ``T``, and ``n_mblk``
+        bounds the query rows of one sequence, ceil(min(Tq, max_seqlen) / 128)); :class:`KeyScales`
+        exactly in the FP8 mode (:attr:`key_scale`); else none."""
+        assert len(self.views) == len(launch_tensor_names(self)), "views of every tensor"
+        t = pointer_tensors(tensors, self.views)
+        mQ, mK, mCu, mIdx = t[:4]
+        mode_args = None
+        if cutlass.const_expr(self.key_scale is not None):
+            mode_args = KeyScales(t[4])
+        elif cutlass.const_expr(self.qmap):
+            mode_args = QueryMap(*t[4:7])
         DP, TILE_N, dtype = self.proxy_head_dim, self.TILE_N, self.dtype
         assert mQ.element_type == dtype and mQ.shape[1:] == (DP, self.heads)
         assert mK.shape[1:] == (DP, self.k_heads) and mIdx.shape[1:] == (self.heads, self.top_k)
@@ -729,7 +739,7 @@ def select_into(
             )
         order = worklist.query_order(q_map, cu_seqlens, k_proxy.shape[0])
         maps = (aligned(q_map.contiguous()), order.rows, order.seq_start)
-        extra = (QueryMap(*(cute_tensor(aligned(x)) for x in maps)),)
+        extra = tuple(aligned(x) for x in maps)
         rows = min(T, cfg.max_seqlen)  # and at most the query rows (a host bound: no sync)
     _launch(kernel, q_proxy, k_proxy, cu_seqlens, indices, rows, *extra)
     return indices
@@ -773,7 +783,7 @@ def select_fp8_into(indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_ST
     _check_indices(indices, T, Hp, K)
     if T == 0:
         return indices
-    scales = KeyScales(cute_tensor(aligned(qz.k_scale.contiguous())))
+    scales = aligned(qz.k_scale.contiguous())
     q, k = qz.q.contiguous(), qz.k.contiguous()
     _launch(kernel, q, k, cu_seqlens, indices, cfg.max_seqlen, scales)
     return indices
@@ -791,20 +801,54 @@ def _check_indices(indices, T, Hp, K):
         raise ValueError("CuTe selection: indices must be contiguous and 16-byte aligned")
 
 
-def _launch(kernel, q, k, cu_seqlens, indices, rows, *mode_args):
+def _launch(kernel, q, k, cu_seqlens, indices, rows, *mode_tensors):
     """Run ``kernel`` on ``q (Tq, Hp, Dp)``, ``k (T, Hpk, Dp)`` (contiguous), its grid's y
-    bounding ``rows`` query rows per sequence."""
-    run(
-        kernel,
-        q.device,
-        cute_tensor(aligned(q).permute(0, 2, 1)),  # (T, Dp, Hp): a TMA box = one head
-        cute_tensor(aligned(k).permute(0, 2, 1)),
-        cute_tensor(cu_seqlens),
-        cute_tensor(indices),
-        Int32(max(1, -(-rows // TILE_M))),
-        stream(q.device),
-        *mode_args,
+    bounding ``rows`` query rows per sequence; ``mode_tensors`` the query map's three or the
+    key scales (:func:`launch_tensor_names`)."""
+    tensors = (
+        aligned(q.contiguous()).permute(0, 2, 1),  # (T, Dp, Hp): a TMA box = one head
+        aligned(k.contiguous()).permute(0, 2, 1),
+        aligned(cu_seqlens),  # (copied only where a slice is not 16-byte aligned)
+        indices,
+        *mode_tensors,
     )
+    kernel, args = launch_arguments(kernel, tensors, max(1, -(-rows // TILE_M)), stream(q.device))
+    run_typed(kernel, q.device, args, LAUNCH_SIGNATURE)
+
+
+def launch_tensor_names(kernel: SelectSm90) -> tuple[str, ...]:
+    """The launch's tensors, in the order of ``kernel.views`` and its ``__call__``'s pointers:
+    q_proxy, k_proxy, cu_seqlens, indices (+ q_map, rows, seq_start with
+    :attr:`~SelectSm90.qmap`; + k_scale in the FP8 mode)."""
+    if kernel.key_scale is not None:
+        return (*_TENSORS, "k_scale")
+    return (*_TENSORS, "q_map", "rows", "seq_start") if kernel.qmap else _TENSORS
+
+
+_TENSORS = ("q_proxy", "k_proxy", "cu_seqlens", "indices")
+
+
+def launch_arguments(kernel: SelectSm90, tensors, n_mblk: int, strm):
+    """``(kernel', args)`` of a launch of ``kernel``: ``tensors`` the torch tensors of
+    :func:`launch_tensor_names` laid out as its ``__call__`` takes them (the proxy tensors as
+    ``(T, Dp, heads)`` views), ``n_mblk`` the grid's y, ``strm`` the stream. ``kernel'`` is
+    ``kernel`` with ``views`` set to the tensors' layouts (``common.view_layout``: what their
+    CuTe views baked in, element types too), ``args`` its ``__call__``'s arguments: typed
+    pointers and mode-0 sizes (``common.pointer_arguments``: ~1 us a tensor instead of a
+    DLPack view's 10-40 us), ``Int32(n_mblk)``, the stream; :func:`~.common.run_typed` keys
+    the compile cache on ``kernel'`` alone. ValueError (naming the tensor) for a wrong tensor
+    count, a base that is not 16-byte aligned, a tensor on another device than q_proxy, or a
+    layout whose view would have a run-time stride."""
+    names = launch_tensor_names(kernel)
+    if len(tensors) != len(names):
+        raise ValueError(f"CuTe selection: {len(tensors)} launch tensors, {len(names)} expected")
+    views, pointers = pointer_arguments("CuTe selection", names, tensors, tensors[0].device)
+    return bound(kernel, views), (pointers, Int32(n_mblk), strm)
+
+
+# the disk cache's text for the argument types: fixed by the kernel object (its views) and
+# this module's source (both in the disk key); launches go through common.run_typed
+LAUNCH_SIGNATURE = "select_sm90.launch_arguments"
 
 
 def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
@@ -834,3 +878,54 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
     else:  # padding rows are never visited
         idx = torch.full(shape, -1, dtype=torch.int32, device=dev)
     return select_into(idx, q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map)
+
+
+# ---------------------------------------------------------------------------------------------
+# compile check (no GPU): for flash_msa.cute.compile_check
+# ---------------------------------------------------------------------------------------------
+def specimen_tensors(kernel: SelectSm90, tokens: int = 4) -> tuple:
+    """CPU stand-ins (zero-filled) of a launch's tensors (:func:`launch_tensor_names`) in the
+    layouts :func:`select_into` / :func:`select_fp8_into` pass, ``tokens`` rows each: the
+    ``(T, Dp, heads)`` views of contiguous proxy tensors, ``cu_seqlens``, ``indices (T, Hp,
+    K)`` int32, the query map's three int32 vectors or the key scales ``(T, Hpk)`` fp32. Only
+    their layouts matter to a compile."""
+    T, Dp, Hp, Hpk, K = tokens, kernel.proxy_head_dim, kernel.heads, kernel.k_heads, kernel.top_k
+    x = {
+        cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16,
+        cutlass.Float8E4M3FN: torch.float8_e4m3fn,
+    }[kernel.dtype]  # fmt: skip
+    i32 = torch.int32
+    tensors = (
+        torch.zeros((T, Hp, Dp), dtype=x).permute(0, 2, 1),
+        torch.zeros((T, Hpk, Dp), dtype=x).permute(0, 2, 1),
+        torch.zeros((T,), dtype=i32),
+        torch.zeros((T, Hp, K), dtype=i32),
+    )
+    if kernel.key_scale is not None:
+        return (*tensors, torch.zeros((T, Hpk)))
+    if kernel.qmap:
+        return (*tensors, *(torch.zeros((T,), dtype=i32) for _ in range(3)))
+    return tensors
+
+
+def compile_select(
+    dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
+    key_scale: str | None = None, stages: int | None = None, *, dump=None, name: str = "",
+) -> dict:  # fmt: skip
+    """Compile :class:`SelectSm90` for sm_90a on the launch arguments :func:`_launch` passes
+    (:func:`launch_arguments` of :func:`specimen_tensors`; the configurations:
+    ``compile_check.configurations``): ``dtype`` "bf16" / "fp16" / "e4m3" (with ``key_scale``,
+    the FP8 mode: the wgmma instructions reported as ``mma``), ``qmap`` the query-map kernel,
+    ``stages`` the pipeline depth (default the mode's). Returns
+    ``compile_check.compile_kernel``'s report (``dump``: a folder for ``<name>.ptx`` /
+    ``.cubin``)."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .compile_check import compile_kernel
+
+    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN}[dtype]
+    if stages is None:
+        stages = SelectSm90.stages if key_scale is None else FP8_STAGES
+    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale)
+    kernel, args = launch_arguments(kernel, specimen_tensors(kernel), 1, make_fake_stream())
+    return compile_kernel(kernel, *args, mma=key_scale is not None, dump=dump, name=name)
