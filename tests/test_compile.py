@@ -316,8 +316,9 @@ def test_cute_warp_specialized_backward_limits():
 def test_cute_query_map_limits_and_kernels(monkeypatch):
     """The query map (context parallelism) on CuTe: declared (``cute.Q_MAP_DECLARED``, after
     its GPU tests passed on the H200): select and bwd take a mapped call (their kernels'
-    ``qmap`` mode), the forward refuses it by name, so ``auto`` picks CuTe for a mapped select
-    and bwd on sm_90 and Triton for the forward; undeclared (the switch off), every CuTe op
+    ``qmap`` mode), and so does the forward (``cute.FWD_Q_MAP_DECLARED``, since the ninth
+    session), so ``auto`` picks CuTe for every mapped op on sm_90; undeclared (the switches
+    off), every CuTe op
     refuses a mapped call by name and ``auto`` runs it on Triton; ``qmap`` is part of each
     kernel object (the compile cache's key), ``BwdSm90.make`` passes it to both backward
     kernels, and a launch refuses a work list whose map disagrees with its kernel. (No GPU: the
@@ -347,11 +348,14 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
     assert cute.Q_MAP_DECLARED
     assert backends.choose("select", mapped)[0] == "cute"
     assert backends.choose("bwd", mapped)[0] == "cute"
-    assert backends.choose("fwd", mapped)[0] == "triton"
-    with monkeypatch.context() as mp:  # the switch off: every op refuses the map by name
-        for name, lim in (("select", cute.LIMITS["select"]), ("bwd", cute.BWD_LIMITS)):
+    assert backends.choose("fwd", mapped)[0] == "cute"
+    with monkeypatch.context() as mp:  # the switches off: every op refuses the map by name
+        for name, lim in (
+            ("select", cute.LIMITS["select"]), ("bwd", cute.BWD_LIMITS), ("fwd", cute.LIMITS["fwd"])
+        ):  # fmt: skip
             off = dataclasses.replace(lim, q_map=False)
             mp.setitem(cute.LIMITS, name, off)
+        mp.setattr(cute, "FWD_Q_MAP_DECLARED", False)
         for op in ("select", "fwd", "bwd"):
             assert "q_map" in (cute.unsupported_reason(op, mapped) or ""), op
             assert backends.choose(op, mapped)[0] == "triton", op
@@ -361,7 +365,7 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
     assert cute.unsupported_reason("select", mapped) is None
     assert cute.unsupported_reason("bwd", mapped) is None
     assert cute.bwd_kernel_reason(mapped) is None
-    assert "q_map" in cute.unsupported_reason("fwd", mapped)
+    assert cute.unsupported_reason("fwd", mapped) is None
     assert "query map" in limits.describe(cute.LIMITS["select"])
     assert "query map" in limits.describe(cute.LIMITS["bwd"])
     # outside the kernels' other limits a mapped call is refused for those, not for the map
@@ -372,7 +376,7 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
         "bwd", dataclasses.replace(mapped, num_kv_heads=8)
     )
     picks = {op: backends.choose(op, mapped)[0] for op in ("select", "fwd", "bwd")}
-    assert picks == {"select": "cute", "fwd": "triton", "bwd": "cute"}, picks
+    assert picks == {"select": "cute", "fwd": "cute", "bwd": "cute"}, picks
 
     sel = SelectSm90(BFloat16, 128, 4, 1, 16, 128)
     assert not sel.qmap and sel == SelectSm90(BFloat16, 128, 4, 1, 16, 128, qmap=False)

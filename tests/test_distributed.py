@@ -265,11 +265,11 @@ def test_q_map_validation():
 
 def test_q_map_refused_by_gpu_backends(monkeypatch):
     """The torch backend declares the query map everywhere, Triton for its sparse ops (not the
-    warmup), CuTe for select and bwd (``cute.Q_MAP_DECLARED``, after their GPU tests passed;
-    its forward has no map); a backend that does not refuses it
+    warmup), CuTe for select, fwd and bwd (``cute.Q_MAP_DECLARED`` and
+    ``cute.FWD_Q_MAP_DECLARED``, after their GPU tests passed); a backend that does not refuses it
     by name (the same call without a map runs there), so a forced backend raises and ``auto``
     falls back to one that runs it. (The Triton ops with a map: tests/test_qmap_triton.py.)"""
-    mapped_ops = {"triton": ("select", "fwd", "bwd"), "cute": ("select", "bwd")}
+    mapped_ops = {"triton": ("select", "fwd", "bwd"), "cute": ("select", "fwd", "bwd")}
     cfg = Config(block_size=BLOCK, softmax_scale=0.25, max_seqlen=128, proxy_scale=0.3, top_k=4)
     plain = problem_of("cpu", torch.bfloat16, (16, 2, 128, 4, 1, 128), 1, True, cfg)
     plain = type(plain)(**{**plain.__dict__, "device_type": "cuda", "capability": (9, 0)})

@@ -442,7 +442,7 @@ def test_cute_kl_stage_q_map_matches_triton(case):
 @pytest.mark.parametrize("P", [2, 3])
 def test_q_map_emulated_cp_on_cuda_auto(P, monkeypatch):
     """tests/test_distributed.py::test_q_map_emulated_cp on one GPU in bf16 with ``auto``
-    (CuTe selection and backward, the Triton forward: CuTe's has no map yet), anchor heads:
+    (every op on CuTe: the forward's map declared since the ninth session), anchor heads:
     each "rank"'s local queries against the whole batch's keys, no communication. bf16 runs
     that select independently may differ by a near-tie block (an O(1) change of a row), so, as
     tests/test_distributed.py's ``_real_worker`` does: each rank's selection against the single
@@ -462,7 +462,7 @@ def test_q_map_emulated_cp_on_cuda_auto(P, monkeypatch):
     cfg = config(max(lengths), D, Dp, b, top_k)
     prob = problem_of("cuda", torch.bfloat16, (H, Hkv, D, Hp, Hpk, Dp), 3, True, cfg, q_map=True)
     picks = {op: backends.choose(op, prob)[0] for op in ("select", "fwd", "bwd")}
-    assert picks == {"select": "cute", "fwd": "triton", "bwd": "cute"}, picks
+    assert picks == {"select": "cute", "fwd": "cute", "bwd": "cute"}, picks
     T = q.shape[0]
     dout, w = testing.loss_weights((T, H, D), Hp * T, 17, "cuda")
     alone = cute_be.select(qp, kp, cu, cfg)  # the single process's selection
