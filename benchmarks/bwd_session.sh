@@ -2,7 +2,8 @@
 # One GPU session's backward work, in priority order, each step time-boxed; logs under OUTDIR.
 # Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
 #   STEPS: any of tests det ab ncu bench sanitizer hypothesis kl cache combine bench_stages
-#   host small_tiles qmap proxy_lse fp8 verify8 verify8b ab8 profile16k train64k (default: tests det ab
+#   host small_tiles qmap proxy_lse fp8 verify8 verify8b ab8 profile16k train64k ncu_paper
+#   ncu_fp8 (default: tests det ab
 #   ncu bench sanitizer hypothesis,
 #   in that order);
 #   bench_anchor / bench_paper: one half of bench
@@ -74,6 +75,30 @@ PY
         -o "$out/ws_anchor32k" python3 profile_bwd.py --provider cute > "$out/ncu.log" 2>&1)
       "$NCU" -i "$out/ws_anchor32k.ncu-rep" --page details > "$out/ncu_ws_details.txt" 2>&1
       grep -E "Duration|Eligible Warps|Issue Slots|Achieved Occ" "$out/ncu_ws_details.txt" ;;
+    ncu_paper)  # issue 14's paper-128K target: the backward at the paper layout (its chunk, 32K
+                # tokens), and the forward partials there, stall reasons
+      NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      (cd benchmarks && t timeout 240 "$NCU" --kernel-name regex:BwdWsSm90 --launch-skip 1 \
+        --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section Occupancy --section MemoryWorkloadAnalysis --import-source no \
+        -o "$out/ws_paper32k" python3 profile_bwd.py --shape paper --seqlen 32768 --provider cute \
+        > "$out/ncu_paper.log" 2>&1)
+      "$NCU" -i "$out/ws_paper32k.ncu-rep" --page details > "$out/ncu_paper_details.txt" 2>&1
+      grep -E "Duration|Eligible Warps|Issue Slots|Achieved Occ|Compute \(SM\) Thr|Memory Thr" \
+        "$out/ncu_paper_details.txt" ;;
+    ncu_fp8)  # issue 15's 1000 TFLOP/s: the fp8 selection kernel at paper 128K, stall reasons
+      NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      prog='import torch; from flash_msa import select_blocks, testing
+xs = testing.make_inputs(1, 131072, 64, 4, 4, 1, 128, 128, dtype=torch.bfloat16, device="cuda")
+for _ in range(2): select_blocks(xs[0], xs[1], 16, selection_precision="fp8")
+torch.cuda.synchronize()'
+      t timeout 240 "$NCU" --kernel-name regex:SelectSm90 --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section Occupancy --section SourceCounters --import-source no \
+        -o "$out/select_fp8" python3 -c "$prog" > "$out/ncu_fp8.log" 2>&1
+      "$NCU" -i "$out/select_fp8.ncu-rep" --page details > "$out/ncu_fp8_details.txt" 2>&1
+      grep -E "Duration|Eligible Warps|Issue Slots|Achieved Occ|Compute \(SM\) Thr" \
+        "$out/ncu_fp8_details.txt" ;;
     host)  # host enqueue time against GPU time of the anchor-16K step (is the 16K step host-bound?)
       t timeout 240 python3 benchmarks/step_host_time.py > "$out/step_host_time.log" 2>&1
       head -3 "$out/step_host_time.log" ;;
