@@ -4,7 +4,8 @@ CPU: the torch backend and the Triton re-rank kernel under the interpreter (fp32
 the interpreter computes bf16 wrongly). What is held: the mode equals the recall protocol's
 ``recall.refine`` of the fp8 top ``top_k + m`` (batch and varlen, blocks 64 and 128, a
 sequence shorter than one block, ``top_k`` above the block count), the Triton kernel's scores
-equal the torch re-rank's bit for bit (inputs whose fp32 sums are exact in any order), the
+(tensor cores over the work list of the candidates) equal the torch re-rank's bit for bit on
+inputs whose fp32 sums are exact in any order and meet the rule on random ones, the
 selection's rules, the dispatch of the two steps, and the argument checks.
 """
 
@@ -124,28 +125,67 @@ def _exact_inputs(T, Hp, Hpk, Dp, seed):
 
 
 @interpreted
-@pytest.mark.parametrize("block", [64, 128])
-def test_triton_scores_equal_torch(block):
-    """The Triton kernel's candidate scores equal the torch re-rank's exactly (fp32, same
-    inputs), -1 slots and blocks past the row's causal limit included; with a query map too
-    (a padding row: every score -inf)."""
-    lengths, Hp, Hpk, Dp, K = (40, 9, 150), 2, 1, 32, 3
+@pytest.mark.parametrize(
+    "block,chunked,dtype",
+    [
+        (64, False, torch.float32),
+        (128, False, torch.float32),
+        (128, False, torch.float16),
+        (64, True, torch.float16),
+    ],
+    ids=["b64-fp32", "b128-fp32", "b128-fp16", "b64-fp16-chunked"],
+)
+def test_triton_scores_equal_torch(block, chunked, dtype, monkeypatch):
+    """The Triton kernel's candidate scores equal the torch re-rank's exactly (inputs whose
+    fp32 sums are exact in any order; fp16 holds them exactly too), and so do the re-ranked
+    indices: ``-1`` slots, blocks past the row's causal limit and past its sequence's end,
+    repeated blocks, a list longer than a work item (block 0 of the 300-token sequence is a
+    candidate of all its rows: 300 entries per head, two items, ``BT``-row chunks), ``G = 2``
+    proxy heads per key head, ``K = top_k + 8``; ``chunked``: the rows in 4 launches; with a
+    query map too (rows in another order, a padding row: every score -inf)."""
+    lengths, Hp, Hpk, Dp, K, top_k = (40, 9, 300), 4, 2, 32, 10, 2
     T = sum(lengths)
-    qp, kp = _exact_inputs(T, Hp, Hpk, Dp, seed=block)
+    if chunked:  # about 100 rows per launch
+        monkeypatch.setattr(triton_rerank, "ENTRY_BYTES", 100 * 8 * Hp * K)
+        assert triton_rerank.chunk_rows(Hp, K) == 100
+    qp, kp = (x.to(dtype) for x in _exact_inputs(T, Hp, Hpk, Dp, seed=block))
     cu = testing.cu(list(lengths))
-    cfg = dataclasses.replace(_cfg(block, 3, max(lengths), Dp), proxy_scale=0.25)
+    cfg = dataclasses.replace(_cfg(block, top_k, max(lengths), Dp), proxy_scale=0.25)
     g = torch.Generator().manual_seed(1)
-    cand = torch.randint(-1, 3, (T, Hp, K), generator=g, dtype=torch.int32)  # some past the row
+    cand = torch.randint(-1, 7, (T, Hp, K), generator=g, dtype=torch.int32)
+    cand[:, :, 0] = 0
     want = reference.rerank_scores(qp, kp, cu, cand, cfg)
     got = triton_rerank.scores(qp, kp, cu, cand, cfg)
-    assert torch.isinf(want).any() and torch.isfinite(want).any()
+    assert torch.isinf(want).any() and torch.isfinite(want).sum() > T * Hp
     assert torch.equal(got, want)
+    want_idx = reference.rerank(qp, kp, cu, cand, cfg)
+    assert torch.equal(triton_rerank.rerank(qp, kp, cu, cand, cfg), want_idx)
     # a query map: rows in another order, one padding row
-    q_map = torch.tensor([5, 60, -1, T - 1, 0], dtype=torch.int32)
+    q_map = torch.tensor([5, 60, -1, T - 1, 0, 200], dtype=torch.int32)
     rows = qp[q_map.long().clamp_min(0)]
-    want = reference.rerank_scores(rows, kp, cu, cand[:5], cfg, q_map=q_map)
-    got = triton_rerank.scores(rows, kp, cu, cand[:5], cfg, q_map=q_map)
+    want = reference.rerank_scores(rows, kp, cu, cand[:6], cfg, q_map=q_map)
+    got = triton_rerank.scores(rows, kp, cu, cand[:6], cfg, q_map=q_map)
     assert torch.equal(got, want) and torch.isneginf(got[2]).all()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_scores_rule(dtype):
+    """On random inputs, with the torch fp8 selection's candidates (``top_k + 4``): the
+    kernel's scores against the exact (fp64) ones by the rule ``err <= 2 * err(torch re-rank in
+    the same dtype) + atol``, the same ``-inf`` slots."""
+    lengths, Hp, Hpk, Dp, block, top_k = (300, 77), 4, 1, 64, 64, 2
+    qp, kp = _proxies(lengths, Hp, Hpk, Dp, "random", seed=11, dtype=dtype)
+    cu = testing.cu(list(lengths))
+    cfg = _cfg(block, top_k, max(lengths), Dp)
+    cand = reference.select(qp, kp, cu, quant.candidates_config(cfg))
+    assert cand.shape[-1] == 5  # 300 tokens: 5 blocks of 64
+    exact = reference.rerank_scores(qp.double(), kp.double(), cu, cand, cfg)
+    same = reference.rerank_scores(qp, kp, cu, cand, cfg)
+    got = triton_rerank.scores(qp, kp, cu, cand, cfg)
+    finite = torch.isfinite(exact)
+    assert torch.equal(finite, torch.isfinite(got)) and finite.any() and not finite.all()
+    testing.assert_close("scores", got[finite], exact[finite], same[finite], dtype=torch.float32)
 
 
 def test_refine_rules():
@@ -231,10 +271,11 @@ def test_recall_not_below_plain_fp8():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["random", "local"])
-def test_gpu_auto_rerank(kind):
+def test_gpu_auto_rerank(kind, monkeypatch):
     """On a GPU under ``auto``: the two steps' backends (``cute+triton`` on SM90), the Triton
-    scores against the torch re-rank's on the same candidates (fp32, sums in another order),
-    and the mode's indices against the torch re-rank of the same fp8 candidates."""
+    scores (every tile of ``RERANK_TILES``, and with a query map) against the exact fp64 ones
+    by the rule (``err <= 2 * err(torch re-rank in bf16) + atol``), and the mode's indices
+    against the torch re-rank of the same fp8 candidates (near-ties only)."""
     Dp, block, top_k, lengths = 128, 128, 16, (4096, 1000, 3000)
     qp, kp = (x.cuda().bfloat16() for x in _proxies(lengths, 4, 1, Dp, kind, seed=3))
     cu = testing.cu(list(lengths), "cuda")
@@ -244,11 +285,25 @@ def test_gpu_auto_rerank(kind):
     if torch.cuda.get_device_capability() == (9, 0):
         assert name == "cute+triton", name
     cand = sel.fp8.select(qp, kp, cu, quant.candidates_config(cfg))
-    want = reference.rerank_scores(qp, kp, cu, cand, cfg)
-    got = triton_rerank.scores(qp, kp, cu, cand, cfg)
-    finite = torch.isfinite(want)
-    assert torch.equal(finite, torch.isfinite(got))
-    assert (got[finite] - want[finite]).abs().max().item() <= 1e-5
+    exact = reference.rerank_scores(qp.double(), kp.double(), cu, cand, cfg)
+    same = reference.rerank_scores(qp, kp, cu, cand, cfg)
+    finite = torch.isfinite(exact)
+    for tile in triton_rerank.RERANK_TILES:
+        monkeypatch.setattr(triton_rerank, "RERANK_TILES", (tile,))
+        got = triton_rerank.scores(qp, kp, cu, cand, cfg)
+        assert torch.equal(finite, torch.isfinite(got)), tile
+        testing.assert_close(f"scores {tile}", got[finite], exact[finite], same[finite])
+    monkeypatch.undo()
+    # a query map: every 7th row, reversed, one padding row
+    q_map = torch.cat([torch.arange(qp.shape[0] - 1, -1, -7), torch.tensor([-1])])
+    q_map = q_map.to(torch.int32).cuda()
+    rows, c = qp[q_map.long().clamp_min(0)], cand[q_map.long().clamp_min(0)]
+    got = triton_rerank.scores(rows, kp, cu, c, cfg, q_map=q_map)
+    want = reference.rerank_scores(rows.double(), kp.double(), cu, c, cfg, q_map=q_map)
+    same = reference.rerank_scores(rows, kp, cu, c, cfg, q_map=q_map)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)) and torch.isneginf(got[-1]).all()
+    testing.assert_close("scores q_map", got[fin], want[fin], same[fin])
     idx = flash_msa.select_blocks(
         qp, kp, top_k, block_size=block, cu_seqlens=cu, max_seqlen=max(lengths),
         selection_precision="fp8_rerank",

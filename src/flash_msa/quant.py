@@ -76,6 +76,11 @@ PRECISIONS = ("bf16", "fp8", "fp8_rerank")
 # 99.66-100 % on the structured cases, 99.28-99.73 % on random (below the 99 % gate's margin
 # at S 8192); m = 4 gives 99.87-100 % everywhere, above bf16's own recall of the fp32
 # selection (99.68-99.91 %). Each extra block costs 2 * Dp * b FLOPs per (row, proxy head).
+# At paper 128K (1024 blocks; H200, benchmarks/results/stage9/end/fp8_rerank_time.log) m = 4
+# recalls 99.2 % (random) and 96.4 % (local): below the gate on structured inputs. A rule in
+# the block count is not fitted from three lengths at one m (32, 64, 1024 blocks): kept at 4
+# until a GPU sweep of m at long context (benchmarks/fp8_rerank_time.py --extra 4 8 16 32;
+# any m runs, read when a call resolves its fp8 pass: quant.candidate_top_k).
 RERANK_EXTRA = 4
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite e4m3fn value

@@ -122,9 +122,13 @@ def view_layout(t: torch.Tensor) -> tuple | None:
     run-time stride has mask 0 (``(?,128,4):(4,?{i64 div=4},1)``). Where the text has an
     unknown form, the view's ``shape`` / ``stride`` and the order rule stand in."""
     key = (t.dtype, tuple(t.shape[1:]), t.stride(), t.device.type)
-    if key in _VIEW_LAYOUTS:
-        return _VIEW_LAYOUTS[key]
-    view = cute_tensor(t)
+    layout = _VIEW_LAYOUTS.get(key, _UNSEEN)  # (one read: another thread may clear the dict)
+    if layout is not _UNSEEN:
+        return layout
+    try:
+        view = cute_tensor(t)
+    except RuntimeError:  # (the DSL refuses a non-compact view, e.g. q of a fused qkv tensor)
+        return None  # pointer_arguments names the tensor
     dtype = view._flash_msa_signature[1]
     parsed = _LAYOUT_TEXT.search(view.__cache_key__[2])
     if parsed is not None:
@@ -147,6 +151,7 @@ def view_layout(t: torch.Tensor) -> tuple | None:
 _LAYOUT_TEXT = re.compile(r"\(([^()]*)\):\(([^()]*)\)$")
 _LAYOUT_ITEM = re.compile(r"\?(?:\{[^}]*\})?|-?\d+")
 _VIEW_LAYOUTS: dict = {}
+_UNSEEN = object()
 
 
 class PointerTensors(NamedTuple):
@@ -182,9 +187,12 @@ def pointer_arguments(module: str, names: tuple, tensors: tuple, device: torch.d
         view = view_layout(t)
         if view is None:
             raise ValueError(
-                f"{module}: {name} {tuple(t.shape)} with strides {t.stride()} has a run-time "
-                "stride in its view (its mode 0 is not the outermost): pass a contiguous tensor"
+                f"{module}: {name} {tuple(t.shape)} with strides {t.stride()} has no static "
+                "view (its mode 0 is not the outermost, or it is not compact): pass a "
+                "contiguous tensor"
             )
+        if t.shape[0] >= 2**31:  # (mode 0's size is an Int32 kernel argument)
+            raise ValueError(f"{module}: {name} has {t.shape[0]} rows, more than 2**31 - 1")
         views.append(view)
         pointers.append(make_ptr(view[0], address, gmem, assumed_align=ALIGN))
         sizes.append(Int32(t.shape[0]))

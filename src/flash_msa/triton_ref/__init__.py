@@ -116,8 +116,9 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
 
 def rerank(q_proxy, k_proxy, cu_seqlens, candidates, cfg, *, q_map=None):
     """Backend op ``rerank`` (``selection_precision="fp8_rerank"``'s exact re-rank of the fp8
-    candidates; run within ``LIMITS["select"]``, ``backends.rerank_reason``): see
-    :func:`flash_msa.triton_ref.reranking.rerank`."""
+    candidates, any ``top_k + m`` of them; run within ``LIMITS["select"]``,
+    ``backends.rerank_reason``): the candidates' block scores on tensor cores over their work
+    list, then ``quant.refine``; see :func:`flash_msa.triton_ref.reranking.rerank`."""
     from .reranking import rerank as _rerank
 
     return _rerank(q_proxy, k_proxy, cu_seqlens, candidates, cfg, q_map=q_map)

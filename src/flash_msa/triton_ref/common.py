@@ -21,24 +21,26 @@
 
 Import graph of ``triton_ref/`` (``a -> b``: ``a`` imports ``b``; one way, no cycles)::
 
-    __init__      -> selection, sparse_fwd, sparse_bwd, dense, proxy (lazily, per op)
+    __init__      -> selection, sparse_fwd, sparse_bwd, dense, proxy, reranking (lazily, per op)
     compile_check -> selection, sparse_fwd, sparse_bwd, proxy, dense, tiles
     sparse_fwd    -> proxy, common, tiles    (``forward_stages``: the driver's stages)
     sparse_bwd    -> proxy, common, tiles    (+ flash_msa.ordered)
     dense         -> common, tiles
     proxy         -> common, tiles           (+ flash_msa.ordered)
     selection     -> tiles                   (+ flash_msa.worklist: query_order)
+    reranking     -> common, tiles           (+ flash_msa.worklist, quant; its own compile
+                                             check: compile_check.compile_kernel, lazily)
     tiles         -> (flash_msa.backends; flash_msa.cubin lazily)
     common        -> (triton only)
 
 Outside the package the modules import only neutral ones: ``flash_msa.problem``,
 ``flash_msa.worklist``, ``flash_msa.sparse_forward`` (sparse_fwd), ``flash_msa.cubin`` (tiles,
 compile_check), ``flash_msa.backends`` (tiles), ``flash_msa.ordered`` (deterministic mode's
-fixed-order sums, shared with the CuTe backward). Nothing imports ``compile_check`` (the CI's
-check, run as a program; ``tiles`` reads cubins through ``flash_msa.cubin``), and no module
-imports another's ``_private`` names. The one reach into other modules' private objects is
-``compile_check`` compiling their ``@triton.jit`` kernels (``sparse_fwd._fwd_kernel`` ...; the
-tests use those names too).
+fixed-order sums, shared with the CuTe backward). Nothing but ``reranking``'s own compile
+check imports ``compile_check`` (the CI's check, run as a program; ``tiles`` reads cubins
+through ``flash_msa.cubin``), and no module imports another's ``_private`` names. The one
+reach into other modules' private objects is ``compile_check`` compiling their ``@triton.jit``
+kernels (``sparse_fwd._fwd_kernel`` ...; the tests use those names too).
 """
 
 from __future__ import annotations

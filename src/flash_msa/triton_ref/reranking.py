@@ -1,27 +1,42 @@
 """The exact re-rank of ``selection_precision="fp8_rerank"``: the candidates' block scores.
 
-An ``"fp8_rerank"`` selection keeps the fp8 top ``top_k + RERANK_EXTRA`` blocks (the backend
-that declares ``fp8_selection`` makes them) and re-ranks them by their exact block scores: the
-max of ``proxy_scale * q_proxy . k_proxy`` over the block's causally visible keys, in fp32 from
-the input-dtype operands, the score the exact selection ranks. This module computes those
-scores (:func:`scores`); the final top ``top_k`` of ``(T, Hp, K)`` values is torch
-(:func:`flash_msa.quant.refine`, the one implementation of the selection's rules that the
-torch backend and ``flash_msa.recall`` also call).
+An ``"fp8_rerank"`` selection keeps the fp8 top ``top_k + m`` blocks (``m`` =
+``quant.RERANK_EXTRA``; the backend that declares ``fp8_selection`` makes them) and re-ranks them
+by their exact block scores: the max of ``proxy_scale * q_proxy . k_proxy`` over the block's
+causally visible keys, in fp32 from the input-dtype operands, the score the exact selection
+ranks. This module computes those scores on tensor cores (:func:`scores`); the final top
+``top_k`` of the ``(Tq, Hp, K)`` values is torch (:func:`flash_msa.quant.refine`, the one
+implementation of the selection's rules that the torch backend and ``flash_msa.recall`` also
+call). ``K = top_k + m`` is the candidates' last dim: any ``m`` runs (the cost is linear in it).
 
-A separate small kernel rather than a "max" mode of the sparse forward's proxy stage
-(``sparse_fwd.proxy_partials`` over the work list): the re-rank has its own inputs (``K`` blocks
-per (row, head), not the selection's ``top_k``), runs before the forward's work list exists
-(the final indices are what that list is built from), and one program per (row, proxy head)
-gives each row's score in a fixed order independent of any tile shape. Cost: ``2 * Dp * K * b``
-FLOPs per (row, proxy head) on CUDA cores (``K = 20``, ``b = Dp = 128``: 655 KFLOP; paper 128K
-with ``Hp = 4``: 0.34 TFLOP), reading ``K`` key blocks per program that neighbouring rows share
-(L2). The forward's work-list stage with tensor cores would be the faster form if it matters.
+Layout: the sparse forward's reverse index (:mod:`flash_msa.worklist`) built over the
+candidates (``Hs = Hp`` selection heads, ``K`` slots): for every (proxy head ``p``, key block)
+the query rows that hold it as a candidate, sorted, cut into work items of at most
+:data:`ITEM_TOKENS` rows. One program per work item loads the block's ``[BLOCK, Dp]`` k_proxy
+tile of ``p``'s key head once and streams the item's rows ``BT`` at a time: a gathered
+``[BT, Dp]`` q_proxy tile, ``tl.dot`` against the key tile (wgmma on sm_90 where ``BT >= 64``),
+the causal mask, the row max, one fp32 store per (row, slot). It is the forward's proxy stage
+(``sparse_fwd._fwd_kernel``, ``HAS_PROXY``) with a max in place of the logsumexp; a separate
+kernel rather than a mode of that one because it has none of the forward's other inputs or
+outputs and its tile candidates are its own (one ``[BT, BLOCK]`` accumulator, no main pass), and
+the forward's compiled code stays as it is.
 
-One program per (query row, proxy head): the row's ``q`` ``[Dp]`` in registers, a loop over its
-``K`` candidates, each a ``[BLOCK, Dp]`` tile of its key head's rows masked to the causally
-visible keys (``-1`` slots and padding rows of a query map see none: ``-inf``). The query map
-is the positions' business only (:func:`flash_msa.quant.query_positions`): the kernel reads
-each row's sequence start and position.
+Why not the previous form (one program per (row, proxy head), the ``K`` blocks' scores on CUDA
+cores): measured on an H200 at paper 128K (H 64, Hp 4, Hpk 1, Dp 128, block 128, top_k 16,
+``K = 20``; benchmarks/results/stage9/end/fp8_rerank_time.log) it took ~45 ms, ~7.5 TFLOP/s, for
+``2 * Dp * K * block`` = 655 KFLOP per (row, proxy head), 0.34 TFLOP in all: the fp8_rerank
+selection then cost 57 / 54 ms (random / local) against 13.7 / 11.4 ms for bf16. Here the same
+FLOPs are MMAs, each key tile is read once per item instead of once per row, and the extra cost
+is the work list's sort of ``Tq * Hp * K`` keys (10.5 M at paper 128K), which the forward pays
+for its ``top_k`` slots too.
+
+Exactness: the products of the input-dtype operands are exact in fp32 and ``tl.dot`` sums them
+in fp32 (``input_precision="ieee"`` for fp32 inputs, no TF32), so a score equals the torch
+reference's (:func:`flash_msa.reference.rerank_scores`) up to the order of the fp32 sum over
+``Dp``, as the bf16 selection's tensor-core scores do. Slots no entry covers keep ``-inf``: a
+``-1`` slot, every slot of a padding row of a query map, and a candidate above the row's own
+block (none of its keys is visible: dropped before the sort, so a block number past the
+sequence's end cannot name another sequence's block).
 """
 
 from __future__ import annotations
@@ -30,94 +45,162 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import quant
+from .. import quant, worklist
 from ..problem import Config
+from . import tiles
+from .common import item_block, item_rows
+
+# Query rows per work item: the forward's (its measured choice; one key tile per item, read
+# once for up to this many rows).
+ITEM_TOKENS = worklist.ITEM_TOKENS
+# (BT, warps) candidates, in order of preference (tiles.pick takes the first that compiles
+# without spills within the shared memory): BT gathered query rows per MMA against the key
+# block. Not measured on a GPU yet (benchmarks/fp8_rerank_time.py --tiles sweeps them); the
+# order is by occupancy: compiled for sm_90a at Dp 128, block 128 (bf16), 64 rows over 4 warps
+# (one wgmma warpgroup) take 152 registers and 48 KiB (3 CTAs an SM: one CTA's gather of its
+# next rows overlaps another's MMA), 128 over 8 warps 164 registers and 64 KiB (1 CTA an SM);
+# 32 rows for a device whose budget refuses both.
+RERANK_TILES = ((64, 4), (128, 8), (32, 4))
+RERANK_PREFETCH = True  # load the next chunk's work-list entries one iteration ahead
+# The sorted entries (int64, rows * Hp * K of them) of one launch stay below this many bytes:
+# the rows are cut into chunks (chunk_rows; paper 128K, Hp 4, K 20: 84 MB, one launch).
+ENTRY_BYTES = 1 << 30
 
 
 @triton.jit
 def _rerank_kernel(
-    QP,  # q_proxy [Tq, Hp, Dp]
+    QP,  # q_proxy [Tq, Hs, Dp]
     KP,  # k_proxy [T, Hpk, Dp]
-    CAND,  # candidates [Tq, Hp, K] int32, -1 padded
-    START,  # [Tq] int64: packed index of the row's sequence's first key
-    POS,  # [Tq] int64: the row's position in its sequence, -1 for a padding row
-    OUT,  # [Tq, Hp, K] fp32
-    proxy_scale,
-    K,
-    Hp: tl.constexpr,
-    G: tl.constexpr,  # proxy heads per proxy key head
+    PERM,
+    ITEM_LIST,
+    ITEM_START,
+    ITEM_END,
+    BLK_START,
+    BLK_END,  # the work list over the candidates (worklist.build, Hs = Hp, K slots)
+    QMAP,  # [Tq] int32: each query row's packed key token (HAS_QMAP), else None
+    OUT,  # [Tq, Hs, K] fp32, -inf where no entry writes
+    pscale,
+    NB,  # runtime: it changes with the number of packed sequences
+    Hs: tl.constexpr,
     Hpk: tl.constexpr,
+    K: tl.constexpr,
     Dp: tl.constexpr,
     BLOCK: tl.constexpr,
+    BT: tl.constexpr,
+    PREC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    HAS_QMAP: tl.constexpr = False,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    pk = p // G
-    o_d = tl.arange(0, Dp)
+    w = tl.program_id(0)
+    e0 = tl.load(ITEM_START + w)
+    e1 = tl.load(ITEM_END + w)
+    if e0 >= e1:
+        return
+    p, kpos, m_k = item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK)
+    gb = tl.load(ITEM_LIST + w) % NB
+    k0 = tl.load(BLK_START + gb)  # int32: the block's first packed key
+    n_k = tl.load(BLK_END + gb) - k0  # its keys (fewer in a sequence's last block)
     o_k = tl.arange(0, BLOCK)
-    row = t * Hp + p
-    q = tl.load(QP + row * Dp + o_d).to(tl.float32)
-    start = tl.load(START + t)
-    pos = tl.load(POS + t)
-    for j in range(K):
-        c = tl.load(CAND + row * K + j).to(tl.int64)
-        key = c * BLOCK + o_k  # sequence-local key positions
-        # a -1 slot has negative keys; causal; pos < length keeps the keys in the sequence
-        seen = (key >= 0) & (key <= pos)
-        tok = start + key
-        ptr = KP + (tok[:, None] * Hpk + pk) * Dp + o_d[None, :]
-        k = tl.load(ptr, mask=seen[:, None], other=0.0)
-        dot = tl.sum(k.to(tl.float32) * q[None, :], axis=1)  # [BLOCK] fp32
-        z = tl.where(seen, proxy_scale * dot, float("-inf"))
-        tl.store(OUT + row * K + j, tl.max(z, axis=0))
+    o_dp = tl.arange(0, Dp)
+    pk = p // (Hs // Hpk)
+    b_kp = tl.load(
+        KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :], mask=m_k[:, None], other=0.0
+    )  # [BLOCK, Dp]
+    nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, 1)
+    for c in range(e0, e1, BT):
+        if not PREFETCH:
+            nxt = item_rows(PERM, c, e1, Hs * K, K, BT, 1)
+        qrow, slot, _, m_t = nxt
+        t = qrow  # the query's packed key position (causality)
+        if HAS_QMAP:
+            t = tl.load(QMAP + qrow, mask=m_t, other=0).to(tl.int64)
+        b_qp = tl.load(
+            QP + (qrow * Hs + p)[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0
+        )  # [BT, Dp]
+        if PREFETCH:  # the next chunk's entries load while this one computes
+            nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
+        # keys seen per row: causal (t >= k0 for every entry: the block is at most the row's
+        # own) and within the block, as an int32 count against the block-local key index
+        # (int64 packed positions in the accumulator's layout cost ~10 registers a thread)
+        n_vis = tl.minimum(t - k0 + 1, n_k).to(tl.int32)  # [BT]
+        b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC)  # [BT, BLOCK] fp32
+        b_z = tl.where(o_k[None, :] < n_vis[:, None], b_z, float("-inf"))
+        # proxy_scale after the max: max_j(s * z_j) = s * max_j(z_j) exactly for s > 0 (fp32
+        # rounding is monotone; the API checks proxy_scale > 0), one multiply per row
+        tl.store(OUT + (qrow * Hs + p) * K + slot, tl.max(b_z, axis=1) * pscale, mask=m_t)
 
 
-def num_warps(block_size: int, Dp: int) -> int:
-    """Warps of one program: a ``[block, Dp]`` fp32 tile at 64 values per thread at most
-    (``block = Dp = 128``: 8 warps)."""
-    return max(1, min(8, block_size * Dp // (64 * 32)))
+def _options(Hs, Hpk, K, Dp, block, prec, has_qmap, tile):
+    BT, warps = tile
+    return dict(
+        Hs=Hs, Hpk=Hpk, K=K, Dp=Dp, BLOCK=block, BT=BT, PREC=prec, PREFETCH=RERANK_PREFETCH,
+        HAS_QMAP=has_qmap, num_warps=warps, num_stages=1,
+    )  # fmt: skip
+
+
+def chunk_rows(Hp: int, K: int) -> int:
+    """Query rows per launch: their ``rows * Hp * K`` int64 sorted entries stay below
+    :data:`ENTRY_BYTES` (a bound from the shapes: no host read of the data)."""
+    return max(1, ENTRY_BYTES // (8 * Hp * max(1, K)))
 
 
 def scores(q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None) -> torch.Tensor:
     """fp32 ``(Tq, Hp, K)``: the exact block score of each candidate (as
-    :func:`flash_msa.reference.rerank_scores`, up to the order of the fp32 sum over ``Dp``).
+    :func:`flash_msa.reference.rerank_scores`, up to the order of the fp32 sum over ``Dp``;
+    ``-inf`` for a ``-1`` slot, a candidate above the row's own block and a padding row).
 
     Args:
         q_proxy: ``(Tq, Hp, Dp)``; k_proxy: ``(T, Hpk, Dp)``; cu_seqlens: ``(N+1,)`` int32.
-        candidates: ``(Tq, Hp, K)`` int32 sequence-local blocks, ``-1`` padded.
+        candidates: ``(Tq, Hp, K)`` int32 sequence-local blocks, ``-1`` padded (any ``K``:
+            ``top_k + m`` for an fp8 selection that kept ``m`` extra blocks).
         cfg: uses ``block_size`` and ``proxy_scale``.
         q_map: ``None`` or ``(Tq,)`` int32, the packed key index of each row (``-1``: padding).
+
+    Work: one work-list build over ``candidates`` per chunk of :func:`chunk_rows` rows (device
+    ops, no host synchronization) and one launch of ``W`` work items (module docstring).
     """
     Tq, Hp, Dp = q_proxy.shape
-    Hpk = k_proxy.shape[1]
+    T, Hpk = k_proxy.shape[:2]
     K, b = candidates.shape[-1], cfg.block_size
-    out = torch.empty(Tq, Hp, K, dtype=torch.float32, device=q_proxy.device)
-    if out.numel() == 0:
+    dev = q_proxy.device
+    out = torch.full((Tq, Hp, K), float("-inf"), dtype=torch.float32, device=dev)
+    if out.numel() == 0 or T == 0:
         return out
-    start, pos = quant.query_positions(cu_seqlens, Tq, q_map)
-    _rerank_kernel[(Tq, Hp)](
-        q_proxy.contiguous(),
-        k_proxy.contiguous(),
-        candidates.contiguous(),
-        start.contiguous(),
-        pos.contiguous(),
-        out,
-        float(cfg.proxy_scale),
-        K,
-        Hp=Hp,
-        G=Hp // Hpk,
-        Hpk=Hpk,
-        Dp=Dp,
-        BLOCK=b,
-        num_warps=num_warps(b, Dp),
-    )
+    qp, kp = q_proxy.contiguous(), k_proxy.contiguous()
+    _, pos = quant.query_positions(cu_seqlens, Tq, q_map)
+    own = torch.where(pos >= 0, pos // b, -1)
+    # a block above the own one has no visible key (-inf): no entry, and a number past the
+    # sequence's blocks cannot reach the next sequence's list
+    cand = torch.where(candidates.long() > own[:, None, None], -1, candidates.long())
+    cand = cand.to(torch.int32)
+    key_blocks = worklist.blocks(cu_seqlens, b, T)
+    prec = "ieee" if qp.dtype == torch.float32 else "tf32"
+    has_qmap = q_map is not None
+    qmap = q_map.contiguous() if has_qmap else None
+    step = chunk_rows(Hp, K)
+    for c0 in range(0, Tq, step):
+        c1 = min(Tq, c0 + step)
+        sl = worklist.lists(cand[c0:c1], cu_seqlens, b, c0, T, qmap, key_blocks)
+        wl = worklist.items(sl, ITEM_TOKENS)
+        args = (
+            qp, kp, wl.perm, wl.item_list, wl.item_start, wl.item_end, wl.block_start,
+            wl.block_end, qmap, out, float(cfg.proxy_scale), wl.num_blocks,
+        )  # fmt: skip
+
+        def options(tile):
+            return _options(Hp, Hpk, K, Dp, b, prec, has_qmap, tile)
+
+        key = (qp.dtype, kp.dtype, Hp, Hpk, K, Dp, b, has_qmap, RERANK_PREFETCH)
+        tile = tiles.pick(_rerank_kernel, args, RERANK_TILES, options, key)
+        _rerank_kernel[(wl.num_items,)](*args, **options(tile))
     return out
 
 
 def rerank(q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None) -> torch.Tensor:
     """Backend op ``rerank``: the top ``cfg.top_k`` of ``candidates`` ``(Tq, Hp, K)`` by
     :func:`scores`, with the selection's rules (:func:`flash_msa.quant.refine`).
-    ``(Tq, Hp, cfg.top_k)`` int32, ascending, -1 padded."""
+    ``(Tq, Hp, cfg.top_k)`` int32, ascending, -1 padded. ``K - cfg.top_k`` is the extra count
+    ``m`` of the fp8 pass that made the candidates (any ``m >= 0``)."""
     z = scores(q_proxy, k_proxy, cu_seqlens, candidates, cfg, q_map=q_map)
     _, pos = quant.query_positions(cu_seqlens, q_proxy.shape[0], q_map)
     own = torch.where(pos >= 0, pos // cfg.block_size, -1)
@@ -130,19 +213,25 @@ def rerank(q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None)
 SIGNATURE = {
     "QP": "*bf16",
     "KP": "*bf16",
-    "CAND": "*i32",
-    "START": "*i64",
-    "POS": "*i64",
+    "PERM": "*i64",
+    "ITEM_LIST": "*i32",
+    "ITEM_START": "*i64",
+    "ITEM_END": "*i64",
+    "BLK_START": "*i32",
+    "BLK_END": "*i32",
+    "QMAP": "*i32",  # with HAS_QMAP; else a constexpr None (the check passes QMAP=None)
     "OUT": "*fp32",
-    "proxy_scale": "fp32",
-    "K": "i32",
+    "pscale": "fp32",
+    "NB": "i32",
 }
 
 
 def main(argv=None) -> int:
-    """``python -m flash_msa.triton_ref.reranking [--arch 90]``: compile the kernel for Dp 64/128,
-    blocks 64/128, ``G`` 1/4 (bf16) without a GPU (``TRITON_INTERPRET`` unset); one JSON line
-    each. Exit status 1 if one spills or exceeds the shared memory."""
+    """``python -m flash_msa.triton_ref.reranking [--arch 90]``: compile the kernel (bf16) for
+    Dp 64/128, blocks 64/128, every tile of :data:`RERANK_TILES` with 64+ rows, ``G = Hp / Hpk``
+    4 (the paper layout; ``G`` only indexes), and the paper configuration (Dp 128, block 128)
+    with a query map, without a GPU (``TRITON_INTERPRET`` unset); one JSON line each. Exit
+    status 1 if one spills, exceeds the shared memory or, on sm_90, has no wgmma."""
     import argparse
     import json
     import os
@@ -157,17 +246,25 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET to compile", file=sys.stderr)
         return 2
+    confs = [
+        (Dp, block, tile, False)
+        for Dp in (64, 128)
+        for block in (64, 128)
+        for tile in RERANK_TILES
+        if tile[0] >= 64
+    ]
+    confs += [(128, 128, tile, True) for tile in RERANK_TILES if tile[0] >= 64]
     bad = 0
-    for Dp in (64, 128):
-        for block in (64, 128):
-            for G in (1, 4):
-                consts = dict(Hp=4 * G, G=G, Hpk=4, Dp=Dp, BLOCK=block)
-                res = compile_kernel(
-                    _rerank_kernel, SIGNATURE, consts, num_warps(block, Dp), 1, args.arch
-                )
-                bad += res["spill_bytes"] > 0 or res["shared_bytes"] > SHARED_LIMITS[args.arch]
-                name = f"rerank Dp={Dp} b={block} G={G}"
-                print(json.dumps(dict(kernel=name, **res)), flush=True)
+    for Dp, block, tile, has_qmap in confs:
+        consts = _options(4, 1, 20, Dp, block, "tf32", has_qmap, tile)
+        warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
+        if not has_qmap:
+            consts["QMAP"] = None
+        res = compile_kernel(_rerank_kernel, SIGNATURE, consts, warps, stages, args.arch)
+        bad += res["spill_bytes"] > 0 or res["shared_bytes"] > SHARED_LIMITS[args.arch]
+        bad += args.arch == 90 and not res["wgmma"]
+        name = f"rerank Dp={Dp} b={block}" + (" qmap" if has_qmap else "")
+        print(json.dumps(dict(kernel=name, tile=list(tile), **res)), flush=True)
     return 1 if bad else 0
 
 
