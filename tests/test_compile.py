@@ -186,6 +186,7 @@ def test_cute_kernel_limits_and_shared_memory_arithmetic():
     changes = dict(
         dtype=Float16, heads=32, kv_heads=4, sel_heads=2, head_dim=64, top_k=8, block_size=64,
         warpgroups=1, proxy=True, proxy_head_dim=64, proxy_k_heads=2, qmap=True,
+        views=((BFloat16, (None, 128), (128, 1)),),  # (the pointer launch's tensor layouts)
     )  # fmt: skip
     assert set(changes) == {f.name for f in dataclasses.fields(FwdPartialsSm90)}
     for name, value in changes.items():  # any field changes the cache key
