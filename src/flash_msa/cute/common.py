@@ -199,6 +199,23 @@ def pointer_arguments(module: str, names: tuple, tensors: tuple, device: torch.d
     return tuple(views), PointerTensors(tuple(pointers), tuple(sizes))
 
 
+def specimen_makers(kernel_dtype, tokens: int):
+    """``(x, z, keys)`` for a kernel's ``specimen_tensors`` (CPU stand-ins of a launch's tensors,
+    whose layouts alone matter to a compile): ``x`` the torch dtype of the kernel's bf16 / fp16
+    element type, ``z(*shape, dtype=fp32)`` a zero tensor, ``keys(heads, dim)`` the ``(tokens,
+    dim, heads)`` view of contiguous ``(tokens, heads, dim)`` keys of dtype ``x`` (a TMA box
+    = one head's block)."""
+    x = {BFloat16: torch.bfloat16, Float16: torch.float16}[kernel_dtype]
+
+    def z(*shape, dtype=torch.float32):
+        return torch.zeros(shape, dtype=dtype)
+
+    def keys(heads, dim):
+        return z(tokens, heads, dim, dtype=x).permute(0, 2, 1)
+
+    return x, z, keys
+
+
 def pointer_tensors(tensors: PointerTensors, views: tuple) -> list:
     """Inside a ``@cute.jit`` launch: the tensors of :func:`pointer_arguments`, each at its
     pointer with its run-time mode-0 size and the static rest of its ``views`` entry

@@ -101,6 +101,7 @@ from .common import (
     pointer_tensors,
     row_gather_copy,
     run_typed,
+    specimen_makers,
     stream,
     tma_tiles,
 )
@@ -1576,13 +1577,7 @@ def specimen_tensors(kernel: FwdPartialsSm90, tokens: int = 4) -> tuple:
     ``qmap`` kernel. Only their layouts matter to a compile."""
     T, H, Hkv, Hs, D = tokens, kernel.heads, kernel.kv_heads, kernel.sel_heads, kernel.head_dim
     Hpk, Dp = kernel.proxy_k_heads, kernel.proxy_head_dim
-    x = {cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16}[kernel.dtype]
-
-    def z(*shape, dtype=torch.float32):
-        return torch.zeros(shape, dtype=dtype)
-
-    def keys(heads, dim):
-        return z(T, heads, dim, dtype=x).permute(0, 2, 1)
+    x, z, keys = specimen_makers(kernel.dtype, T)
 
     i32, i64 = torch.int32, torch.int64
     work = tuple(z(T, dtype=d) for d in (i64, i32, i64, i64, i32, i32))
