@@ -3,7 +3,7 @@
 # Usage (repo root, CuTe DSL importable): benchmarks/bwd_session.sh OUTDIR [STEPS]
 #   STEPS: any of tests det ab ncu bench sanitizer hypothesis kl cache combine bench_stages
 #   host small_tiles qmap proxy_lse fp8 verify8 verify8b ab8 profile16k train64k ncu_paper
-#   ncu_fp8 (default: tests det ab
+#   ncu_fp8 verify9 rerank_sweep (default: tests det ab
 #   ncu bench sanitizer hypothesis,
 #   in that order);
 #   bench_anchor / bench_paper: one half of bench
@@ -75,6 +75,16 @@ PY
         -o "$out/ws_anchor32k" python3 profile_bwd.py --provider cute > "$out/ncu.log" 2>&1)
       "$NCU" -i "$out/ws_anchor32k.ncu-rep" --page details > "$out/ncu_ws_details.txt" 2>&1
       grep -E "Duration|Eligible Warps|Issue Slots|Achieved Occ" "$out/ncu_ws_details.txt" ;;
+    verify9)  # the ninth session's unrun GPU work: the tensor-core re-rank (fp8_rerank), the
+              # backward's hypothesis test and the suite's tail the last call's time limit cut
+      t timeout 540 python3 -m pytest -m gpu -v -p no:cacheprovider ${BWD_TESTS_N:+-n "$BWD_TESTS_N"} \
+        tests/test_fp8_rerank.py tests/test_gpu_cute_bwd.py tests/test_gpu_cute_fp8.py \
+        tests/test_gpu_small_tiles.py > "$out/test_verify9.log" 2>&1
+      grep -E "FAILED|ERROR" "$out/test_verify9.log" | head -8; tail -1 "$out/test_verify9.log" ;;
+    rerank_sweep)  # issue 15: fp8_rerank's cost and recall at paper 128K by extra blocks and tile
+      t timeout 300 python3 benchmarks/fp8_rerank_time.py --shape paper --seqlen 131072 \
+        --extra 4 8 16 32 --tiles 64,4 128,8 > "$out/fp8_rerank_sweep.log" 2>&1
+      tail -20 "$out/fp8_rerank_sweep.log" | cut -c1-200 ;;
     ncu_paper)  # issue 14's paper-128K target: the backward at the paper layout (its chunk, 32K
                 # tokens), and the forward partials there, stall reasons
       NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
