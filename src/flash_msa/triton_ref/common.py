@@ -7,6 +7,10 @@
 - Work items (the reverse index of :mod:`flash_msa.worklist`): :func:`item_block` (a work
   item's selection head and key positions) and :func:`item_rows` (the token, slot and head of
   each MMA row of a token chunk), for the sparse forward, backward and proxy pass.
+- Proxy scores of a work item: :func:`proxy_chunk` (one token chunk: the gathered q_proxy rows'
+  ``[BT, BLOCK]`` scores against the block's k_proxy tile), the loop body of the forward's proxy
+  LSE (``sparse_fwd``) and of the fp8_rerank re-rank (``reranking``); each kernel keeps its own
+  mask and reduction (a logsumexp, a max).
 - Block-local LSE: :func:`row_exp` (row max and ``exp``) and :func:`finish_lse` (``m + log l``,
   ``-inf`` for a row with no visible key), for the forward's partials, the combine and the dense
   forward.
@@ -29,7 +33,9 @@ Import graph of ``triton_ref/`` (``a -> b``: ``a`` imports ``b``; one way, no cy
     proxy         -> common, tiles           (+ flash_msa.ordered)
     selection     -> tiles                   (+ flash_msa.worklist: query_order)
     reranking     -> common, tiles           (+ flash_msa.worklist, quant; its own compile
-                                             check: compile_check.compile_kernel, lazily)
+                                             check: compile_check.compile_kernel, lazily;
+                                             proxy_chunk, the loop body of sparse_fwd's proxy
+                                             stage)
     tiles         -> (flash_msa.backends; flash_msa.cubin lazily)
     common        -> (triton only)
 
@@ -123,6 +129,55 @@ def item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BN: tl.constexpr, sub=0):
     gb = lst % NB
     kpos = (tl.load(BLK_START + gb) + sub * BN + tl.arange(0, BN)).to(tl.int64)
     return lst // NB, kpos, kpos < tl.load(BLK_END + gb)
+
+
+@triton.jit
+def proxy_chunk(
+    QP,
+    QMAP,
+    PERM,
+    b_kp,
+    nxt,
+    p,
+    c,
+    e1,
+    cols,
+    Hs: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    PREC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    HAS_QMAP: tl.constexpr,
+):
+    """One step of a work item's proxy score loop over its entries ``c .. min(c + BT, e1)`` of
+    ``PERM`` (one MMA row per token, selection head ``p``), the body the forward's proxy LSE and
+    the fp8_rerank re-rank share; the caller reduces the scores (a logsumexp, a max).
+
+    ``nxt`` is this chunk's :func:`item_rows` (with ``PREFETCH``: loaded one step ahead; else
+    loaded here), ``b_kp`` the block's k_proxy tile [BN, Dp] of ``p``'s proxy key head, ``cols``
+    ``tl.arange(0, Dp)``; ``QP`` is q_proxy [Tq, Hs, Dp], ``QMAP`` [Tq] int32 the rows' packed
+    key tokens (with ``HAS_QMAP``, else ``None``). Returns
+
+    - ``b_z`` [BT, BN] fp32: ``q_proxy k_proxy^T`` of the gathered rows, neither scaled nor
+      masked (the callers differ: the forward scales before its mask, the re-rank after its max);
+    - ``qrow`` [BT] (int64 query rows), ``slot`` [BT], ``t`` [BT] (int64 packed key positions of
+      the rows, for causality: ``qrow`` itself without a map), ``m_t`` [BT] (the rows' mask);
+    - the next chunk's :func:`item_rows` (with ``PREFETCH``, loaded before the MMA so that it
+      overlaps it; else ``nxt`` as used), for the caller's next call.
+    """
+    if not PREFETCH:
+        nxt = item_rows(PERM, c, e1, Hs * K, K, BT, 1)
+    qrow, slot, _, m_t = nxt
+    t = qrow  # the query's packed key position (causality)
+    if HAS_QMAP:
+        t = tl.load(QMAP + qrow, mask=m_t, other=0).to(tl.int64)
+    b_qp = tl.load(
+        QP + (qrow * Hs + p)[:, None] * cols.shape[0] + cols[None, :], mask=m_t[:, None], other=0.0
+    )  # [BT, Dp]
+    if PREFETCH:  # the next chunk's entries load while this one computes
+        nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
+    b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC)  # [BT, BN] fp32
+    return b_z, qrow, slot, t, m_t, nxt
 
 
 # ---------------------------------------------------------------------------------------------

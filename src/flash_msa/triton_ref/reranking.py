@@ -16,7 +16,8 @@ the query rows that hold it as a candidate, sorted, cut into work items of at mo
 tile of ``p``'s key head once and streams the item's rows ``BT`` at a time: a gathered
 ``[BT, Dp]`` q_proxy tile, ``tl.dot`` against the key tile (wgmma on sm_90 where ``BT >= 64``),
 the causal mask, the row max, one fp32 store per (row, slot). It is the forward's proxy stage
-(``sparse_fwd._fwd_kernel``, ``HAS_PROXY``) with a max in place of the logsumexp; a separate
+(``sparse_fwd._fwd_kernel``, ``HAS_PROXY``; the loop body shared as ``common.proxy_chunk``)
+with a max in place of the logsumexp; a separate
 kernel rather than a mode of that one because it has none of the forward's other inputs or
 outputs and its tile candidates are its own (one ``[BT, BLOCK]`` accumulator, no main pass), and
 the forward's compiled code stays as it is.
@@ -48,7 +49,7 @@ import triton.language as tl
 from .. import quant, worklist
 from ..problem import Config
 from . import tiles
-from .common import item_block, item_rows
+from .common import item_rows, load_rows, proxy_chunk
 
 # Query rows per work item: the forward's (its measured choice; one key tile per item, read
 # once for up to this many rows).
@@ -96,34 +97,26 @@ def _rerank_kernel(
     e1 = tl.load(ITEM_END + w)
     if e0 >= e1:
         return
-    p, kpos, m_k = item_block(ITEM_LIST, BLK_START, BLK_END, w, NB, BLOCK)
-    gb = tl.load(ITEM_LIST + w) % NB
+    # the item's block as common.item_block gives it, spelled out here: the row mask below needs
+    # the block's first key and key count as int32 scalars, and kpos, m_k follow from them
+    lst = tl.load(ITEM_LIST + w)
+    p, gb = lst // NB, lst % NB  # selection head, global key block
     k0 = tl.load(BLK_START + gb)  # int32: the block's first packed key
     n_k = tl.load(BLK_END + gb) - k0  # its keys (fewer in a sequence's last block)
     o_k = tl.arange(0, BLOCK)
+    kpos, m_k = (k0 + o_k).to(tl.int64), o_k < n_k  # [BLOCK] packed keys, in the block
     o_dp = tl.arange(0, Dp)
-    pk = p // (Hs // Hpk)
-    b_kp = tl.load(
-        KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :], mask=m_k[:, None], other=0.0
-    )  # [BLOCK, Dp]
+    b_kp = load_rows(KP, kpos * Hpk + p // (Hs // Hpk), m_k, o_dp)  # [BLOCK, Dp]: p's key head
     nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, 1)
     for c in range(e0, e1, BT):
-        if not PREFETCH:
-            nxt = item_rows(PERM, c, e1, Hs * K, K, BT, 1)
-        qrow, slot, _, m_t = nxt
-        t = qrow  # the query's packed key position (causality)
-        if HAS_QMAP:
-            t = tl.load(QMAP + qrow, mask=m_t, other=0).to(tl.int64)
-        b_qp = tl.load(
-            QP + (qrow * Hs + p)[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0
-        )  # [BT, Dp]
-        if PREFETCH:  # the next chunk's entries load while this one computes
-            nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
+        # b_z [BT, BLOCK] = q_proxy k_proxy^T; t: the rows' packed key positions
+        b_z, qrow, slot, t, m_t, nxt = proxy_chunk(
+            QP, QMAP, PERM, b_kp, nxt, p, c, e1, o_dp, Hs, K, BT, PREC, PREFETCH, HAS_QMAP
+        )
         # keys seen per row: causal (t >= k0 for every entry: the block is at most the row's
         # own) and within the block, as an int32 count against the block-local key index
         # (int64 packed positions in the accumulator's layout cost ~10 registers a thread)
         n_vis = tl.minimum(t - k0 + 1, n_k).to(tl.int32)  # [BT]
-        b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC)  # [BT, BLOCK] fp32
         b_z = tl.where(o_k[None, :] < n_vis[:, None], b_z, float("-inf"))
         # proxy_scale after the max: max_j(s * z_j) = s * max_j(z_j) exactly for s > 0 (fp32
         # rounding is monotone; the API checks proxy_scale > 0), one multiply per row

@@ -33,7 +33,7 @@ from .. import sparse_forward
 from ..problem import Config
 from ..worklist import geometry
 from . import proxy, tiles
-from .common import finish_lse, item_block, item_rows, row_exp
+from .common import finish_lse, item_block, item_rows, proxy_chunk, row_exp
 
 
 @triton.jit
@@ -125,24 +125,19 @@ def _fwd_kernel(
                 tl.store(L_PART + part, b_lse, mask=m_r)
     if HAS_PROXY:
         o_dp = tl.arange(0, Dp)
+        # the key tile stays spelled out (the re-rank loads it with common.load_rows): loaded by
+        # a helper, its inlined line info moved ptxas's register allocation (same PTX; the SASS
+        # of Hs<Hkv D=128 changed), and this kernel's SASS is kept as it was
         pk = p // (Hs // Hpk)
         b_kp = tl.load(
             KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :], mask=m_k[:, None], other=0.0
         )  # [BLOCK, Dp]
         nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, 1)
         for c in range(e0, e1, BT):
-            if not PREFETCH:
-                nxt = item_rows(PERM, c, e1, Hs * K, K, BT, 1)
-            qrow, slot, _, m_t = nxt
-            t = qrow  # the query's packed key position (causality)
-            if HAS_QMAP:
-                t = tl.load(QMAP + qrow, mask=m_t, other=0).to(tl.int64)
-            b_qp = tl.load(
-                QP + (qrow * Hs + p)[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0
-            )  # [BT, Dp]
-            if PREFETCH:
-                nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
-            b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC) * pscale
+            b_z, qrow, slot, t, m_t, nxt = proxy_chunk(
+                QP, QMAP, PERM, b_kp, nxt, p, c, e1, o_dp, Hs, K, BT, PREC, PREFETCH, HAS_QMAP
+            )  # [BT, BLOCK]: q_proxy k_proxy^T
+            b_z = b_z * pscale
             b_z = tl.where(m_k[None, :] & (kpos[None, :] <= t[:, None]), b_z, float("-inf"))
             b_m, _, b_l = row_exp(b_z)
             b_lse = finish_lse(b_m, b_l)
