@@ -89,8 +89,9 @@ LIMITS = {
         q_map=Q_MAP_DECLARED,
         fp8_selection=FP8_SELECTION_ON_CUTE,
     ),
-    # the combine stage (and the proxy LSE / the KL where proxy_fits / kl_fits is false) is
-    # borrowed from Triton: its limits are added by flash_msa.sparse_forward.borrowed_reason
+    # every stage on CuTe; a stage whose CuTe kernel cannot run a call (combine_fits,
+    # proxy_fits, kl_fits false) is borrowed from Triton, and flash_msa.sparse_forward.
+    # borrowed_reason adds that stage's limits
     "fwd": Limits(
         **_SM90,
         head_dims=(64, 128),
