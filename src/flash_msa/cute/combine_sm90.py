@@ -665,14 +665,9 @@ def compile_combine(dtype, H, Hs, K, D, has_o, proxy=False, *, dump=None, name="
 def _main(argv: list[str]) -> int:
     """``python -m flash_msa.cute.combine_sm90``: compile :func:`combine_configurations`, one
     JSON line each; exit 1 on a spill."""
-    import json
+    from .compile_check import report
 
-    bad = 0
-    for name, *cfg in combine_configurations():
-        res = compile_combine(*cfg, name=name)
-        bad += res["stack"] > 0 or res["local"] > 0
-        print(json.dumps(dict(kernel=name, **res)), flush=True)
-    return 1 if bad else 0
+    return report(combine_configurations(), compile_combine)
 
 
 if __name__ == "__main__":

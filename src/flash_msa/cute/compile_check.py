@@ -50,6 +50,19 @@ def compile_kernel(kernel, *args, dump: str | None = None, name: str = "", mma=F
     return res
 
 
+def report(configurations, compile_one) -> int:
+    """Compile each ``(name, *cfg)`` of ``configurations`` by ``compile_one(*cfg, name=name)``
+    and print one JSON line per kernel; 1 if any spills (stack or local bytes), else 0. The
+    ``python -m`` entry of a kernel module that lists its own configurations (combine,
+    quantize)."""
+    bad = 0
+    for name, *cfg in configurations:
+        res = compile_one(*cfg, name=name)
+        bad += res["stack"] > 0 or res["local"] > 0
+        print(json.dumps(dict(kernel=name, **res)), flush=True)
+    return 1 if bad else 0
+
+
 def configurations():
     """(name, dtype, Dp, Hp, Hpk, top_k, block[, qmap[, key_scale[, stages]]]) of the
     selection kernels checked; the ``qmap`` ones (``SelectSm90(qmap=True)``, context

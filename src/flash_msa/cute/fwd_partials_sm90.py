@@ -204,6 +204,7 @@ class FwdPartialsSm90:
     # ``()`` for a configuration not yet bound to a launch's tensors (it cannot be compiled)
     views: tuple = ()
 
+    LABEL: ClassVar[str] = "CuTe forward partials"  # (the ValueError's prefix: __post_init__)
     ROWS: ClassVar[int] = 64  # rows per chunk: one warpgroup's MMA M
     THREADS: ClassVar[int] = 128  # threads per warpgroup
     Q_BUFFERS: ClassVar[int] = 2  # per warpgroup: the next chunk's gather lands in the other
@@ -284,7 +285,7 @@ class FwdPartialsSm90:
             self.block_size, self.warpgroups, self.proxy, self.proxy_head_dim, self.proxy_k_heads,
         )  # fmt: skip
         if why is not None:
-            raise ValueError(f"CuTe forward partials: {why}")
+            raise ValueError(f"{self.LABEL}: {why}")
 
     @property
     def geometry(self) -> tuple[int, int, int]:
@@ -1083,6 +1084,8 @@ class FwdKlSm90(FwdPartialsSm90):
     with smaller tiles), so one CTA per SM; registers: see ``tests/test_cute_kl_fwd_cpu.py``
     and the compile check (no spills)."""
 
+    LABEL: ClassVar[str] = "CuTe KL stage"
+
     warpgroups: int = 2  # 3 exceeds the shared memory at D = Dp = 128, block 128
     proxy: bool = True  # the KL needs the proxy part's inputs (always True here)
 
@@ -1155,12 +1158,7 @@ class FwdKlSm90(FwdPartialsSm90):
         return None
 
     def __post_init__(self):
-        why = self.can_implement(
-            self.dtype, self.heads, self.kv_heads, self.sel_heads, self.head_dim, self.top_k,
-            self.block_size, self.warpgroups, self.proxy, self.proxy_head_dim, self.proxy_k_heads,
-        )  # fmt: skip
-        if why is not None:
-            raise ValueError(f"CuTe KL stage: {why}")
+        super().__post_init__()  # (this class's can_implement, with LABEL)
         if self.qmap:
             raise ValueError("CuTe KL stage: no query map (bwd_sm90.kl runs a mapped call)")
 

@@ -596,14 +596,9 @@ def compile_quantize(dtype, Dp, Hp, Hpk, block, key_scale, rotate, tuning=None, 
 def _main(argv: list[str]) -> int:
     """``python -m flash_msa.cute.quantize_sm90``: compile :func:`quantize_configurations`,
     one JSON line each; exit 1 on a spill."""
-    import json
+    from .compile_check import report
 
-    bad = 0
-    for name, *cfg in quantize_configurations():
-        res = compile_quantize(*cfg, name=name)
-        bad += res["stack"] > 0 or res["local"] > 0
-        print(json.dumps(dict(kernel=name, **res)), flush=True)
-    return 1 if bad else 0
+    return report(quantize_configurations(), compile_quantize)
 
 
 if __name__ == "__main__":
