@@ -3,6 +3,7 @@ One scenario per fresh process (python graph_debug_s10.py SCENARIO): the order o
 captures, the capture error mode, the garbage collector. Prints one line per capture."""
 import gc
 import sys
+import traceback
 
 import torch
 
@@ -27,11 +28,41 @@ class Graph(orig):
 
 
 bench.torch.cuda.graph = Graph
+if scenario == "pre_capture":  # a trivial capture first: is it the process's first capture?
+    x = torch.ones(4, device="cuda")
+    torch.cuda.synchronize()
+    g0 = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g0):
+            y = x * 2
+        print(f"{scenario}: trivial capture ok", flush=True)
+    except Exception as e:
+        print(f"{scenario}: trivial capture failed: {e}", flush=True)
+if scenario == "fwd_only":  # the forward alone (no autograd) first
+    from flash_msa import msa_attention
+    from flash_msa.backends import forced
+
+    def fwd():
+        with forced("auto"), torch.no_grad():
+            return msa_attention(*leaves, bench.TOP_K, compute_kl=True)
+
+    for _ in range(3):
+        fwd()
+    torch.cuda.synchronize()
+    g0 = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g0):
+            fwd()
+        print(f"{scenario}: forward capture ok", flush=True)
+    except Exception:
+        print(f"{scenario}: forward capture failed:\n" + traceback.format_exc()[-2500:], flush=True)
 for key in order:
     step, names = steps[key]
     try:
         ms = bench.graph_replay_ms(step, names, 5)
         print(f"{scenario} S={S} {key}: ok {ms:.3f} ms", flush=True)
     except Exception as e:
-        print(f"{scenario} S={S} {key}: {type(e).__name__}: {str(e).strip()[:600]}", flush=True)
+        print(f"{scenario} S={S} {key}: {type(e).__name__}: {str(e).strip()[:300]}", flush=True)
+        if scenario in ("global", "fwd_only"):
+            print(traceback.format_exc()[-3000:], flush=True)
     torch.cuda.empty_cache()
