@@ -8,7 +8,7 @@ layout: the Triton warmup step (``warmup=True``) and the all-blocks step, and re
 largest difference of out, kl and the five gradients between them (bf16, same inputs: the
 same function up to summation order).
 
-    PYTHONPATH=src python benchmarks/warmup_ab.py --seqlen 16384 32768 [--json F]
+    PYTHONPATH=src python benchmarks/warmup_ab.py --seqlen 8192 --batch 1 4 [--json F]
 """
 import argparse
 import json
@@ -27,7 +27,7 @@ class AllBlocks:
 
     @staticmethod
     def select(q_proxy, k_proxy, cu_seqlens, cfg, **kw):
-        return ALL[q_proxy.shape[0]]
+        return ALL[q_proxy.shape[0]]  # (B * S, Hp, S / block): one batch of equal lengths
 
 
 RESOLVED = {}  # op -> backend of the last all-blocks call
@@ -46,17 +46,20 @@ backends.resolve = resolve
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--seqlen", type=int, nargs="+", default=[16384, 32768])
+    # the lists hold every block, and both backends cap top_k at 64: S <= 64 blocks of 128
+    p.add_argument("--seqlen", type=int, nargs="+", default=[8192])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    B, H, Hkv, Hp, Hpk, D, Dp, _ = bench.SHAPES["anchor"]
+    _, H, Hkv, Hp, Hpk, D, Dp, _ = bench.SHAPES["anchor"]
     rows = []
-    for S in a.seqlen:
+    for S, B in [(S, B) for S in a.seqlen for B in a.batch]:
         nb = S // bench.BLOCK
-        own = (torch.arange(S, device="cuda") // bench.BLOCK)[:, None, None]
+        own = (torch.arange(B * S, device="cuda") % S // bench.BLOCK)[:, None, None]
         slot = torch.arange(nb, device="cuda")[None, None, :]
-        ALL[S] = torch.where(slot <= own, slot, -1).expand(S, Hp, nb).to(torch.int32).contiguous()
+        ALL[B * S] = torch.where(slot <= own, slot, -1).expand(B * S, Hp, nb).to(torch.int32)
+        ALL[B * S] = ALL[B * S].contiguous()
         xs = testing.make_inputs(B, S, H, Hkv, Hp, Hpk, D, Dp, dtype=torch.bfloat16, device="cuda")
         leaves = [x.detach().requires_grad_() for x in xs]
         dout = torch.randn_like(leaves[2])
@@ -69,7 +72,7 @@ def main():
                 return (out, kl, *g)
             return run
 
-        row = {"S": S, "blocks": nb}
+        row = {"S": S, "B": B, "blocks": nb}
         ref = step("triton", True)()
         mine = step("auto", False)()
         names = ("out", "kl", "dq_proxy", "dk_proxy", "dq", "dk", "dv")

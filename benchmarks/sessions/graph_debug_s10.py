@@ -38,6 +38,16 @@ if scenario == "pre_capture":  # a trivial capture first: is it the process's fi
         print(f"{scenario}: trivial capture ok", flush=True)
     except Exception as e:
         print(f"{scenario}: trivial capture failed: {e}", flush=True)
+if scenario == "torch_first":  # a pure-torch autograd step on the same leaves, captured first
+    def tstep():
+        q, k = leaves[2], leaves[3]
+        s = (q[0, :256, :2].float() * k[0, :256, :1].float()).sum()
+        return torch.autograd.grad(s, (q, k))
+
+    try:
+        print(f"{scenario}: torch step ok {bench.graph_replay_ms(tstep, ('dq', 'dk'), 3):.3f} ms", flush=True)
+    except Exception:
+        print(f"{scenario}: torch step failed:\n" + traceback.format_exc()[-1500:], flush=True)
 if scenario == "fwd_only":  # the forward alone (no autograd) first
     from flash_msa import msa_attention
     from flash_msa.backends import forced
