@@ -206,8 +206,9 @@ def test_refine_rules():
 
 def test_candidate_count():
     """top_k + RERANK_EXTRA, capped by the longest sequence's blocks, never below top_k."""
-    assert quant.RERANK_EXTRA == 4
-    assert quant.candidate_top_k(16, 4096, 128) == 20
+    assert quant.RERANK_EXTRA == 16  # the shipped m (quant.py: the H200 sweep at paper 128K)
+    assert quant.candidate_top_k(16, 4096, 128) == 32
+    assert quant.candidate_top_k(16, 40 * 128, 128) == 32
     assert quant.candidate_top_k(16, 17 * 128, 128) == 17
     assert quant.candidate_top_k(16, 100, 128) == 16
 

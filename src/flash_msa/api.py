@@ -816,7 +816,7 @@ def msa_attention(
             every gradient over the kept blocks are exact. Only backends whose limits declare
             it select in fp8 (``cute`` on SM90 and ``torch``; ``auto`` skips the others, a
             forced backend raises).
-            ``"fp8_rerank"``: the fp8 selection keeps ``top_k + quant.RERANK_EXTRA`` (4)
+            ``"fp8_rerank"``: the fp8 selection keeps ``top_k + quant.RERANK_EXTRA`` (16)
             blocks and their exact block scores (fp32, the input-dtype operands, the scores
             ``"bf16"`` ranks) keep ``top_k`` by the same rules: equal to the ``"bf16"``
             selection whenever its blocks are among the fp8 candidates (recall 99.87-100 %
@@ -901,7 +901,7 @@ def select_blocks(
         top_k, block_size, proxy_scale, cu_seqlens, max_seqlen, selection_precision: as in
             :func:`msa_attention` (``top_k`` in ``[1, MAX_TOP_K]``; ``selection_precision``
             ``"bf16"``, exact, ``"fp8"``, approximate, or ``"fp8_rerank"``, the fp8 top
-            ``top_k + 4`` re-ranked by exact scores).
+            ``top_k + 16`` re-ranked by exact scores).
 
     Returns:
         int32 ``(B, S, Hp, top_k)`` (or ``(T, Hp, top_k)``): sequence-local block numbers,

@@ -435,7 +435,18 @@ def graph_steps(prov, leaves, dense, precision="bf16"):
     (``torch.autograd.grad``, not ``.grad``: in a capture they are allocated from the graph's
     pool, and no accumulation kernel is added; the eager ``step_ms`` accumulates into ``.grad``,
     five elementwise adds). The incoming gradients are those of the eager step: a random
-    ``dout``, ``dkl = 1``. Runs on any device (a CPU test calls the steps)."""
+    ``dout``, ``dkl = 1``. Runs on any device (a CPU test calls the steps).
+
+    The outputs are returned detached: a step's autograd graph must not outlive the step. An
+    output that keeps its ``grad_fn`` keeps the leaves' ``AccumulateGrad`` nodes alive, with the
+    stream they were made on; :func:`graph_replay_ms` holds the eager steps' outputs while it
+    captures, so the captured backward met nodes of the default stream and synchronized that
+    stream, which is not capturing, with the capture stream: the first capture of every process
+    failed with "operation failed due to a previous error during capture" (torch warns "The
+    AccumulateGrad node's stream does not match ..."). H200, tenth session,
+    benchmarks/results/stage10/graph_debug*.log: the forward alone and a pure-torch step
+    captured first were fine; the MSA step with its backward failed first in every order,
+    capture error mode and with the garbage collector off."""
     from .api import msa_attention
 
     if prov in dense:
@@ -444,7 +455,7 @@ def graph_steps(prov, leaves, dense, precision="bf16"):
 
         def step():
             out = fn(q, k, v)
-            return (out, *torch.autograd.grad(out, (q, k, v), dout))
+            return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
 
         return {"step_graph_ms": (step, ("out", "dq", "dk", "dv"))}
     dout = torch.randn_like(leaves[2])
@@ -455,7 +466,8 @@ def graph_steps(prov, leaves, dense, precision="bf16"):
             out, kl = msa_attention(
                 *leaves, TOP_K, compute_kl=compute_kl, selection_precision=precision
             )
-            return (out, kl, *torch.autograd.grad((out, kl), leaves, (dout, torch.ones_like(kl))))
+            grads = torch.autograd.grad((out, kl), leaves, (dout, torch.ones_like(kl)))
+            return (out.detach(), kl.detach(), *grads)
 
     return {
         "step_graph_ms": (lambda: msa_step(True), names),

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         default=["bf16"],
         choices=list(PRECISIONS),
         help="run each MSA backend with these selection precisions (fp8: the opt-in e4m3 "
-        "selection, approximate; fp8_rerank: the fp8 top_k + 4 re-ranked exactly)",
+        "selection, approximate; fp8_rerank: the fp8 top_k + 16 re-ranked exactly)",
     )
     p.add_argument(
         "--cuda-graph",
