@@ -1,8 +1,10 @@
 """Kernel-time breakdown of one MSA training step (torch.profiler), on a GPU.
 
 PYTHONPATH=src python3 benchmarks/profile_step.py --seqlen 16384 [--shape anchor] [--backend auto]
-[--no-kl]: the kernels by total GPU time, then the step's GPU busy time against its span (the
-gaps are launch latency and host-bound stretches).
+[--no-kl] [--trace FILE]: the kernels by total GPU time, then the step's GPU busy time against its
+span (the gaps are launch latency and host-bound stretches). ``--trace``: also record the host
+(CPU) activity and write a Chrome trace (chrome://tracing, Perfetto) of the profiled step: where
+the GPU waits for the host, op by op.
 """
 
 import argparse
@@ -21,6 +23,7 @@ def main():
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--inputs", default="random")
     ap.add_argument("--no-kl", action="store_true", help="compute_kl=False (issue 13/14 step)")
+    ap.add_argument("--trace", default=None, help="write a Chrome trace (host and GPU) here")
     args = ap.parse_args()
     os.environ["FLASH_MSA_BACKEND"] = args.backend
     B, H, Hkv, Hp, Hpk, D, Dp, _ = bench.SHAPES[args.shape]
@@ -36,9 +39,14 @@ def main():
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    if args.trace:
+        acts.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=acts) as prof:
         step()
         torch.cuda.synchronize()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
     )
