@@ -109,16 +109,15 @@ def _warmup(prob):
 @pytest.mark.parametrize("cap", SMALL_SMEM_GPUS, ids=lambda c: f"sm{c[0]}{c[1]}")
 def test_auto_runs_triton_on_ampere_ada_and_consumer_blackwell(cap, monkeypatch):
     """On sm_80/86/89/120 ``auto`` picks Triton for select, fwd and bwd, sparse and warmup;
-    CuTe is refused there by its capability (the sparse ops) or its warmup entry, and says so.
-    On sm_90 the same problem's sparse select and bwd are CuTe's: the refusal is the arch."""
+    CuTe is refused there by its capability, and says so. On sm_90 the same problem's sparse
+    select and bwd, and its warmup's fwd and bwd, are CuTe's: the refusal is the arch."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton available on this GPU-less machine
     sparse = _gpu_problem(cap)
     arch = f"sm_{cap[0]}{cap[1]}"
     not_hopper = f"{arch} is not one of sm_90: CuTe kernels exist for Hopper only"
-    no_warmup = "warmup (dense attention, no selection) is not on CuTe"
     for prob, ops, cute_why in (
         (sparse, ("select", "fwd", "bwd"), not_hopper),
-        (_warmup(sparse), ("fwd", "bwd"), no_warmup),
+        (_warmup(sparse), ("fwd", "bwd"), not_hopper),
     ):
         for op in ops:
             name, rejected = backends.choose(op, prob)
@@ -128,6 +127,8 @@ def test_auto_runs_triton_on_ampere_ada_and_consumer_blackwell(cap, monkeypatch)
     hopper = _gpu_problem((9, 0))
     assert backends.choose("select", hopper) == ("cute", [])
     assert backends.choose("bwd", hopper) == ("cute", [])
+    assert backends.choose("fwd", _warmup(hopper)) == ("cute", [])  # flash_msa.cute.warmup
+    assert backends.choose("bwd", _warmup(hopper)) == ("cute", [])
 
 
 @pytest.mark.parametrize("cap", [(7, 5), (8, 7), (12, 1)], ids=lambda c: f"sm{c[0]}{c[1]}")

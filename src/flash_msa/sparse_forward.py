@@ -107,9 +107,26 @@ def _lender() -> Stages:
     return module.forward_stages()
 
 
+def borrowed_names(stages: Stages, proxy: bool = True, compute_kl: bool = True) -> tuple[str, ...]:
+    """The stages of ``stages`` that the driver would borrow (``None`` and called) for a call
+    with a proxy (``proxy``) and ``compute_kl``: not ``proxy_partials`` when the partials make
+    the proxy LSE or there is no proxy, not ``kl`` without a proxy and ``compute_kl``
+    (:func:`fwd` never calls them then), so that a stage the driver does not call adds no
+    limits (:func:`borrowed_reason`)."""
+    unused = ()
+    if stages.partials_make_proxy or not proxy:
+        unused += ("proxy_partials",)
+    if not (proxy and compute_kl):
+        unused += ("kl",)
+    return tuple(
+        f.name for f in fields(Stages) if getattr(stages, f.name) is None and f.name not in unused
+    )
+
+
 def borrowed(stages: Stages) -> Stages:
-    """``stages`` with every ``None`` stage replaced by the Triton backend's."""
-    missing = [f.name for f in fields(Stages) if getattr(stages, f.name) is None]
+    """``stages`` with every stage the driver calls (:func:`borrowed_names`) that is ``None``
+    replaced by the Triton backend's."""
+    missing = borrowed_names(stages)
     if not missing:
         return stages
     lender = _lender()
@@ -139,9 +156,12 @@ def with_proxy_grad(stages: Stages) -> Stages:
 
 
 def borrowed_reason(stages: Stages, problem: Problem) -> str | None:
-    """Why the stages ``stages`` borrows cannot run ``problem`` (``None``: they can, or it
-    borrows none)."""
-    if all(getattr(stages, f.name) is not None for f in fields(Stages)):
+    """Why the stages ``stages`` borrows (:func:`borrowed_names`) cannot run ``problem``
+    (``None``: they can, or it borrows none). A call that asks the forward for the unit proxy
+    gradient may borrow the Triton ``kl`` too (:func:`with_proxy_grad`); its caller checks
+    that case (the CuTe backend's forward is not asked for it: its backward makes it)."""
+    proxy, kl = problem.proxy_head_dim > 0, problem.cfg.compute_kl
+    if not borrowed_names(stages, proxy, kl):
         return None
     from . import backends
 

@@ -342,3 +342,44 @@ def query_order(q_map: torch.Tensor, cu_seqlens: torch.Tensor, total_tokens: int
     tokens, rows = torch.sort(tokens, stable=True)
     seq_start = torch.searchsorted(tokens, cu_seqlens.to(tokens.dtype), out_int32=True)
     return QueryOrder(rows.to(torch.int32), seq_start)
+
+
+def causal_blocks(
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+    max_seqlen: int,
+    heads: int,
+    total_tokens: int,
+    width: int | None = None,
+) -> torch.Tensor:
+    """Every causal key block of each token's own sequence: the selection's output contract
+    (``reference.select``: sequence-local block numbers, ascending, the own block always
+    present, ``-1`` padded) with every visible block kept, which makes the sparse op the dense
+    warmup (semantics.md, "Warmup mode": ``T(h, i)`` = every ``j <= i``; a kept block ``j <=
+    i // block_size`` holds keys ``<= i`` and the kernels mask the rest causally).
+
+    Args:
+        cu_seqlens: ``(N + 1,)`` int32 sequence bounds of the ``total_tokens`` packed tokens.
+        block_size: tokens per key block.
+        max_seqlen: the longest sequence (a host int: the width's bound).
+        heads: ``Hs``, selection heads (every head gets the same row).
+        total_tokens: ``T``.
+        width: slots per row, at least ``ceil(max_seqlen / block_size)`` (default: that);
+            the slots past a row's own block are ``-1``.
+
+    Returns:
+        ``(T, heads, width)`` int32, contiguous: ``[t, :, s] = s`` for ``s <= pos(t) //
+        block_size`` (``pos``: the token's position in its sequence), else ``-1``. Device ops on
+        fixed sizes only (no host synchronization: CUDA-graph capturable)."""
+    nb = -(-max_seqlen // block_size)
+    width = nb if width is None else width
+    if width < nb:
+        raise ValueError(f"width: {width} slots cannot hold the {nb} blocks of max_seqlen")
+    dev = cu_seqlens.device
+    cu = cu_seqlens.to(torch.int64)
+    tok = torch.arange(total_tokens, device=dev)
+    seq = torch.searchsorted(cu[1:], tok, right=True)  # the token's sequence
+    own = (tok - cu[seq]) // block_size  # [T]: its own (last visible) block
+    slot = torch.arange(width, device=dev, dtype=torch.int32)
+    rows = torch.where(slot[None, :] <= own[:, None], slot[None, :], -1)  # [T, width] int32
+    return rows[:, None, :].expand(total_tokens, heads, width).contiguous()

@@ -21,11 +21,15 @@ included); ``common.py`` holds what they share.
   selection head's main heads share one KV head); the forward then does not make the proxy
   gradient (``FUSED_PROXY_GRAD``).
 
-The dense warmup is not available here: ``unsupported_reason`` says so, ``auto`` then runs it
-on the Triton backend (the ops share one tensor contract, see docs/design.md), and
-``FLASH_MSA_BACKEND=cute`` raises :class:`~flash_msa.BackendError`; so does a backward outside
-its limits (``auto`` runs it on Triton within the same autograd step). Blackwell (sm_100)
-kernels are not written yet.
+* the dense warmup (``fwd`` / ``bwd`` with ``indices`` None): the sparse forward and the
+  fused backward over every causal block (``warmup.py``: lists built on the device, no
+  selection), within ``LIMITS["warmup"]`` and ``warmup.reason`` (a memory budget for the lists,
+  no Triton stage at top_k > 64); outside them ``auto`` runs the Triton warmup.
+
+A call outside the limits: ``auto`` runs it on the Triton backend (the ops share one tensor
+contract, see docs/design.md), and ``FLASH_MSA_BACKEND=cute`` raises
+:class:`~flash_msa.BackendError`; so does a backward outside its limits (``auto`` runs it on
+Triton within the same autograd step). Blackwell (sm_100) kernels are not written yet.
 
 Kernels are compiled on first use and cached in-process (``common.run``) and on disk
 (``disk_cache.py``: a second process loads instead of compiling; ``FLASH_MSA_CACHE=0`` off) per
@@ -102,7 +106,19 @@ LIMITS = {
         "runs it, with its limits",
     ),
     "bwd": BWD_LIMITS,
-    "warmup": "warmup (dense attention, no selection) is not on CuTe (auto runs it on Triton)",
+    # the dense warmup: the sparse forward and the fused backward over every causal block
+    # (flash_msa.cute.warmup: lists built on the device, top_k = their width); beyond these,
+    # warmup.reason: the lists' memory budget, the sparse ops' reasons at that top_k, and no
+    # Triton stage (Triton's stop at top_k 64)
+    "warmup": Limits(
+        **_SM90,
+        head_dims=(64, 128),
+        proxy_head_dims=(64, 128),
+        deterministic=True,  # the sparse forward's and BwdSm90(deterministic=True)'s
+        note="the sparse op over every causal block (top_k = the block count, rounded up to a "
+        "multiple of 64 above 64), within a memory budget for its lists "
+        "(flash_msa.cute.warmup.LIST_BYTES, else the Triton warmup)",
+    ),
 }
 
 
@@ -121,8 +137,12 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
     why = limits.reason(LIMITS, op, problem)
     if why is not None:
         return why
+    if problem.cfg.warmup and op in ("fwd", "bwd"):
+        from . import warmup
+
+        return warmup.reason(op, problem)
     if op == "fwd":
-        return _fwd_reason(problem)
+        return fwd_reason(problem)
     if op == "bwd":
         return bwd_kernel_reason(problem)
     return _select_reason(problem)
@@ -219,10 +239,12 @@ def _select_reason(problem: Problem) -> str | None:
     return None
 
 
-def _fwd_reason(problem: Problem) -> str | None:
+def fwd_reason(problem: Problem, stages=None) -> str | None:
     """The forward's limits beyond ``LIMITS``: its own kernel's
     (``FwdPartialsSm90.can_implement``: the same table plus the head-group arithmetic and
-    shared memory), and those of the stages it borrows."""
+    shared memory), and those of the stages it borrows: those of ``stages``, by default the
+    ones ``fwd_partials_sm90.fwd`` will pick for the call (:func:`call_stages`; e.g. Triton's
+    combine above the CuTe combine's 64 slots, with Triton's ``max_top_k``)."""
     from ..sparse_forward import borrowed_reason
     from .common import cutlass_dtype
     from .fwd_partials_sm90 import FwdPartialsSm90
@@ -233,7 +255,39 @@ def _fwd_reason(problem: Problem) -> str | None:
     )  # fmt: skip
     if why is not None:
         return why
-    return borrowed_reason(forward_stages(), problem)
+    return borrowed_reason(call_stages(problem) if stages is None else stages, problem)
+
+
+def meta_inputs(problem: Problem):
+    """``(q, k, q_proxy, k_proxy, indices)`` of one token with ``problem``'s heads, dims and
+    ``top_k`` on the meta device (no memory): for the stages' ``*_fits``, which read shapes
+    and dtypes only. The proxy is ``None`` where the problem has none (``proxy_head_dim`` 0)."""
+    import torch
+
+    m = dict(dtype=problem.dtype, device="meta")
+    H, Hkv, D = problem.num_heads, problem.num_kv_heads, problem.head_dim
+    Hs, Hpk, Dp = problem.num_sel_heads, problem.num_proxy_k_heads, problem.proxy_head_dim
+    q, k = torch.empty(1, H, D, **m), torch.empty(1, Hkv, D, **m)
+    qp = torch.empty(1, Hs, Dp, **m) if Dp else None
+    kp = torch.empty(1, Hpk, Dp, **m) if Dp else None
+    K = problem.cfg.top_k or 1
+    return q, k, qp, kp, torch.empty(1, Hs, K, dtype=torch.int32, device="meta")
+
+
+def call_stages(problem: Problem):
+    """The stages ``fwd_partials_sm90.fwd`` picks for ``problem`` (its ``*_fits`` on
+    :func:`meta_inputs`)."""
+    from .bwd_sm90 import kl_fits
+    from .combine_sm90 import combine_fits
+    from .fwd_partials_sm90 import proxy_fits
+
+    q, k, qp, kp, idx = meta_inputs(problem)
+    cfg = problem.cfg
+    return forward_stages(
+        kl_fits(q, k, qp, kp, idx, cfg),
+        combine_fits(q.dtype, q.shape[1], idx.shape[1], idx.shape[2], q.shape[2]),
+        proxy_fits(q, k, qp, kp, idx, cfg),
+    )
 
 
 def bwd_kernel_reason(problem: Problem) -> str | None:
@@ -274,6 +328,10 @@ def fwd(
 ):
     """Backend op ``fwd``: see :func:`flash_msa.cute.fwd_partials_sm90.fwd` (``q_map``: the
     contract's query map)."""
+    if indices is None:  # warmup: the sparse forward over every causal block
+        from .warmup import fwd as _warmup
+
+        return _warmup(q, k, v, cu_seqlens, cfg, q_proxy, k_proxy, q_map)
     from .fwd_partials_sm90 import fwd as _fwd
 
     return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad, q_map=q_map)
@@ -284,6 +342,10 @@ def bwd(dout, dkl, saved, cu_seqlens, cfg, *, q_map=None):
     query map)."""
     from .bwd_sm90 import bwd as _bwd
 
+    if saved.indices is None:  # warmup: the fused backward over every causal block
+        from .warmup import bwd as _warmup
+
+        return _warmup(dout, dkl, saved, cu_seqlens, cfg, _bwd, q_map)
     return _bwd(dout, dkl, saved, cu_seqlens, cfg, q_map=q_map)
 
 
