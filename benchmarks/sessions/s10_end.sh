@@ -14,8 +14,8 @@ if [ "$part" = 1 ]; then
     > "$out/bench_graph.log" 2>&1
   grep -E "^ *(shape|anchor)|graph_error" "$out/bench_graph.log" | cut -c1-250
   t timeout "${TESTS_LIMIT:-330}" python3 -m pytest -m gpu -v -p no:cacheprovider -n 14 \
-    tests/test_gpu.py tests/test_fp8_rerank.py tests/test_compile_torch.py tests/test_gpu_cute.py \
-    ${EXTRA_TESTS:-} > "$out/test_end.log" 2>&1
+    ${EXTRA_TESTS:-} tests/test_gpu.py tests/test_fp8_rerank.py tests/test_compile_torch.py \
+    tests/test_gpu_cute.py > "$out/test_end.log" 2>&1
   grep -E "FAILED|ERROR" "$out/test_end.log" | head -12; tail -1 "$out/test_end.log"
 else
   t timeout 200 python3 benchmarks/warmup_ab.py ${WARMUP_AB_ARGS:-} --json "$out/warmup_ab.json" \
