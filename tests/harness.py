@@ -160,3 +160,21 @@ def no_host_sync():
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def torch_combine(o_part, l_part, idx, out, lse, proxy=None):
+    """The sparse forward's combine stage (``sparse_forward.Stages.combine``) in torch, fp32:
+    merge each row's used slots (index >= 0) by their LSE; an unused slot adds nothing whatever
+    its partial rows hold (NaN included: the contract never writes them); a row with no used
+    slot gets lse -inf and out 0. ``proxy``: ``(pl_part, proxy_lse)``, merged the same way."""
+    C, Hs, K = idx.shape
+    H = lse.shape[1]
+    used = (idx >= 0).repeat_interleave(H // Hs, dim=1)
+    lp = torch.where(used, l_part[:C], -torch.inf)
+    lse.copy_(torch.logsumexp(lp, dim=-1))
+    if o_part is not None:
+        w = torch.where(used, torch.exp(lp - lse[..., None]), 0.0)
+        o = torch.where(used[..., None], o_part[:C].float(), 0.0)
+        out.copy_(torch.nan_to_num((w[..., None] * o).sum(2), nan=0.0).to(out.dtype))
+    if proxy is not None:
+        torch_combine(None, proxy[0], idx, None, proxy[1])

@@ -123,10 +123,11 @@ def borrowed_names(stages: Stages, proxy: bool = True, compute_kl: bool = True) 
     )
 
 
-def borrowed(stages: Stages) -> Stages:
-    """``stages`` with every stage the driver calls (:func:`borrowed_names`) that is ``None``
-    replaced by the Triton backend's."""
-    missing = borrowed_names(stages)
+def borrowed(stages: Stages, proxy: bool = True, compute_kl: bool = True) -> Stages:
+    """``stages`` with every stage the driver calls for a call with a proxy (``proxy``) and
+    ``compute_kl`` (:func:`borrowed_names`) that is ``None`` replaced by the Triton backend's;
+    a stage the call never runs stays ``None`` (the Triton backend is not even loaded for it)."""
+    missing = borrowed_names(stages, proxy, compute_kl)
     if not missing:
         return stages
     lender = _lender()
@@ -199,7 +200,10 @@ def fwd(
     ran in one chunk and :func:`keeps` them: ``T * Hs * K * 8`` bytes (+ ``(Hs * NB + 1) * 8 +
     NB * 8``), held as long as the caller holds them (api.py: until the backward).
     """
-    stages = with_proxy_grad(stages) if proxy_grad else borrowed(stages)
+    if proxy_grad:
+        stages = with_proxy_grad(stages)
+    else:
+        stages = borrowed(stages, q_proxy is not None, cfg.compute_kl)
     if q_map is not None and not stages.q_map:
         raise ValueError("q_map: these forward stages do not implement a query map")
     T, H, D = q.shape

@@ -43,22 +43,27 @@ from ..problem import Config, Forward, Problem, Saved
 
 GROUP = 64  # slots the CuTe combine merges per row (combine_sm90.MAX_TOPK): the first level
 
-# The bytes of the lists that grow as T * Hs * W (W: :func:`width`), per list entry: the index
-# lists (int32, 4), and the work list's sort over all T rows in the backward (bwd_sm90.bwd:
-# worklist.lists over the whole call): the int32 keys (4) and the key cast before them (4),
-# the sorted keys (4) and the int64 permutation (8): 24 bytes in all (the items are W' = T Hs W
-# / 256 + Hs NB entries of 16 bytes, < 1 byte per entry). The forward sorts per query chunk
-# (less), and its partial buffers are bounded apart by sparse_forward.PARTIAL_BYTES (2 GiB:
-# o_part C H W D, plus l_part C H W and pl_part C Hs W fp32 and the grouped combine's expanded
-# indices C H W int32, 12 bytes per (row, slot) against o_part's 256 at D 128 bf16).
-# T is bounded by num_seqs * max_seqlen (the Problem has no token count: a varlen call is
-# counted as if every sequence were the longest). Budget: 4 GiB of transient memory (freed
-# after the step; the forward keeps its lists for the backward only within
-# sparse_forward.keeps' share), 3% of an H200. 0.1875 GiB per 16K sequence at 16K, 0.75 at
-# 32K, 3 at 64K (Hs 4, block 128: the anchor and paper layouts alike): 16K up to B 21, 32K up
-# to B 5, 64K B 1; beyond that the Triton warmup (O(T) memory) runs.
-LIST_BYTES = 4 << 30
-BYTES_PER_ENTRY = 24
+# The bytes that grow as T * Hs * W (W: :func:`width`), per list entry, at the peak of the
+# backward's work-list sort over all T rows (bwd_sm90.bwd: worklist.lists over the whole call):
+# the index lists (int32, 4), the sort keys (int32, 4), the sorted keys (4), the permutation
+# (int64, 8), and inside torch.sort(stable=True) of a 1-D tensor (ATen's SortStable.cu: a
+# segmented sort) an int64 index array (8) and cub's alternate key and value buffers (4 + 8):
+# 40 bytes (a review's count from the source; the first version counted 24). The items are
+# W' = T Hs W / 256 + Hs NB entries of 16 bytes, < 1 byte per entry. The forward sorts per
+# query chunk (less), and its partial buffers are bounded apart by
+# sparse_forward.PARTIAL_BYTES (2 GiB: o_part C H W D, plus l_part C H W and pl_part C Hs W
+# fp32 and the grouped combine's expanded indices C H W int32, 12 bytes per (row, slot)
+# against o_part's 256 at D 128 bf16). T is bounded by num_seqs * max_seqlen (the Problem has
+# no token count: a varlen call is counted as if every sequence were the longest); the heads
+# are the most either pass may use (:func:`list_heads`). Budget: 6 GiB of transient memory
+# (freed after the step), 4 % of an H200: 0.31 GiB per sequence at 16K, 1.25 at 32K, 5 at 64K
+# (4 heads, block 128: the anchor and paper layouts alike): 16K up to B 19, 32K up to B 4, 64K
+# B 1 (H200, tenth session, warmup_ab.log: the whole anchor-64K warmup step peaked at 6.71
+# GiB against the Triton warmup's 3.02); beyond that the Triton warmup (O(T) memory) runs.
+# A sort-free builder (each list is one run of tokens: 8 bytes per entry, no sort) would cut
+# this five-fold: not written yet.
+LIST_BYTES = 6 << 30
+BYTES_PER_ENTRY = 40
 
 
 def width(max_seqlen: int, block_size: int) -> int:
@@ -116,11 +121,12 @@ def reason(op: str, problem: Problem) -> str | None:
     if problem.q_map:
         return "the CuTe warmup takes no query map (q_map)"
     tokens = problem.num_seqs * cfg.max_seqlen
-    need = list_bytes(tokens, problem.num_sel_heads, cfg.max_seqlen, cfg.block_size)
+    heads = list_heads(problem)
+    need = list_bytes(tokens, heads, cfg.max_seqlen, cfg.block_size)
     if need > LIST_BYTES:
         return (
             f"the CuTe warmup's block lists need {need / 2**30:.2f} GiB ({BYTES_PER_ENTRY} B x "
-            f"{tokens} tokens x {problem.num_sel_heads} selection heads x "
+            f"{tokens} tokens x {heads} list heads x "
             f"{width(cfg.max_seqlen, cfg.block_size)} blocks), over its budget of "
             f"{LIST_BYTES / 2**30:.0f} GiB (flash_msa.cute.warmup.LIST_BYTES)"
         )
@@ -178,13 +184,24 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, sparse_bwd, q_map=None
         raise ValueError("q_map: the CuTe warmup does not take a query map")
     scfg = sparse_config(cfg)
     q, k = saved.q, saved.k
+    kept = worklist.carried(saved)
     if saved.q_proxy is not None:
         Hs = saved.q_proxy.shape[1]
-    else:  # main gradients only (no proxy saved): any head count the kernel takes
+    elif kept is not None:  # no proxy saved (frozen proxy, KL on): the forward's lists' heads,
+        Hs = kept.heads  # so that they match and are not sorted again (every head's are alike)
+    else:  # main gradients only: any head count the kernel takes
         Hs = main_heads(q.dtype, q.shape[1], k.shape[1], q.shape[2], scfg)
     indices = lists(cu_seqlens, cfg, Hs, q.shape[0])
-    full = worklist.carry(saved._replace(indices=indices), worklist.carried(saved))
+    full = worklist.carry(saved._replace(indices=indices), kept)
     return sparse_bwd(dout, dkl, full, cu_seqlens, scfg)
+
+
+def list_heads(problem: Problem) -> int:
+    """The most list heads a pass of warmup ``problem`` may use: the proxy's selection heads
+    (a pass with the proxy) or :func:`main_heads` (a pass without it), whichever is more."""
+    H, Hkv, D = problem.num_heads, problem.num_kv_heads, problem.head_dim
+    scfg = sparse_config(problem.cfg)
+    return max(problem.num_sel_heads, main_heads(problem.dtype, H, Hkv, D, scfg))
 
 
 def main_heads(dtype: torch.dtype, H: int, Hkv: int, D: int, cfg: Config) -> int:
