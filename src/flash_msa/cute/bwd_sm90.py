@@ -149,10 +149,6 @@ class BwdSm90:
         "stages1": dict(gather_stages=1),
         # deterministic mode (not an A/B switch: checked and timed beside the others)
         "deterministic": dict(deterministic=True),
-        # the warp-specialized kernel's producer one ring iteration ahead (BwdWsSm90.prefetch;
-        # ws=True: a layout BwdWsSm90 cannot run is refused by its can_implement, and skipped by
-        # the GPU tests' bwd_fits, instead of reaching BwdSm90, which has no such field)
-        "prefetch": dict(ws=True, prefetch=True),
     }
 
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)

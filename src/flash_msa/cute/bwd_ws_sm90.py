@@ -29,13 +29,6 @@ Stage ``s = i % 2`` of iteration ``i`` (phase A's iterations, then phase B's) is
 K_proxy replaces V in shared memory after phase A: the consumers meet at ``DS_READY``, then one
 thread issues its TMA.
 
-:attr:`BwdWsSm90.prefetch` (an A/B switch, off by default: ``BwdSm90.VARIANTS["prefetch"]``)
-pipelines the producer: the row data of the next ring iteration is loaded into registers while
-this iteration's gathers fly (:meth:`BwdWsSm90.producer_prefetch`), so that the ``perm`` ->
-LSE / Delta round trips no longer precede each stage's gathers (why: at the paper layout the
-H200 profile, benchmarks/results/stage10/ncu_paper_details.txt, has 0.43 eligible warps per
-scheduler and the L1TEX scoreboard as the top stall; not yet timed).
-
 Shared memory: BwdSm90's with ``gather_stages=2`` plus four mbarriers (216,064 bytes at D = Dp
 = 128, block 128, bf16). Registers: 384 threads launch at 168 each (``.minnctapersm 1`` pins
 it: without it ptxas dropped the setmaxnreg at D = 64); the producer drops to 32 and the
@@ -62,7 +55,7 @@ from cutlass import Constexpr, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.memory import SmemAllocator
 
-from .bwd_sm90 import LOG2E, BwdSm90
+from .bwd_sm90 import BwdSm90
 from .common import WorkItems, acc_as_a, acc_rows_cols
 
 
@@ -80,10 +73,6 @@ class BwdWsSm90(BwdSm90):
     DS_READY: ClassVar[int] = 1
     DS_FREE: ClassVar[int] = 2
     PRODUCER_BAR: ClassVar[int] = 3  # the producer warpgroup: row data written, then gathers
-
-    # the producer's row data one ring iteration ahead, in registers (:meth:`producer_prefetch`;
-    # an A/B switch, ``BwdSm90.VARIANTS["prefetch"]``, off until the H200 has timed it)
-    prefetch: bool = False
 
     @classmethod
     def can_implement(
@@ -211,16 +200,10 @@ class BwdWsSm90(BwdSm90):
                     self.load_tile(tma_v, mV, sV, D, ks, kvh, bars, warp_idx, -1)
                 else:
                     self.load_tile(tma_k, mK, sK, D, ks, kvh, bars, warp_idx, 1)
-                if cutlass.const_expr(self.prefetch):
-                    self.producer_prefetch(
-                        mQ, mDO, mLSE, mDelta, mQp, mPLSE, sQ, sdO, sQp, sRowF, sRowI, work.perm,
-                        gathers, bars, e0, e1, p, scales[4], t_all, qm,
-                    )  # fmt: skip
-                else:
-                    self.producer(
-                        mQ, mDO, mLSE, mDelta, mQp, mPLSE, sQ, sdO, sQp, sRowF, sRowI, work.perm,
-                        gathers, bars, e0, e1, p, scales[4], t_all, qm,
-                    )  # fmt: skip
+                self.producer(
+                    mQ, mDO, mLSE, mDelta, mQp, mPLSE, sQ, sdO, sQp, sRowF, sRowI, work.perm,
+                    gathers, bars, e0, e1, p, scales[4], t_all, qm,
+                )  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
                 # 0 .. 255; the mask tells the compilers it is not negative (divisions and
@@ -289,133 +272,6 @@ class BwdWsSm90(BwdSm90):
                 self.gather_rows(gathers[1], mQp, sQp, DP, sRowI, s, tp)
                 self.publish(bars + 2 + s)
                 it += 1
-
-    @cute.jit
-    def producer_prefetch(
-        self, mQ, mDO, mLSE, mDelta, mQp, mPLSE, sQ, sdO, sQp, sRowF, sRowI, mPerm, gathers,
-        bars, e0, e1, p, tok0, tp, qm=(),
-    ):  # fmt: skip
-        """:meth:`producer` software-pipelined (:attr:`prefetch`): one loop over the ring's
-        iterations (phase A's ``n_a * R``, then phase B's chunks), the row data of iteration
-        ``i + 1`` loaded into registers while iteration ``i``'s stage is filled, so that its two
-        dependent global round trips overlap the gathers' flight (and the next wait on
-        ``empty``) instead of preceding the gathers. Iteration ``i`` (stage ``s = i % 2``;
-        threads 0..63 hold the row data of ``i``):
-
-        1. wait ``empty[s]``,
-        2. store the held row data into ``sRowI[:, :, s]`` / ``sRowF[:, :, s]``,
-        3. load ``perm`` of iteration ``i + 1`` (:meth:`ring_entry`),
-        4. producer barrier, then the gathers of stage ``s`` (they read ``sRowI[:, 1, s]``),
-        5. load iteration ``i + 1``'s LSE / Delta / proxy LSE / ``q_map`` (:meth:`ring_fields`:
-           addresses from step 3's ``perm``, which the gathers' issue overlapped; nothing reads
-           them before the next step 2),
-        6. :meth:`publish` ``full[s]`` (waits the gathers, fences, arrives).
-
-        Shared-memory writes, barriers and their order are :meth:`producer`'s (step 2 = its
-        ``row_data`` stores, steps 4 and 6 unchanged): only global loads into registers moved.
-        Read in the anchor kernel's SASS (scoreboards), two placements that lost the overlap:
-        the LSE scaled to log2 units at the load (the multiply waited for it before step 6:
-        it is scaled at the store now), and step 3 before step 1 (ptxas gave that load the
-        scoreboard of the held LSE loads, so step 2's multiply waited for it too)."""
-        ROWS, D, DP = self.ROWS, self.head_dim, self.proxy_head_dim
-        G, G2, R = self.geometry
-        BT = ROWS // G2
-        # 32-bit counts (an item has at most ITEM_TOKENS entries per head): with the work
-        # list's int64 positions every index was 64-bit and the 32 registers spilled 8 bytes
-        n_e = Int32(e1 - e0)
-        n_main = (n_e + BT - 1) // BT * R  # phase A's iterations
-        n_all = n_main
-        if cutlass.const_expr(self.proxy):
-            n_all = n_main + (n_e + ROWS - 1) // ROWS
-        flat = self.ring_entry(Int32(0), mPerm, n_main, e0, n_e, tp)
-        args = (mLSE, mDelta, mPLSE, n_main, n_e, p, tp, tok0, qm)
-        tok, row, lse, delta, part = self.ring_fields(Int32(0), flat, *args)
-        for i in cutlass.range(n_all, unroll=1):
-            s = i % 2
-            cute.arch.mbarrier_wait(bars + 4 + s, (i // 2) % 2 ^ 1)
-            if tp < ROWS:
-                sRowI[tp, 0, s] = tok
-                sRowI[tp, 1, s] = row
-                if cutlass.const_expr(self.deterministic):
-                    sRowI[tp, 2, s] = part
-                sRowF[tp, 0, s] = lse * LOG2E
-                sRowF[tp, 1, s] = delta
-            if i + 1 < n_all:
-                flat = self.ring_entry(i + 1, mPerm, n_main, e0, n_e, tp)
-            self.producer_sync()
-            if cutlass.const_expr(self.proxy):
-                if i < n_main:
-                    self.gather_rows(gathers[0], mQ, sQ, D, sRowI, s, tp)
-                    if cutlass.const_expr(self.main):
-                        self.gather_rows(gathers[0], mDO, sdO, D, sRowI, s, tp)
-                else:
-                    self.gather_rows(gathers[1], mQp, sQp, DP, sRowI, s, tp)
-            else:  # (main only)
-                self.gather_rows(gathers[0], mQ, sQ, D, sRowI, s, tp)
-                self.gather_rows(gathers[0], mDO, sdO, D, sRowI, s, tp)
-            if i + 1 < n_all:
-                tok, row, lse, delta, part = self.ring_fields(i + 1, flat, *args)
-            self.publish(bars + 2 + s)
-
-    @cute.jit
-    def ring_row(self, i, n_main, tp):
-        """``(phase A?, entry in the item)`` of thread ``tp``'s row (< 64) in ring iteration
-        ``i``: phase A's iteration ``i`` has entries ``(i // R) * BT + row / G2``, phase B's
-        chunk ``i - n_main`` entries ``(i - n_main) * 64 + row``."""
-        G2, R = self.geometry[1:]
-        phase_a = True
-        e = (i // R) * (self.ROWS // G2) + tp // G2
-        if cutlass.const_expr(self.proxy):  # noqa: SIM102 (a static test, then a traced one)
-            if i >= n_main:
-                phase_a = False
-                e = (i - n_main) * self.ROWS + tp
-        return phase_a, e
-
-    @cute.jit
-    def ring_entry(self, i, mPerm, n_main, e0, n_e, tp):
-        """``perm`` of thread ``tp``'s row in ring iteration ``i`` (pad rows: the item's last
-        entry, as :meth:`BwdSm90.row_data` reads it; threads 64.. none: 0)."""
-        flat = mPerm.element_type(0)  # (threads 64.. do not use it)
-        if tp < self.ROWS:
-            _, e = self.ring_row(i, n_main, tp)
-            flat = mPerm[e0 + cutlass.min(e, n_e - 1)]
-        return flat
-
-    @cute.jit
-    def ring_fields(self, i, flat, mLSE, mDelta, mPLSE, n_main, n_e, p, tp, tok0, qm=()):
-        """Thread ``tp``'s row (< 64) of ring iteration ``i`` from its ``perm`` value ``flat``
-        (:meth:`ring_entry`), in registers: ``(token, gradient row, LSE (natural units),
-        Delta, partial row)``, the values :meth:`BwdSm90.row_data` (phase A) /
-        :meth:`BwdSm90.proxy_row_data` (phase B) store: token -1, LSE +inf, Delta 0 for a
-        pad row; Delta 0 where there is none (phase B, no ``main``); the partial row only in
-        :attr:`deterministic` mode (else 0)."""
-        H, HS, K = self.heads, self.sel_heads, self.top_k
-        G, G2, R = self.geometry
-        tok, row, lse, delta, part = Int32(-1), Int32(0), Float32.inf, Float32(0.0), Int32(0)
-        if tp < self.ROWS:
-            phase_a, e = self.ring_row(i, n_main, tp)
-            t = Int32(flat // (HS * K))
-            h = p * G + (i % R) * G2 + tp % G2  # phase A: the row's main head
-            if phase_a:
-                row = Int32(t * H + h)
-                if cutlass.const_expr(self.deterministic):
-                    part = ((t - tok0) * H + h) * K + Int32(flat % K)
-            else:
-                row = Int32(t * HS + p)
-                if cutlass.const_expr(self.deterministic):
-                    part = ((t - tok0) * HS + p) * K + Int32(flat % K)
-            if e < n_e:
-                if cutlass.const_expr(self.qmap):  # the causal position: the row's token
-                    tok = qm[0][t]
-                else:
-                    tok = t
-                if phase_a:
-                    lse = mLSE[row]
-                    if cutlass.const_expr(self.main):
-                        delta = mDelta[row]
-                else:
-                    lse = mPLSE[row]
-        return tok, row, lse, delta, part
 
     @cute.jit
     def ds_partition(self, thr_sdp, sdS):

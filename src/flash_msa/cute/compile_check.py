@@ -172,12 +172,6 @@ def bwd_configurations():
     ):  # fmt: skip
         yield f"bwd bf16 {name} v2", "bf16", H, Hkv, Hs, Hpk, D, D, K, 128, main, proxy, v2
     yield "bwd fp16 anchor v2", "fp16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, v2
-    pf = dict(ws=True, prefetch=True)  # BwdWsSm90's software-pipelined producer (an A/B)
-    for name, H, Hkv, main, proxy in (
-        ("anchor", 16, 2, 1, 1), ("paper", 64, 4, 1, 1),
-        ("anchor main-only", 16, 2, 1, 0), ("anchor proxy-only", 16, 2, 0, 1),
-    ):  # fmt: skip
-        yield f"bwd bf16 {name} prefetch", "bf16", H, Hkv, 4, 1, 128, 128, 16, 128, main, proxy, pf
     kl = dict(kl=True)  # the forward's KL stage (bwd_sm90.kl): the KL value, no gradient
     yield "bwd bf16 anchor kl", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 0, 0, kl
     yield "bwd bf16 paper kl", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 0, 0, kl
