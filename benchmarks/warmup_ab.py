@@ -129,7 +129,7 @@ def main():
         leaves = [x.detach().requires_grad_() for x in xs]
         dout = torch.randn_like(leaves[2])
 
-        def step(backend, warmup):
+        def step(backend, warmup, leaves=leaves, dout=dout, nb=nb):
             def run():
                 with forced(backend):
                     out, kl = msa_attention(*leaves, nb, warmup=warmup, compute_kl=True)

@@ -135,7 +135,12 @@ def test_cute_bwd_variants_match_reference(variant, case):
     if not bwd_fits(CASES[case], variant):
         pytest.skip(f"{variant} cannot run this layout (can_implement)")
     _run(*CASES[case], torch.bfloat16, seed=3, variant=variant)
-    if variant in (VARIANTS["stages1"], VARIANTS["v2"], VARIANTS["deterministic"]):
+    if variant in (
+        VARIANTS["stages1"],
+        VARIANTS["v2"],
+        VARIANTS["deterministic"],
+        VARIANTS["teacher_regs"],  # (the teacher: the proxy gradient's target)
+    ):
         _run(*CASES[case], torch.bfloat16, seed=3, main=False, variant=variant)
 
 

@@ -1,6 +1,7 @@
 """Why did the first CUDA-graph capture of the anchor-16K KL step fail (stage9/end)?
 One scenario per fresh process (python graph_debug_s10.py SCENARIO): the order of the
 captures, the capture error mode, the garbage collector. Prints one line per capture."""
+
 import gc
 import sys
 import traceback
@@ -15,8 +16,10 @@ B, H, Hkv, Hp, Hpk, D, Dp, _ = bench.SHAPES["anchor"]
 xs = testing.make_inputs(B, S, H, Hkv, Hp, Hpk, D, Dp, dtype=torch.bfloat16, device="cuda")
 leaves = [x.detach().requires_grad_() for x in xs]
 steps = bench.graph_steps("cute", leaves, {}, "bf16")
-order = ["step_nokl_graph_ms", "step_graph_ms"] if scenario == "nokl_first" else ["step_graph_ms", "step_nokl_graph_ms"]
-mode = "thread_local" if scenario == "thread_local" else "relaxed" if scenario == "relaxed" else "global"
+order = ["step_graph_ms", "step_nokl_graph_ms"]
+if scenario == "nokl_first":
+    order.reverse()
+mode = scenario if scenario in ("thread_local", "relaxed") else "global"
 if scenario == "nogc":
     gc.disable()
 orig = torch.cuda.graph
@@ -39,13 +42,15 @@ if scenario == "pre_capture":  # a trivial capture first: is it the process's fi
     except Exception as e:
         print(f"{scenario}: trivial capture failed: {e}", flush=True)
 if scenario == "torch_first":  # a pure-torch autograd step on the same leaves, captured first
+
     def tstep():
         q, k = leaves[2], leaves[3]
         s = (q[0, :256, :2].float() * k[0, :256, :1].float()).sum()
         return torch.autograd.grad(s, (q, k))
 
     try:
-        print(f"{scenario}: torch step ok {bench.graph_replay_ms(tstep, ('dq', 'dk'), 3):.3f} ms", flush=True)
+        ms = bench.graph_replay_ms(tstep, ("dq", "dk"), 3)
+        print(f"{scenario}: torch step ok {ms:.3f} ms", flush=True)
     except Exception:
         print(f"{scenario}: torch step failed:\n" + traceback.format_exc()[-1500:], flush=True)
 if scenario == "fwd_only":  # the forward alone (no autograd) first

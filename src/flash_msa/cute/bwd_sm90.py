@@ -149,6 +149,10 @@ class BwdSm90:
         "stages1": dict(gather_stages=1),
         # deterministic mode (not an A/B switch: checked and timed beside the others)
         "deterministic": dict(deterministic=True),
+        # the warp-specialized kernel's teacher summed in registers over a chunk's sub-groups
+        # and stored once per chunk (BwdWsSm90.teacher_regs; ws=True: a layout BwdWsSm90 cannot
+        # run is refused by its can_implement, not handed to BwdSm90, which has no such field)
+        "teacher_regs": dict(ws=True, teacher_regs=True),
     }
 
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
@@ -799,6 +803,44 @@ class BwdSm90:
                     if lane % 2 == 0:
                         idx = (tok0 + col // 4) * SLAB_W + key
                         slab[idx] = (slab[idx] if r > 0 else Float32(0.0)) + s
+
+    @cute.jit
+    def teacher_base(self, cS):
+        """This thread's slab offset for :meth:`teacher_add` / :meth:`teacher_flush` (G2 = 4),
+        from its first accumulator coordinate (key ``cS[0, 0][0]``, column ``cS[0, 0][1]`` =
+        ``2 (lane % 4)``, so token ``(lane % 4) // 2``) and its lane's half of the token pairs
+        (odd lanes: 2 tokens on); computed once per item, every store then adds a constant."""
+        odd = cute.arch.lane_idx() % 2
+        return (cS[0, 0][1] // 4 + 2 * odd) * self.block_size + cS[0, 0][0]
+
+    @cute.jit
+    def teacher_add(self, S_rc, rT):
+        """G2 = 4: add this sub-group's teacher terms to the registers ``rT`` (2 rows x 4; the
+        teacher in registers, :attr:`BwdWsSm90.teacher_regs`). A thread holds rows (keys) r and
+        r + 8 and column pairs ``8 jj + 2 (lane % 4)``: pair jj is token ``2 jj + (lane % 4) //
+        2``, heads 2 (lane % 2) .. + 1, so lanes 2m and 2m + 1 hold a token's four heads. The
+        lane pair splits the tokens without a branch: the even lane keeps the even jj (its
+        ``rT[i, k]`` is jj = 2k), the odd lane the odd jj, each sends the other its pair sum of
+        the other's jj. The sum is the same as :meth:`add_teacher`'s (even lane's pair + odd
+        lane's pair, then added to the previous sub-groups' in sub-group order): bitwise."""
+        assert cute.size(S_rc, mode=[0]) == 2 and cute.size(S_rc, mode=[1]) == 16
+        odd = cute.arch.lane_idx() % 2 == 1
+        for i in cutlass.range_constexpr(2):
+            for k in cutlass.range_constexpr(4):
+                s_even = S_rc[i, 4 * k] + S_rc[i, 4 * k + 1]  # jj = 2k
+                s_odd = S_rc[i, 4 * k + 2] + S_rc[i, 4 * k + 3]  # jj = 2k + 1
+                send = Float32(cutlass.select_(odd, s_even, s_odd))
+                keep = Float32(cutlass.select_(odd, s_odd, s_even))
+                rT[i, k] = rT[i, k] + (keep + cute.arch.shuffle_sync_bfly(send, offset=1))
+
+    @cute.jit
+    def teacher_flush(self, rT, slab, base):
+        """Store :meth:`teacher_add`'s registers into the slab at ``base`` (:meth:`teacher_base`
+        plus the chunk's rows): ``rT[i, k]`` is key + 8 i, token + 4 k; plain stores, both lanes
+        of a pair (distinct tokens), pad tokens' zeros included."""
+        for i in cutlass.range_constexpr(2):
+            for k in cutlass.range_constexpr(4):
+                slab[base + (4 * k * self.block_size + 8 * i)] = rT[i, k]
 
     @cute.jit
     def dq_product(

@@ -29,6 +29,18 @@ Stage ``s = i % 2`` of iteration ``i`` (phase A's iterations, then phase B's) is
 K_proxy replaces V in shared memory after phase A: the consumers meet at ``DS_READY``, then one
 thread issues its TMA.
 
+:attr:`BwdWsSm90.teacher_regs` (an A/B switch, off by default: ``BwdSm90.VARIANTS
+["teacher_regs"]``) keeps phase A's teacher in registers (design note
+docs/reviews/2026-12-01-bwd-consumer-schedule.md, alternative A): at G2 = 4 the (token, key)
+pairs a thread holds are the same in every sub-group r of a chunk (row = token-major), so each
+thread sums its tokens' head sums over r = 0 .. R - 1 in 8 registers (the same additions in the
+same order as the slab's load-add-store chain: the same bits) and stores them once per chunk,
+after r = R - 1, at addresses from one per-item offset plus constants; a lane pair splits the
+tokens by selects instead of a branch (:meth:`BwdSm90.teacher_add`). Why: the per-sub-group
+slab update was ~30 % of the consumers' stall samples at paper 32K (ncu, the design note's
+section 1.3). The slab stays thread-private until phase B (read across threads only after the
+consumers' ``DS_READY`` meeting that ends phase A), so the flush needs no barrier.
+
 Shared memory: BwdSm90's with ``gather_stages=2`` plus four mbarriers (216,064 bytes at D = Dp
 = 128, block 128, bf16). Registers: 384 threads launch at 168 each (``.minnctapersm 1`` pins
 it: without it ptxas dropped the setmaxnreg at D = 64); the producer drops to 32 and the
@@ -73,6 +85,11 @@ class BwdWsSm90(BwdSm90):
     DS_READY: ClassVar[int] = 1
     DS_FREE: ClassVar[int] = 2
     PRODUCER_BAR: ClassVar[int] = 3  # the producer warpgroup: row data written, then gathers
+
+    # the teacher summed in registers over a chunk's R sub-groups and stored once per chunk
+    # (module docstring; an A/B switch, ``BwdSm90.VARIANTS["teacher_regs"]``, off until the H200
+    # has timed it); G2 = 4 only, other layouts keep the per-sub-group slab update
+    teacher_regs: bool = False
 
     @classmethod
     def can_implement(
@@ -342,6 +359,13 @@ class BwdWsSm90(BwdSm90):
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         tCsdS = self.ds_partition(thr_sdp, sdS)
         wg = role - 1  # consumer warpgroup 0 / 1 (warp-uniform: no vector register)
+        regs = self.proxy and self.teacher_regs and G2 == 4  # the teacher in registers
+        rT = None
+        t_base = None
+        if cutlass.const_expr(regs):
+            rT = cute.make_rmem_tensor((2, 4), Float32)  # (key half, token): teacher_add
+            rT.fill(0.0)
+            t_base = self.teacher_base(cS)
         n_a = (e1 - e0 + BT - 1) // BT
         it = Int32(0)
         for ch in cutlass.range(n_a, unroll=1):
@@ -353,7 +377,18 @@ class BwdWsSm90(BwdSm90):
 
                 # 2. P^T and dS^T (in place), 3. the teacher
                 self.probs_and_ds(S_rc, dP_rc, cS, sRowI, sRowF, b, ks, ke, scale_log2)
-                if cutlass.const_expr(self.proxy):
+                if cutlass.const_expr(regs):
+                    # summed over the sub-groups r = 0 .. R - 1 in order, stored after the last
+                    # (every chunk runs all R, the last partial one too: its pad tokens' P is 0)
+                    self.teacher_add(S_rc, rT)
+                    if cutlass.const_expr(R == 1):
+                        self.teacher_flush(rT, slab, t_base + ch * (BT * BLOCK))
+                        rT.fill(0.0)
+                    else:
+                        if r == R - 1:
+                            self.teacher_flush(rT, slab, t_base + ch * (BT * BLOCK))
+                            rT.fill(0.0)
+                elif cutlass.const_expr(self.proxy):
                     self.add_teacher(S_rc, cS, slab, ch * BT, r)
                 if cutlass.const_expr(self.main):
                     # 4. dV += P^T dO, dK += dS^T q (A from registers)
