@@ -44,6 +44,11 @@ def sass_count(cubin: bytes, opcode: str) -> int:
     """How many SASS instructions of a cubin start with ``opcode`` (``cuobjdump -sass``), e.g.
     ``USETMAXREG``: ptxas may drop a PTX ``setmaxnreg`` it cannot honour, with only a
     warning."""
+    return sass_counts(cubin, (opcode,))[opcode]
+
+
+def sass_counts(cubin: bytes, opcodes) -> dict:
+    """``{opcode: count}`` of :func:`sass_count` for several opcodes, one disassembly."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -52,4 +57,5 @@ def sass_count(cubin: bytes, opcode: str) -> int:
         ).stdout
     finally:
         os.unlink(f.name)
-    return sum(1 for line in out.splitlines() if f" {opcode}" in line.split(";")[0])
+    instructions = [line.split(";")[0] for line in out.splitlines()]
+    return {op: sum(1 for ins in instructions if f" {op}" in ins) for op in opcodes}

@@ -25,7 +25,7 @@ def compile_kernel(kernel, *args, dump: str | None = None, name: str = "", mma=F
     import cutlass.cute as cute
 
     from ..cubin import resources as cubin_resources
-    from ..cubin import sass_count
+    from ..cubin import sass_counts
 
     with tempfile.TemporaryDirectory() as tmp:  # (the kept files go there, not into the cwd)
         c = cute.compile(
@@ -45,8 +45,17 @@ def compile_kernel(kernel, *args, dump: str | None = None, name: str = "", mma=F
     )
     if mma:
         res["mma"] = sorted(set(re.findall(r"\bwgmma\.mma_async[\w.]*", ptx)))
+    ops = ("USETMAXREG", "HGMMA", "QGMMA", "WARPGROUP.DEPBAR")
+    n = sass_counts(cubin, ops) if "setmaxnreg" in ptx or res["wgmma"] else {}
     if "setmaxnreg" in ptx:  # kept by ptxas? (it drops one it cannot honour, with a warning)
-        res["setmaxnreg_kept"] = sass_count(cubin, "USETMAXREG") == ptx.count("setmaxnreg.")
+        res["setmaxnreg_kept"] = n["USETMAXREG"] == ptx.count("setmaxnreg.")
+    if res["wgmma"]:
+        # ptxas serializes a kernel's wgmmas when registers do not allow their overlap (warning
+        # C7512): a wait after every MMA. Reported, not refused: the default WS backward at
+        # anchor D = 128 is so (tenth session, docs/perf-notes.md), a lead for its speed
+        mmas = n["HGMMA"] + n["QGMMA"]
+        res["wgmma_waits"] = f"{n['WARPGROUP.DEPBAR']}/{mmas}"
+        res["wgmma_serialized"] = mmas > 1 and n["WARPGROUP.DEPBAR"] >= mmas
     return res
 
 
