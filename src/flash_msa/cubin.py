@@ -40,15 +40,10 @@ def resources(cubin: bytes) -> dict:
     return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "LOCAL")}
 
 
-def sass_count(cubin: bytes, opcode: str) -> int:
-    """How many SASS instructions of a cubin start with ``opcode`` (``cuobjdump -sass``), e.g.
-    ``USETMAXREG``: ptxas may drop a PTX ``setmaxnreg`` it cannot honour, with only a
-    warning."""
-    return sass_counts(cubin, (opcode,))[opcode]
-
-
 def sass_counts(cubin: bytes, opcodes) -> dict:
-    """``{opcode: count}`` of :func:`sass_count` for several opcodes, one disassembly."""
+    """``{opcode: count}``: how many SASS instructions of a cubin start with each of
+    ``opcodes`` (one ``cuobjdump -sass``), e.g. ``USETMAXREG`` (ptxas may drop a PTX
+    ``setmaxnreg`` it cannot honour, with only a warning) or ``WARPGROUP.DEPBAR``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
