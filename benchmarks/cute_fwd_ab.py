@@ -13,8 +13,9 @@ For the anchor and paper shapes at S=32K and 128K (random and local inputs, top_
     the constructor argument; 3 is the default);
   * the partials with the proxy LSE partials (issue 14 item 1): Triton's one launch that makes
     both ("partials+proxy triton (fused)"), the CuTe partials then Triton's ``proxy_partials``
-    stage (the CuTe forward today: "partials cute + proxy triton"), the CuTe kernel that makes
-    both (``FwdPartialsSm90(proxy=True)``: "partials+proxy cute"), and Triton's
+    stage ("partials cute + proxy triton"), the CuTe kernel that makes both
+    (``FwdPartialsSm90(proxy=True)``, the CuTe forward today, with 1, 2 and 3 warpgroups:
+    "partials+proxy cute wgN"), and Triton's
     ``proxy_partials`` alone;
   * the whole forward op without selection (partials, combine, proxy LSE, KL value): Triton's,
     the CuTe one (CuTe partials + Triton's proxy LSE stage), and the CuTe one with
@@ -172,8 +173,14 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
         fwd_partials_sm90.partials(q, k, v, wl, o_part, l_part, cfg)
         tri_proxy()
 
-    def cute_partials_proxy():  # FwdPartialsSm90(proxy=True)
-        fwd_partials_sm90.partials(q, k, v, wl, o_part, l_part, cfg, 0, (qp, kp, pl_part))
+    def cute_partials_proxy(warpgroups):  # FwdPartialsSm90(proxy=True)
+        def run():
+            proxy = (qp, kp, pl_part)
+            fwd_partials_sm90.partials(
+                q, k, v, wl, o_part, l_part, cfg, 0, proxy, warpgroups=warpgroups
+            )
+
+        return run
 
     def tri_op():
         return triton_ref.fwd(q, k, v, idx, cu, cfg, qp, kp)
@@ -226,9 +233,13 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
     runs += [
         ("partials+proxy triton (fused)", tri_partials_proxy, "partials+proxy"),
         ("partials cute + proxy triton", cute_then_tri_proxy, "partials+proxy"),
-        ("partials+proxy cute", cute_partials_proxy, "partials+proxy"),
-        ("proxy_partials triton", tri_proxy, "proxy"),
     ]
+    # the proxy kernel by warpgroups: with 3 (the default) ptxas serializes its wgmmas at D 128
+    # (compile_check's wgmma_serialized; tenth session), with 2 it does not
+    runs += [
+        (f"partials+proxy cute wg{w}", cute_partials_proxy(w), "partials+proxy") for w in WARPGROUPS
+    ]
+    runs += [("proxy_partials triton", tri_proxy, "proxy")]
     runs += [("fwd op triton", tri_op, "op"), ("fwd op cute", cute_op, "op")]
     runs += [("fwd op cute proxy-on-cute", cute_op_proxy, "op")]
     for name, fn, what in runs:
