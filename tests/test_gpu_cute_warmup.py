@@ -87,12 +87,24 @@ def test_cute_warmup_deterministic_same_bits(monkeypatch):
 
 
 @pytest.mark.parametrize("batch", [False, True])
-def test_msa_attention_warmup_auto_runs_cute(batch):
-    """``msa_attention(warmup=True)`` on ``auto`` (CuTe on sm_90) runs its forward without a
-    host synchronization, ``FLASH_MSA_BACKEND=cute`` accepts it, and it matches the forced
-    Triton warmup (bf16, relative difference < 2e-2: the A/B measured <= 5e-3)."""
+def test_msa_attention_warmup_auto_runs_cute(batch, monkeypatch):
+    """``msa_attention(warmup=True)`` on ``auto`` runs the CuTe warmup on sm_90 (its forward
+    and backward are called), its forward without a host synchronization,
+    ``FLASH_MSA_BACKEND=cute`` accepts it, and it matches the forced Triton warmup (bf16,
+    relative difference < 2e-2: the A/B measured <= 5e-3)."""
     _cute()
+    from flash_msa.cute import warmup as cute_warmup
     from harness import no_host_sync
+
+    calls = []
+    for op in ("fwd", "bwd"):
+        real = getattr(cute_warmup, op)
+
+        def spy(*a, _real=real, _op=op, **kw):
+            calls.append(_op)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(cute_warmup, op, spy)
 
     B, S, H, Hkv, Hp, Hpk, D, Dp = 2, 3000, 16, 2, 4, 1, 128, 128
     xs = testing.make_inputs(B, S, H, Hkv, Hp, Hpk, D, Dp, dtype=torch.bfloat16, device="cuda")
@@ -107,6 +119,7 @@ def test_msa_attention_warmup_auto_runs_cute(batch):
     rows = Hp * out.numel() // (H * D)
     loss = testing.training_loss(out, kl, rows, seed=3)
     mine = [out, kl, *torch.autograd.grad(loss, leaves)]
+    assert calls.count("fwd") == 2 and calls.count("bwd") == 1, calls  # auto ran CuTe's
     with backends.forced("triton"):
         out2, kl2 = flash_msa.msa_attention(*leaves, 16, warmup=True, compute_kl=True, **kw)
         loss2 = testing.training_loss(out2, kl2, rows, seed=3)

@@ -274,20 +274,29 @@ def meta_inputs(problem: Problem):
     return q, k, qp, kp, torch.empty(1, Hs, K, dtype=torch.int32, device="meta")
 
 
-def call_stages(problem: Problem):
-    """The stages ``fwd_partials_sm90.fwd`` picks for ``problem`` (its ``*_fits`` on
-    :func:`meta_inputs`)."""
+def stages_for(q, k, q_proxy, k_proxy, indices, cfg, combine_ok: bool | None = None):
+    """:func:`forward_stages` for one call's tensors (shapes and dtypes only: the meta device
+    will do): each CuTe stage where its ``*_fits`` takes the call. ``combine_ok`` replaces
+    ``combine_fits`` (the warmup's two-level combine, ``warmup.stages``)."""
     from .bwd_sm90 import kl_fits
     from .combine_sm90 import combine_fits
     from .fwd_partials_sm90 import proxy_fits
 
-    q, k, qp, kp, idx = meta_inputs(problem)
-    cfg = problem.cfg
+    if combine_ok is None:
+        H, D = q.shape[1:]
+        Hs, K = indices.shape[1:]
+        combine_ok = combine_fits(q.dtype, H, Hs, K, D)
     return forward_stages(
-        kl_fits(q, k, qp, kp, idx, cfg),
-        combine_fits(q.dtype, q.shape[1], idx.shape[1], idx.shape[2], q.shape[2]),
-        proxy_fits(q, k, qp, kp, idx, cfg),
+        kl_fits(q, k, q_proxy, k_proxy, indices, cfg),
+        combine_ok,
+        proxy_fits(q, k, q_proxy, k_proxy, indices, cfg),
     )
+
+
+def call_stages(problem: Problem):
+    """The stages ``fwd_partials_sm90.fwd`` picks for ``problem`` (:func:`stages_for` on
+    :func:`meta_inputs`)."""
+    return stages_for(*meta_inputs(problem), problem.cfg)
 
 
 def bwd_kernel_reason(problem: Problem) -> str | None:

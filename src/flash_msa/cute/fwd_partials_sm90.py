@@ -1001,17 +1001,9 @@ def fwd(
     work list; it runs where ``cute.forward_stages`` declares the map (``cute.FWD_Q_MAP_DECLARED``),
     else ValueError."""
     from .. import sparse_forward
-    from . import forward_stages
-    from .bwd_sm90 import kl_fits
-    from .combine_sm90 import combine_fits
+    from . import stages_for
 
-    H, D = q.shape[1:]
-    Hs, K = indices.shape[1:]
-    stages = forward_stages(
-        kl_fits(q, k, q_proxy, k_proxy, indices, cfg),
-        combine_fits(q.dtype, H, Hs, K, D),
-        proxy_fits(q, k, q_proxy, k_proxy, indices, cfg),
-    )
+    stages = stages_for(q, k, q_proxy, k_proxy, indices, cfg)
     if q_map is not None and not stages.q_map:
         raise ValueError(
             "q_map: the CuTe forward's query map is off until its H200 run "

@@ -88,23 +88,17 @@ def stages(q, k, q_proxy, k_proxy, indices, cfg: Config) -> sparse_forward.Stage
     """The forward's stages for the lists ``indices`` (as ``fwd_partials_sm90.fwd`` picks
     them), with the combine grouped (:func:`grouped_combine`) where a row has more than
     :data:`GROUP` slots. Tensors may be on the meta device (:func:`reason` asks with shapes)."""
-    from . import forward_stages
-    from .bwd_sm90 import kl_fits
+    from . import stages_for
     from .combine_sm90 import combine, combine_fits
-    from .fwd_partials_sm90 import proxy_fits
 
     H, D = q.shape[1:]
     Hs, K = indices.shape[1:]
     if K <= GROUP:
-        fits = combine_fits(q.dtype, H, Hs, K, D)
-    else:  # the two levels: 64 slots of one row, then the groups' merges
-        fits = combine_fits(q.dtype, 1, 1, GROUP, D) and combine_fits(q.dtype, H, Hs, K // GROUP, D)
-    st = forward_stages(
-        kl_fits(q, k, q_proxy, k_proxy, indices, cfg),
-        fits,
-        proxy_fits(q, k, q_proxy, k_proxy, indices, cfg),
-    )
-    if K > GROUP and st.combine is not None:
+        return stages_for(q, k, q_proxy, k_proxy, indices, cfg)
+    # the two levels: 64 slots of one row, then the groups' merges
+    fits = combine_fits(q.dtype, 1, 1, GROUP, D) and combine_fits(q.dtype, H, Hs, K // GROUP, D)
+    st = stages_for(q, k, q_proxy, k_proxy, indices, cfg, combine_ok=fits)
+    if st.combine is not None:
         st = dataclasses.replace(st, combine=grouped_combine(combine))
     return st
 
@@ -246,20 +240,15 @@ def grouped_combine(combine):
         H = lse.shape[1]
         G, n = H // Hs, K // GROUP
         first = idx[:, :, ::GROUP].contiguous()  # (C, Hs, n): the group's first slot
+        rows = idx.repeat_interleave(G, dim=1).reshape(C * H * n, 1, GROUP)  # main rows' slots
         l2 = torch.empty((C, H, n), dtype=torch.float32, device=idx.device)
-        o2 = None
+        o2 = o_in = o_out = None  # the LSE only where o_part is None
         if o_part is not None:
             D = out.shape[-1]
             o2 = torch.empty((C, H, n, D), dtype=out.dtype, device=idx.device)
-            rows = idx.repeat_interleave(G, dim=1).reshape(C * H * n, 1, GROUP)
-            combine(
-                o_part[:C].view(C * H * n, 1, GROUP, D), l_part[:C].view(C * H * n, 1, GROUP),
-                rows, o2.view(C * H * n, 1, D), l2.view(C * H * n, 1),
-            )  # fmt: skip
-        else:  # the LSE only
-            rows = idx.repeat_interleave(G, dim=1).reshape(C * H * n, 1, GROUP)
-            combine(None, l_part[:C].view(C * H * n, 1, GROUP), rows, None, l2.view(-1, 1))
-        second = None
+            o_in, o_out = o_part[:C].view(C * H * n, 1, GROUP, D), o2.view(C * H * n, 1, D)
+        combine(o_in, l_part[:C].view(C * H * n, 1, GROUP), rows, o_out, l2.view(C * H * n, 1))
+        second = ()
         if proxy is not None:
             pl_part, proxy_lse = proxy
             pl2 = torch.empty((C, Hs, n), dtype=torch.float32, device=idx.device)
@@ -267,10 +256,7 @@ def grouped_combine(combine):
                 None, pl_part[:C].view(C * Hs * n, 1, GROUP), idx.reshape(C * Hs * n, 1, GROUP),
                 None, pl2.view(-1, 1),
             )  # fmt: skip
-            second = (pl2, proxy_lse)
-        if second is None:
-            combine(o2, l2, first, out, lse)
-        else:
-            combine(o2, l2, first, out, lse, second)
+            second = ((pl2, proxy_lse),)
+        combine(o2, l2, first, out, lse, *second)
 
     return stage
