@@ -103,8 +103,13 @@ def _collectives(xs, lay, timer):
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
 
-def measure(shape, seqlen, dtype, device, iters, warmup, top_k=TOP_K, block=BLOCK) -> list:
-    """This rank's rows (one per variant), on the default process group."""
+VARIANTS = ("overlap", "no-overlap", "collectives")
+
+
+def measure(
+    shape, seqlen, dtype, device, iters, warmup, top_k=TOP_K, block=BLOCK, only=VARIANTS
+) -> list:
+    """This rank's rows (one per variant of ``only``), on the default process group."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cu = torch.tensor([0, seqlen], dtype=torch.int32)
     lay = cp.layout(world, rank, cu_seqlens=cu, block_size=block, device=device)
@@ -117,6 +122,8 @@ def measure(shape, seqlen, dtype, device, iters, warmup, top_k=TOP_K, block=BLOC
     }
     rows = []
     for name, fn in variants.items():
+        if name not in only:
+            continue
         for _ in range(warmup):
             fn(None)
         steps, waits = [], []
@@ -160,6 +167,11 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default=None, help="FLASH_MSA_BACKEND (default: as set; auto)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated subset of " + ",".join(VARIANTS),
+    )
     p.add_argument("--out", default=None, help="JSON file (rank 0 writes every rank's rows)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, torch backend, fp32")
     args = p.parse_args(argv)
@@ -168,6 +180,11 @@ def main(argv=None) -> int:
     if args.smoke:
         args.shape, args.seqlen, args.dtype, args.backend = "tiny", 2048, "float32", "torch"
         args.iters, args.warmup = 2, 1
+    only = tuple(args.variants.split(","))
+    if not only or any(v not in VARIANTS for v in only):
+        p.error(
+            f"--variants: a comma-separated subset of {','.join(VARIANTS)}, not {args.variants!r}"
+        )
     cuda = torch.cuda.is_available()
     if cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -178,7 +195,13 @@ def main(argv=None) -> int:
     try:
         with backends.forced(args.backend) if args.backend else contextlib.nullcontext():
             rows = measure(
-                args.shape, args.seqlen, getattr(torch, args.dtype), device, args.iters, args.warmup
+                args.shape,
+                args.seqlen,
+                getattr(torch, args.dtype),
+                device,
+                args.iters,
+                args.warmup,
+                only=only,
             )
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, rows)
