@@ -183,7 +183,6 @@ def test_cute_fp8_select_keeps_ties_in_block_order():
         cfg = dataclasses.replace(config(S, 16, Dp, 128, top_k), selection_precision="fp8")
         got = _cute_fp8(qz, cu, cfg)
         assert torch.equal(got, reference.select(qp, kp, cu, cfg, quantized=qz)), top_k
-        assert torch.equal(_cute_fp8(qz, cu, cfg, insert="rank"), got), top_k
 
 
 @pytest.mark.parametrize("stages", [2, 4, 12])
@@ -192,15 +191,6 @@ def test_cute_fp8_select_pipeline_depth_does_not_change_the_result(stages):
     same order, so the same indices."""
     _, _, cu, cfg, qz = _case((3000, 1, 2100), 4, 1, 128, 64, 24, torch.bfloat16, 2)
     assert torch.equal(_cute_fp8(qz, cu, cfg, stages=stages), _cute_fp8(qz, cu, cfg))
-
-
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_cute_fp8_select_rank_insertion_is_bitwise_the_chain(case):
-    """``SelectSm90(insert="rank")`` on the fp8 kernel: the same lists as the default
-    sequential insertion, bit for bit (local inputs: many near-ties)."""
-    *shape, key_scale = case
-    _, _, cu, cfg, qz = _case(*shape, kind="local", key_scale=key_scale)
-    assert torch.equal(_cute_fp8(qz, cu, cfg, insert="rank"), _cute_fp8(qz, cu, cfg))
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

@@ -1,17 +1,18 @@
-"""The selection's rank insertion (``SelectSm90(insert="rank")``, issue 15) replayed on the CPU.
+"""The selection's top-k insertion (``SelectSm90.offer_rank``, issue 15) replayed on the CPU.
 
-``select_sm90.SelectSm90.offer`` (the default, ``insert="chain"``) inserts a block's maximum
-into a lane's descending top-k list by a carried swap; ``offer_rank`` updates every entry from
-its own comparison, ``v'[t] = v[t-1] if gt[t-1] else (c if gt[t] else v[t])`` with
-``gt[t] = shift | (c > v[t])``, behind a warp vote, and ``quad_exchange_max`` reduces the
-quad's block maxima by exchanging rows. Both are pure arithmetic on float32 values, so these
-tests replay them in torch, batched over many independent rows, exactly as the kernel executes
-them per lane (the split lists' lower lane reading the upper lane's last entry *before* either
-lane updates, as the shuffle does), and require the same lists after every offer, ties
-included: random values on a few levels (many ties), ``-inf`` blocks (never entering), the own
-block's ``+inf`` anywhere (first included), ``top_k`` 1..64 with the two-lane split beyond 16
-entries (lists of ``ceil(top_k / 2)`` per lane, 17 odd). The kernels' PTX is checked by
-``python -m flash_msa.cute.compile_check select`` (the ``insert=rank`` configurations).
+The kernel inserts a block's maximum into a lane's descending top-k list by a rank update,
+``v'[t] = v[t-1] if gt[t-1] else (c if gt[t] else v[t])`` with ``gt[t] = shift | (c > v[t])``,
+behind a warp vote, and reduces the quad's block maxima by exchanging rows
+(``quad_exchange_max``). It replaced a sequential insertion (a swap carried through the list)
+after the session-11 H200 A/B (``select_sm90``'s module docstring); that chain lives on here
+only, as the oracle (:func:`offer_chain`): the rule stated step by step. Both are pure
+arithmetic on float32 values, so these tests replay them in torch, batched over many
+independent rows, exactly as the kernel executes them per lane (the split lists' lower lane
+reading the upper lane's last entry *before* either lane updates, as the shuffle does), and
+require the same lists after every offer, ties included: random values on a few levels (many
+ties), ``-inf`` blocks (never entering), the own block's ``+inf`` anywhere (first included),
+``top_k`` 1..64 with the two-lane split beyond 16 entries (lists of ``ceil(top_k / 2)`` per
+lane, 17 odd). The kernel's PTX is checked by ``python -m flash_msa.cute.compile_check select``.
 CPU time ~7 s on this 2-core machine (``--durations``: 40 tests, the slowest 0.65 s).
 """
 
@@ -55,7 +56,8 @@ def lane_candidates(v, i, cv, ci):
 
 
 def offer_chain(v, i, cv, ci):
-    """``SelectSm90.offer``: per lane, the carried swap through the list (in place)."""
+    """The oracle: the sequential insertion (the kernel's before the rank update), per lane the
+    candidate swapped through the list from the first slot it beats strictly (in place)."""
     _, _, half = v.shape
     c, x, shift = lane_candidates(v, i, cv, ci)
     take = shift | (c > v[:, :, half - 1])  # the lanes that run the loop
@@ -167,8 +169,9 @@ def test_vote_skip_is_a_no_op_for_lanes_that_do_not_enter(top_k):
 
 
 def quad_butterfly(part):
-    """Default epilogue: every lane of a quad reduces both rows (butterfly 1 then 2) and keeps
-    row ``(lane % 4) // 2``; ``part (quads, 4 lanes, 2 rows)``."""
+    """The oracle of the quad reduction (the kernel's before ``quad_exchange_max``): every lane
+    of a quad reduces both rows (butterfly 1 then 2) and keeps row ``(lane % 4) // 2``; ``part
+    (quads, 4 lanes, 2 rows)``."""
     mx = torch.maximum(part, part[:, [1, 0, 3, 2]])
     mx = torch.maximum(mx, mx[:, [2, 3, 0, 1]])
     return mx[:, torch.arange(4), torch.tensor([0, 0, 1, 1])]

@@ -149,10 +149,6 @@ class BwdSm90:
         "stages1": dict(gather_stages=1),
         # deterministic mode (not an A/B switch: checked and timed beside the others)
         "deterministic": dict(deterministic=True),
-        # the warp-specialized kernel's teacher summed in registers over a chunk's sub-groups
-        # and stored once per chunk (BwdWsSm90.teacher_regs; ws=True: a layout BwdWsSm90 cannot
-        # run is refused by its can_implement, not handed to BwdSm90, which has no such field)
-        "teacher_regs": dict(ws=True, teacher_regs=True),
     }
 
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
@@ -816,9 +812,9 @@ class BwdSm90:
     @cute.jit
     def teacher_add(self, S_rc, rT):
         """G2 = 4: add this sub-group's teacher terms to the registers ``rT`` (2 rows x 4; the
-        teacher in registers, :attr:`BwdWsSm90.teacher_regs`). A thread holds rows (keys) r and
-        r + 8 and column pairs ``8 jj + 2 (lane % 4)``: pair jj is token ``2 jj + (lane % 4) //
-        2``, heads 2 (lane % 2) .. + 1, so lanes 2m and 2m + 1 hold a token's four heads. The
+        teacher in registers of ``BwdWsSm90``). A thread holds rows (keys) r and r + 8 and
+        column pairs ``8 jj + 2 (lane % 4)``: pair jj is token ``2 jj + (lane % 4) // 2``,
+        heads 2 (lane % 2) .. + 1, so lanes 2m and 2m + 1 hold a token's four heads. The
         lane pair splits the tokens without a branch: the even lane keeps the even jj (its
         ``rT[i, k]`` is jj = 2k), the odd lane the odd jj, each sends the other its pair sum of
         the other's jj. The sum is the same as :meth:`add_teacher`'s (even lane's pair + odd

@@ -29,17 +29,21 @@ Stage ``s = i % 2`` of iteration ``i`` (phase A's iterations, then phase B's) is
 K_proxy replaces V in shared memory after phase A: the consumers meet at ``DS_READY``, then one
 thread issues its TMA.
 
-:attr:`BwdWsSm90.teacher_regs` (an A/B switch, off by default: ``BwdSm90.VARIANTS
-["teacher_regs"]``) keeps phase A's teacher in registers (design note
-docs/reviews/2026-12-01-bwd-consumer-schedule.md, alternative A): at G2 = 4 the (token, key)
+At G2 = 4 phase A's teacher is kept in registers (design note
+docs/reviews/2026-12-01-bwd-consumer-schedule.md, alternative A): the (token, key)
 pairs a thread holds are the same in every sub-group r of a chunk (row = token-major), so each
 thread sums its tokens' head sums over r = 0 .. R - 1 in 8 registers (the same additions in the
-same order as the slab's load-add-store chain: the same bits) and stores them once per chunk,
+same order as BwdSm90's slab load-add-store chain: the same bits; tests/test_gpu_cute_bwd.py
+checks it against BwdSm90 where the atomic reductions commute) and stores them once per chunk,
 after r = R - 1, at addresses from one per-item offset plus constants; a lane pair splits the
 tokens by selects instead of a branch (:meth:`BwdSm90.teacher_add`). Why: the per-sub-group
 slab update was ~30 % of the consumers' stall samples at paper 32K (ncu, the design note's
-section 1.3). The slab stays thread-private until phase B (read across threads only after the
-consumers' ``DS_READY`` meeting that ends phase A), so the flush needs no barrier.
+section 1.3); on the H200 (``benchmarks/bwd_ab.py``, one run, 2026-12-01, the slab update as the
+A/B's other side) the whole ``bwd`` op went 24.65 -> 22.20 ms at paper 32K, 99.6 -> 92.5 ms at
+paper 128K and 4.76 -> 4.32 ms at anchor 16K (benchmarks/results/stage11/ab/). ptxas serializes
+the paper kernel's wgmmas with it (C7512) and it is faster all the same. The slab stays
+thread-private until phase B (read across threads only after the consumers' ``DS_READY``
+meeting that ends phase A), so the flush needs no barrier.
 
 Shared memory: BwdSm90's with ``gather_stages=2`` plus four mbarriers (216,064 bytes at D = Dp
 = 128, block 128, bf16). Registers: 384 threads launch at 168 each (``.minnctapersm 1`` pins
@@ -85,11 +89,6 @@ class BwdWsSm90(BwdSm90):
     DS_READY: ClassVar[int] = 1
     DS_FREE: ClassVar[int] = 2
     PRODUCER_BAR: ClassVar[int] = 3  # the producer warpgroup: row data written, then gathers
-
-    # the teacher summed in registers over a chunk's R sub-groups and stored once per chunk
-    # (module docstring; an A/B switch, ``BwdSm90.VARIANTS["teacher_regs"]``, off until the H200
-    # has timed it); G2 = 4 only, other layouts keep the per-sub-group slab update
-    teacher_regs: bool = False
 
     @classmethod
     def can_implement(
@@ -359,7 +358,7 @@ class BwdWsSm90(BwdSm90):
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         tCsdS = self.ds_partition(thr_sdp, sdS)
         wg = role - 1  # consumer warpgroup 0 / 1 (warp-uniform: no vector register)
-        regs = self.proxy and self.teacher_regs and G2 == 4  # the teacher in registers
+        regs = self.proxy and G2 == 4  # the teacher in registers (module docstring)
         rT = None
         t_base = None
         if cutlass.const_expr(regs):

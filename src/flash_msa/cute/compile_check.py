@@ -73,17 +73,14 @@ def report(configurations, compile_one) -> int:
 
 
 def configurations():
-    """(name, dtype, Dp, Hp, Hpk, top_k, block[, qmap[, key_scale[, stages[, insert]]]]) of the
-    selection kernels checked; the ``qmap`` ones (``SelectSm90(qmap=True)``, context
+    """(name, dtype, Dp, Hp, Hpk, top_k, block[, qmap[, key_scale[, stages]]]) of the selection
+    kernels checked (all with the rank top-k insertion, ``SelectSm90.offer_rank``: k=1, 16, 17,
+    64 and split lists among them); the ``qmap`` ones (``SelectSm90(qmap=True)``, context
     parallelism's query map): anchor / paper (their selections have the same shape), both dims
     and blocks, top_k 64 (the most registers), a split list, fp16, several key heads; the
     ``e4m3`` ones (the FP8 mode, ``key_scale`` "block" or "token"): anchor / paper, Dp 64,
     blocks 64 and 128, top_k 1, 16 and 64, both key scales, several key heads, and the deepest
-    pipeline the A/B times (12 stages; the default is ``select_sm90.FP8_STAGES``); the
-    ``insert=rank`` ones (``SelectSm90(insert="rank")``, the top-k insertion the A/B times
-    against the default): fp8 paper k=16 with both key scales, fp8 k=64 with both blocks, bf16
-    anchor k=16 and k=64, a split list of odd length (k=17, two blocks per tile), k=1 and the
-    query map at k=64."""
+    pipeline the A/B times (12 stages; the default is ``select_sm90.FP8_STAGES``)."""
     for Dp in (64, 128):
         for block in (64, 128):
             yield f"select bf16 Dp={Dp} b={block} k=16 Hp=4 Hpk=1", "bf16", Dp, 4, 1, 16, block
@@ -109,17 +106,6 @@ def configurations():
         yield name, "e4m3", Dp, Hp, Hpk, K, block, False, scale
     name = "select e4m3 scale=block Dp=128 b=128 k=16 Hp=4 Hpk=1 stages=12"
     yield name, "e4m3", 128, 4, 1, 16, 128, False, "block", 12
-    for dt, scale, Dp, Hp, Hpk, K, block, qmap in (
-        ("e4m3", "block", 128, 4, 1, 16, 128, False), ("e4m3", "token", 128, 4, 1, 16, 128, False),
-        ("e4m3", "block", 128, 4, 1, 64, 128, False), ("e4m3", "block", 128, 4, 1, 64, 64, False),
-        ("bf16", None, 128, 4, 1, 16, 128, False), ("bf16", None, 128, 4, 1, 64, 128, False),
-        ("bf16", None, 64, 4, 1, 17, 64, False), ("bf16", None, 128, 2, 2, 1, 128, False),
-        ("bf16", None, 128, 4, 1, 64, 64, True),
-    ):  # fmt: skip
-        mode = f"scale={scale}" if scale else ("qmap" if qmap else "")
-        name = " ".join(f"select {dt} {mode}".split())
-        name = f"{name} Dp={Dp} b={block} k={K} Hp={Hp} Hpk={Hpk} insert=rank"
-        yield name, dt, Dp, Hp, Hpk, K, block, qmap, scale, None, "rank"
 
 
 def fwd_configurations():
@@ -196,14 +182,6 @@ def bwd_configurations():
     ):  # fmt: skip
         yield f"bwd bf16 {name} v2", "bf16", H, Hkv, Hs, Hpk, D, D, K, 128, main, proxy, v2
     yield "bwd fp16 anchor v2", "fp16", 16, 2, 4, 1, 128, 128, 16, 128, 1, 1, v2
-    # BwdWsSm90's teacher in registers (an A/B; not main-only: no teacher there)
-    tr = dict(ws=True, teacher_regs=True)
-    for name, H, Hkv, main, proxy, more in (
-        ("anchor", 16, 2, 1, 1, {}), ("paper", 64, 4, 1, 1, {}),
-        ("anchor proxy-only", 16, 2, 0, 1, {}), ("qmap anchor", 16, 2, 1, 1, dict(qmap=True)),
-    ):  # fmt: skip
-        cfg = "bf16", H, Hkv, 4, 1, 128, 128, 16, 128, main, proxy, dict(tr, **more)
-        yield f"bwd bf16 {name} teacher_regs", *cfg
     kl = dict(kl=True)  # the forward's KL stage (bwd_sm90.kl): the KL value, no gradient
     yield "bwd bf16 anchor kl", "bf16", 16, 2, 4, 1, 128, 128, 16, 128, 0, 0, kl
     yield "bwd bf16 paper kl", "bf16", 64, 4, 4, 1, 128, 128, 16, 128, 0, 0, kl
@@ -282,15 +260,14 @@ def compile_kl(
 
 def compile_select(
     dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
-    key_scale: str | None = None, stages: int | None = None, insert: str = "chain", **dump,
+    key_scale: str | None = None, stages: int | None = None, **dump,
 ) -> dict:  # fmt: skip
     """:func:`flash_msa.cute.select_sm90.compile_select`: the kernel compiled on the pointer
     launch's arguments (``qmap``: the query-map kernel; ``key_scale``: the FP8 mode, ``dtype``
-    "e4m3"; ``stages``: the pipeline depth, default the mode's; ``insert``: the top-k
-    insertion, ``SelectSm90.insert``)."""
+    "e4m3"; ``stages``: the pipeline depth, default the mode's)."""
     from .select_sm90 import compile_select as compile_one
 
-    return compile_one(dtype, Dp, Hp, Hpk, K, block, qmap, key_scale, stages, insert, **dump)
+    return compile_one(dtype, Dp, Hp, Hpk, K, block, qmap, key_scale, stages, **dump)
 
 
 def main(argv: list[str]) -> int:

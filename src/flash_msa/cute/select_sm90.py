@@ -52,14 +52,19 @@ deep (:data:`FP8_STAGES`, the same bytes in flight). The bf16/fp16 kernel's PTX 
 the one before this mode existed (its parts are compile-time branches; compile_check
 ``--dump``). No query map in this mode.
 
-Top-k insertion (``SelectSm90(insert="rank")``, an A/B variant, off; issue 15, Option A of
-docs/reviews/2026-12-01-fp8-selection-epilogue.md): :meth:`SelectSm90.offer_rank` updates
-every list entry from its own comparison behind a warp vote, and the quad's block maxima are
-reduced by exchanging rows (:meth:`SelectSm90.quad_exchange_max`); the same lists as
-:meth:`SelectSm90.offer` after every offer, ties included (tests/test_select_insert_cpu.py
-replays both). Paper fp8 k=16 (sm_90a SASS): the insertion 172 -> 79 instructions (151
-register moves and two BSSY/BSYNC -> none), k=64 347 -> 158; the default's PTX is
-byte-identical to the one before the field existed (``__repr__``: the kernel's name).
+Top-k insertion (issue 15, Option A of docs/reviews/2026-12-01-fp8-selection-epilogue.md):
+:meth:`SelectSm90.offer_rank` updates every list entry from its own comparison behind a warp
+vote, and the quad's block maxima are reduced by exchanging rows
+(:meth:`SelectSm90.quad_exchange_max`). It replaced a sequential insertion, a swap carried
+through the list (at k=16 a 16-deep dependent chain, 151 register moves and a divergent
+BSSY/BSYNC region in the SASS; the insertion's instructions, paper fp8: k=16 172 -> 79, k=64
+347 -> 158), after the session-11 H200 A/B (paper S=131072, kernel ms chain -> rank, every
+line verified and the rank indices identical to the chain's on every line;
+benchmarks/results/stage11/ab/select_ab.log): random bf16 k=16 14.59 -> 13.01, fp8 k=16
+11.83 -> 9.60, bf16 k=64 20.38 -> 15.53, fp8 k=64 19.48 -> 12.68; local bf16 k=16 11.20 ->
+11.21, fp8 k=16 8.19 -> 7.98 (docs/perf-notes.md). It keeps the sequential insertion's lists
+after every offer, ties included; that chain survives only as the CPU oracle of
+tests/test_select_insert_cpu.py, which replays both.
 
 Limits (:meth:`SelectSm90.can_implement`): Dp in {64, 128}, block size in {64, 128},
 top_k <= 64 (the lists live in registers: a lane keeps one row's list, or half of it beyond 16
@@ -68,7 +73,7 @@ entries), bf16 or fp16 (e4m3 in the FP8 mode).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -106,9 +111,6 @@ MAX_TOPK = 64  # the top-k lists live in registers (two lanes per row beyond 16 
 # tile's MMA takes half the time; 16 + 8 x 16 KB = 144 KB of shared memory (not measured yet:
 # benchmarks/cute_select_ab.py times 4 and 12 beside it)
 FP8_STAGES = 8
-# the top-k insertions (SelectSm90.insert): the sequential chain (the default) and the rank
-# insertion (Option A of docs/reviews/2026-12-01-fp8-selection-epilogue.md)
-INSERTS = ("chain", "rank")
 
 
 def _max_of(vals):
@@ -177,12 +179,6 @@ class SelectSm90:
     # FP8 mode (module docstring): the key scales' granularity, "block" or "token"
     # (quant.KEY_SCALES), with e4m3 operands; None: the exact bf16/fp16 selection
     key_scale: str | None = None
-    # the top-k epilogue (issue 15; docs/reviews/2026-12-01-fp8-selection-epilogue.md, Option
-    # A): "chain", the sequential insertion of :meth:`offer` (its PTX unchanged: compile_check
-    # ``--dump``), or "rank": :meth:`offer_rank`, every list entry updated from its own
-    # comparison behind a warp vote, and the quad's block maxima reduced by exchange (the same
-    # indices for any input: tests/test_select_insert_cpu.py); "chain" until the H200 A/B
-    insert: str = "chain"
     # the launch's tensors as their CuTe views had them (``common.view_layout``: element type,
     # static sizes and strides, in the order of :func:`launch_tensor_names`), set by
     # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
@@ -255,17 +251,6 @@ class SelectSm90:
             return f"{smem} bytes of shared memory exceed the sm_90 capacity ({SHARED_LIMIT})"
         return None
 
-    def __repr__(self) -> str:
-        """The dataclass's text, without ``insert`` where it is the default: the DSL names the
-        compiled kernel after this text, so that the default kernel's PTX stays byte-identical
-        to the one before the field existed (entry name included), and a variant's name says
-        ``insertrank``. Equality, hashing and the disk cache's key read every field."""
-        shown = [
-            f for f in fields(self) if f.repr and (f.name != "insert" or self.insert != "chain")
-        ]
-        text = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
-        return f"{type(self).__qualname__}({text})"
-
     def __post_init__(self):
         why = self.can_implement(
             self.dtype, self.proxy_head_dim, self.heads, self.k_heads, self.top_k,
@@ -273,8 +258,6 @@ class SelectSm90:
         )  # fmt: skip
         if why is None and self.qmap and self.key_scale is not None:
             why = "the fp8 selection has no query map"
-        if why is None and self.insert not in INSERTS:
-            why = f"insert must be one of {INSERTS}, not {self.insert!r}"
         if why is not None:
             raise ValueError(f"CuTe selection: {why}")
 
@@ -434,15 +417,12 @@ class SelectSm90:
                 crd = acc_rows_cols(
                     thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
                 )
-                # the thread's accumulator rows (2); not n_rows, the sequence's query rows, which
-                # the map's gather, positions and write-out below read (review, seventh session)
-                ACC_ROWS = cute.size(crd, mode=[0])
                 SLABS = TILE_N // BLOCK  # key blocks per tile
 
                 # a quad's four lanes hold the same two rows: lanes 4q, 4q+1 keep row 0's top-k
                 # list and 4q+2, 4q+3 row 1's; up to 16 entries both lanes of a pair keep the
                 # whole list, beyond that lane 4q(+2) keeps its upper half and 4q+1(+3) its
-                # lower half (offer)
+                # lower half (offer_rank)
                 LANES = 1 if TOPK <= 16 else 2  # lanes per list
                 HALF = (TOPK + LANES - 1) // LANES  # entries per lane
                 my_row = (tidx % 4) // 2  # which of the thread's two rows this lane's list is for
@@ -475,36 +455,20 @@ class SelectSm90:
                     if j + 1 < n_tiles:  # the next tile's MMA runs during this tile's insertion
                         k_pipe.consumer_wait(cons)
                         self.scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
-                    kept = None  # "rank": the quad's maximum of this lane's row, per block
-                    if cutlass.const_expr(self.insert == "rank"):
-                        kept = self.quad_exchange_max(cand, my_row)
-                    else:
-                        for r in cutlass.range_constexpr(ACC_ROWS):  # the quad shares a row
-                            for sl in cutlass.range_constexpr(SLABS):
-                                mx = cand[r][sl]
-                                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-                                cand[r][sl] = cute.arch.fmax(
-                                    mx, cute.arch.shuffle_sync_bfly(mx, offset=2)
-                                )
+                    # the quad's maximum of this lane's row, per block (the quad shares a row)
+                    kept = self.quad_exchange_max(cand, my_row)
                     row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
                     if cutlass.const_expr(self.qmap):
                         row = pos[0] if my_row == 0 else pos[1]
                     own = row // BLOCK
                     for sl in cutlass.range_constexpr(SLABS):
-                        cv = None
-                        if cutlass.const_expr(self.insert == "rank"):
-                            cv = kept[sl]
-                        else:
-                            cv = cand[0][sl] if my_row == 0 else cand[1][sl]
+                        cv = kept[sl]
                         if cutlass.const_expr(self.key_scale == "block"):
                             cv = cv * scale[sl]  # one multiply per (row, block): s_b > 0
                         blk = j * SLABS + sl
                         if blk == own:
                             cv = Float32.inf  # the own block is always kept
-                        if cutlass.const_expr(self.insert == "rank"):
-                            self.offer_rank(topv, topi, cv, blk, lower)
-                        else:
-                            self.offer(topv, topi, cv, blk, lower)
+                        self.offer_rank(topv, topi, cv, blk, lower)
 
                 row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
                 if cutlass.const_expr(self.qmap):  # the row's place in the group, its query row
@@ -679,41 +643,13 @@ class SelectSm90:
         return pos
 
     @cute.jit
-    def offer(self, topv, topi, cv, ci, lower):
-        """Offer block ``ci`` with maximum ``cv`` to this lane's descending top-k list.
-
-        Sorted insertion: the first slot the candidate beats strictly (ties keep the lower
-        block: blocks arrive in ascending order), then every later entry moves down one slot
-        and the last one drops out. With the list split over two lanes (top_k > 16) the lower
-        half's candidate is the upper half's last entry when the block enters the upper half
-        (it then goes first in the lower half)."""
-        HALF = cute.size(topv)
-        shift = Boolean(False)
-        if cutlass.const_expr(self.top_k > 16):
-            up_v = cute.arch.shuffle_sync_bfly(topv[HALF - 1], offset=1)
-            up_i = cute.arch.shuffle_sync_bfly(topi[HALF - 1], offset=1)
-            if lower and cv > up_v:
-                cv = up_v
-                ci = up_i
-                shift = Boolean(True)
-        if shift or cv > topv[HALF - 1]:  # most blocks of a long row skip this
-            for t in cutlass.range_constexpr(HALF):
-                if shift or cv > topv[t]:
-                    ov = topv[t]
-                    oi = topi[t]
-                    topv[t] = cv
-                    topi[t] = ci
-                    cv = ov
-                    ci = oi
-                    shift = Boolean(True)
-
-    @cute.jit
     def quad_exchange_max(self, cand, my_row):
-        """``insert="rank"``: the quad's maximum of this lane's row (``my_row``) over each key
-        block, from the lanes' maxima ``cand[row][block]``: lanes 4q(+1) and 4q+2(+3) first
-        swap the row they do not keep (butterfly 2), then the pair of a row combines (butterfly
-        1): 2 shuffles and 2 maxima per block instead of 4 and 4 (every lane reducing both
-        rows). The same set of values is reduced, so the maximum is the same float."""
+        """The quad's maximum of this lane's row (``my_row``) over each key block, from the
+        lanes' maxima ``cand[row][block]``: lanes 4q(+1) and 4q+2(+3) first swap the row they
+        do not keep (butterfly 2), then the pair of a row combines (butterfly 1): 2 shuffles
+        and 2 maxima per block instead of the 4 and 4 of every lane reducing both rows (the
+        reduction it replaced, with the sequential insertion). The same set of values is
+        reduced, so the maximum is the same float (tests/test_select_insert_cpu.py)."""
         kept = []
         for sl in cutlass.range_constexpr(self.TILE_N // self.block_size):
             mine = cand[0][sl] if my_row == 0 else cand[1][sl]
@@ -724,19 +660,26 @@ class SelectSm90:
 
     @cute.jit
     def offer_rank(self, topv, topi, cv, ci, lower):
-        """:meth:`offer`'s insertion (the same list after every call, ties included) as a rank
-        update (``insert="rank"``). The list is descending, so ``gt[t] = c > v[t]`` is false up
-        to the insertion slot and true from it on; each entry then takes its new value from one
-        comparison pair, independently of the others: ``v'[t] = v[t-1]`` if ``gt[t-1]``, else
-        ``c`` if ``gt[t]``, else ``v[t]`` (the last entry drops out): per entry one compare and
-        four selects, dependency depth ~3, where :meth:`offer`'s carried swap is a 16-deep chain
-        that ptxas compiled to 151 register moves (the review's section 1.2). Split lists (top_k
-        > 16): when the block enters the upper half, the lower lane's candidate is the upper
-        half's last entry and ``gt`` is all true (it goes first), as in :meth:`offer`.
+        """Offer block ``ci`` with maximum ``cv`` to this lane's descending top-k list.
+
+        Rule: the block enters at the first slot it beats strictly (ties keep the lower block:
+        blocks arrive in ascending order), every later entry moves down one slot and the last
+        one drops out. As a rank update: the list is descending, so ``gt[t] = c > v[t]`` is
+        false up to the insertion slot and true from it on; each entry takes its new value
+        from one comparison pair, independently of the others: ``v'[t] = v[t-1]`` if
+        ``gt[t-1]``, else ``c`` if ``gt[t]``, else ``v[t]``. Per entry one compare and four
+        selects, dependency depth ~3, where the sequential insertion it replaced (a swap
+        carried through the list) was a 16-deep chain that ptxas compiled to 151 register
+        moves (the review's section 1.2; the A/B: module docstring). Split lists (top_k > 16,
+        lane 4q(+2) the upper half, 4q+1(+3) the lower): when the block enters the upper
+        half, the lower lane's candidate is the upper half's last entry (read before either
+        lane updates) and ``gt`` is all true (it goes first in the lower half).
 
         Skip: ``vote.any`` over the warp of "the candidate enters"; a lane whose candidate does
         not enter has ``gt`` all false and keeps its list. The vote is warp-uniform (no
-        divergent branch) and needs the warp converged: it is called at the loop's top level."""
+        divergent branch) and needs the warp converged: it is called at the loop's top level.
+        The CPU replay (tests/test_select_insert_cpu.py) checks the rule against the
+        sequential insertion, ties, ``-inf`` and split lists included."""
         HALF = cute.size(topv)
         c = cv
         i = ci
@@ -797,19 +740,18 @@ class SelectSm90:
 # host: torch tensors in, indices out
 # ---------------------------------------------------------------------------------------------
 def select_into(
-    indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages, q_map=None,
-    insert: str = SelectSm90.insert,
-):  # fmt: skip
+    indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages, q_map=None
+):
     """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written):
     ascending sequence-local block numbers, -1 in unused slots. Returns ``indices``.
 
     ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` contiguous bf16/fp16 CUDA tensors,
     ``cu_seqlens (N+1,)`` int32; ``cfg.max_seqlen`` bounds the grid (no host synchronization).
-    ``stages``, ``insert``: the kernel's constructor arguments (A/B runs; the defaults are the
-    shipped ones). ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map):
-    ``q_proxy`` and ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of
-    a mapped row is written, those of padding rows (``-1``) are left as they are
-    (:func:`select` fills them with -1). The exact selection only:
+    ``stages``: the kernel's pipeline depth (A/B runs; the default is the shipped one).
+    ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map): ``q_proxy`` and
+    ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of a mapped row is
+    written, those of padding rows (``-1``) are left as they are (:func:`select` fills them
+    with -1). The exact selection only:
     ``cfg.selection_precision == "fp8"`` raises (:func:`select_fp8_into` is that one).
     """
     if cfg.selection_precision != "bf16":
@@ -821,8 +763,7 @@ def select_into(
     Hpk = k_proxy.shape[1]
     K = cfg.top_k
     kernel = SelectSm90(
-        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages, q_map is not None,
-        insert=insert,
+        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages, q_map is not None
     )  # fmt: skip
     _check_indices(indices, T, Hp, K)
     if T == 0:
@@ -843,10 +784,7 @@ def select_into(
     return indices
 
 
-def select_fp8_into(
-    indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_STAGES,
-    insert: str = SelectSm90.insert,
-):  # fmt: skip
+def select_fp8_into(indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_STAGES):
     """The fp8 selection (``selection_precision="fp8"``) of quantized operands into
     ``indices`` ``(T, Hp, top_k)`` int32 (every entry written, as :func:`select_into`).
     Returns ``indices``.
@@ -855,8 +793,7 @@ def select_fp8_into(
     with ``cfg.block_size`` (its block scales are per selection block): e4m3 ``q (T, Hp, Dp)``
     and ``k (T, Hpk, Dp)``, fp32 ``k_scale (T, Hpk)`` on one CUDA device, per block or per token
     (``key_scale``, compiled in); ``q_scale`` is not read (a positive row constant). No query
-    map. ``stages``: the key-pipeline depth, ``insert``: the top-k insertion
-    (:attr:`SelectSm90.insert`) (A/B runs; the defaults are the shipped ones).
+    map. ``stages``: the key-pipeline depth (A/B runs; the default is the shipped one).
     """
     qz = quantized
     for name, x in (("q", qz.q), ("k", qz.k)):  # before their shapes are read
@@ -880,9 +817,8 @@ def select_fp8_into(
             f"{qz.k_scale.dtype} {tuple(qz.k_scale.shape)}"
         )
     kernel = SelectSm90(
-        cutlass.Float8E4M3FN, Dp, Hp, Hpk, K, cfg.block_size, stages, key_scale=qz.key_scale,
-        insert=insert,
-    )  # fmt: skip
+        cutlass.Float8E4M3FN, Dp, Hp, Hpk, K, cfg.block_size, stages, key_scale=qz.key_scale
+    )
     _check_indices(indices, T, Hp, K)
     if T == 0:
         return indices
@@ -1013,15 +949,13 @@ def specimen_tensors(kernel: SelectSm90, tokens: int = 4) -> tuple:
 
 def compile_select(
     dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
-    key_scale: str | None = None, stages: int | None = None, insert: str = "chain", *, dump=None,
-    name: str = "",
+    key_scale: str | None = None, stages: int | None = None, *, dump=None, name: str = "",
 ) -> dict:  # fmt: skip
     """Compile :class:`SelectSm90` for sm_90a on the launch arguments :func:`_launch` passes
     (:func:`launch_arguments` of :func:`specimen_tensors`; the configurations:
     ``compile_check.configurations``): ``dtype`` "bf16" / "fp16" / "e4m3" (with ``key_scale``,
     the FP8 mode: the wgmma instructions reported as ``mma``), ``qmap`` the query-map kernel,
-    ``stages`` the pipeline depth (default the mode's), ``insert`` the top-k insertion
-    (:attr:`SelectSm90.insert`). Returns
+    ``stages`` the pipeline depth (default the mode's). Returns
     ``compile_check.compile_kernel``'s report (``dump``: a folder for ``<name>.ptx`` /
     ``.cubin``)."""
     from cutlass.cute.runtime import make_fake_stream
@@ -1031,8 +965,6 @@ def compile_select(
     dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN}[dtype]
     if stages is None:
         stages = SelectSm90.stages if key_scale is None else FP8_STAGES
-    kernel = SelectSm90(
-        dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale, insert=insert
-    )
+    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale)
     kernel, args = launch_arguments(kernel, specimen_tensors(kernel), 1, make_fake_stream())
     return compile_kernel(kernel, *args, mma=key_scale is not None, dump=dump, name=name)
