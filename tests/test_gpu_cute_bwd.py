@@ -181,9 +181,11 @@ def test_cute_bwd_deterministic_same_bits(monkeypatch):
 def test_cute_bwd_ws_teacher_in_registers_is_bitwise_the_slab(case):
     """BwdWsSm90 sums the teacher in registers (G2 = 4, anchor and paper layouts), BwdSm90
     (``ws=False``) by the slab's per-sub-group load-add-store: the same additions in the same
-    order, so the same bits, in all five gradients. Sequences of at most 256 tokens (two key
-    blocks, two 128-token items): every fp32 atomic reduction then adds at most two terms to
-    zero, which commutes exactly, so any difference is the kernels' own arithmetic."""
+    order, so the same bits where the teacher acts, ``dq_proxy`` (its rows' d = p - t / G),
+    and in ``dq``. Sequences of at most 256 tokens (two key blocks): each of those rows then
+    gets at most two fp32 atomic additions onto zero, which commute exactly. The key
+    gradients sum more terms (every selection head's items, both chunks) in the atomics'
+    run-time order: close, not bitwise (on the H200 ``dk`` differed by one bf16 ulp)."""
     from flash_msa.cute import bwd_sm90
 
     _backends()
@@ -197,11 +199,16 @@ def test_cute_bwd_ws_teacher_in_registers_is_bitwise_the_slab(case):
     fwd = backends.load("triton")[0].fwd(q, k, v, idx, cu, cfg, qp, kp)
     saved = Saved(q, k, v, fwd.out, fwd.lse, idx, qp, kp, fwd.proxy_lse, None)
     dout, dkl = incoming(q, Hp, 11)
-    ws = bwd_sm90.bwd(dout, dkl, saved, cu, cfg)
-    slab = bwd_sm90.bwd(dout, dkl, saved, cu, cfg, ws=False)
-    for n, a, c in zip(GRADS, ws, slab):
+    ws = dict(zip(GRADS, bwd_sm90.bwd(dout, dkl, saved, cu, cfg)))
+    slab = dict(zip(GRADS, bwd_sm90.bwd(dout, dkl, saved, cu, cfg, ws=False)))
+    for n in GRADS:
+        a, c = ws[n], slab[n]
         assert torch.isfinite(a).all(), n
-        assert torch.equal(a, c), (n, (a.float() - c.float()).abs().max().item())
+        if n in ("dq", "dq_proxy"):
+            assert torch.equal(a, c), (n, (a.float() - c.float()).abs().max().item())
+        else:
+            err = (a.float() - c.float()).abs().max().item()
+            assert err <= 1e-2 * c.float().abs().max().item(), (n, err)
 
 
 @pytest.mark.parametrize("part", ["main", "proxy"])
