@@ -217,7 +217,7 @@ def fwd(
     out = torch.empty_like(q)
     lse = torch.empty((T, H), **f32)
     proxy_lse = torch.empty((T, Hs), **f32) if proxy else None
-    kl_sum = torch.zeros((), **f32)
+    kl_sum = None  # the chunks' KL sum: the first chunk's itself (no zero fill), then added
     unit = None
     if proxy and cfg.compute_kl and proxy_grad and stages.kl_makes_proxy_grad:
         unit = (torch.zeros(q_proxy.shape, **f32), torch.zeros(k_proxy.shape, **f32))
@@ -245,8 +245,11 @@ def fwd(
         if not stages.combine_makes_proxy:
             stages.combine(None, pl_part, idx, None, proxy_lse[c0:c1])
         if cfg.compute_kl:
-            kl_sum += stages.kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit)
-    kl = kl_sum / (Hs * T) if proxy and cfg.compute_kl else None
+            part = stages.kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit).float()
+            kl_sum = part if kl_sum is None else kl_sum + part
+    kl = None
+    if proxy and cfg.compute_kl:
+        kl = (torch.zeros((), **f32) if kl_sum is None else kl_sum) / (Hs * T)
     f = Forward(out, lse, proxy_lse, kl, unit)
     if C < T or not keeps(sorted_lists, q, k, v):
         return f  # chunked (long context): each chunk's lists are gone; or too large to keep

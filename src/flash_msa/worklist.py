@@ -83,22 +83,32 @@ def blocks(cu_seqlens: torch.Tensor, block_size: int, total_tokens: int) -> Bloc
     dev = cu_seqlens.device
     N = cu_seqlens.numel() - 1
     NB = total_tokens // block_size + N  # sum over sequences of ceil(len / b) never exceeds this
-    cu = cu_seqlens.long()
-    lens = cu[1:] - cu[:-1]
-    nblk = (lens + block_size - 1) // block_size  # [N]
-    blk_end_cum = nblk.cumsum(0)
+    # every value below is within [-(NB + 1) b, (NB + 1) b + T]: int32 arithmetic where that
+    # fits (no conversions of cu_seqlens and seq_first), int64 past it (the same values)
+    wide = torch.int32 if (NB + 1) * block_size + total_tokens < 2**31 else torch.int64
+    cu = cu_seqlens.to(wide)
+    nblk = (cu.diff() + (block_size - 1)) // block_size  # [N]
+    blk_end_cum = nblk.cumsum(0, dtype=wide)
     blk_first = blk_end_cum - nblk  # [N] global id of each sequence's block 0
 
-    # global blocks -> token ranges
-    gb = torch.arange(NB, device=dev)
-    seq_of_gb = torch.searchsorted(blk_end_cum, gb, right=True).clamp_max(N - 1)
-    local = gb - blk_first[seq_of_gb]
-    start = cu[seq_of_gb] + local * block_size
-    end = torch.minimum(start + block_size, cu[seq_of_gb + 1])
-    valid_gb = gb < blk_end_cum[-1]
-    block_start = torch.where(valid_gb, start, 0).to(torch.int32)
-    block_end = torch.where(valid_gb, end, 0).to(torch.int32)
-    return Blocks(block_start, block_end, blk_first.to(torch.int32), NB, block_size)
+    # global block g of sequence s: start = cu[s] + (g - blk_first[s]) * b = g * b + off[s],
+    # end = min(start + b, cu[s + 1]); the two per-sequence columns are gathered in one op.
+    # Eager, each launch is ~5-10 us of host time (anchor 16K: the forward's host-bound
+    # stretch before the partials): 17 torch ops, 18 launches, where the same values took 27
+    # and 28 before
+    table = torch.stack((torch.sub(cu[:-1], blk_first, alpha=block_size), cu[1:]))  # [2, N]
+    gb = torch.arange(NB, device=dev, dtype=wide)
+    seq_of_gb = torch.searchsorted(blk_end_cum, gb, right=True).clamp_max_(N - 1)
+    span = table.index_select(1, seq_of_gb)  # [2, NB]: off, cu[s + 1]
+    start, end = span[0], span[1]  # (written in place)
+    torch.add(start, gb, alpha=block_size, out=start)
+    torch.minimum(start + block_size, end, out=end)
+    span.masked_fill_(gb >= blk_end_cum[-1], 0)  # the blocks past the last: [0, 0)
+    # both int32 rows in one buffer, each 16-byte aligned (NB rounded up to 4: the kernels
+    # read them by pointer)
+    out = torch.empty((2, -(-NB // 4) * 4), dtype=torch.int32, device=dev)[:, :NB]
+    out.copy_(span)
+    return Blocks(out[0], out[1], blk_first.to(torch.int32), NB, block_size)
 
 
 class Lists(NamedTuple):
@@ -166,16 +176,18 @@ def lists(
     cu = cu_seqlens.to(torch.int32)
 
     # entries -> list keys, stable-sorted (token order inside each list)
-    idx = indices.to(kdt)
+    idx = indices
     if q_map is None:
         tok = torch.arange(tok0, tok0 + C, device=dev, dtype=torch.int32)
     else:  # the row's token among the keys; a padding row: every slot unused
         tok = q_map[tok0 : tok0 + C].to(torch.int32)
         idx = torch.where(tok[:, None, None] >= 0, idx, -1)
     seq_of_tok = torch.searchsorted(cu[1:], tok, right=True)
-    first = key_blocks.seq_first.to(kdt)[seq_of_tok]  # [C]: the token's sequence's block 0
+    first = key_blocks.seq_first[seq_of_tok]  # [C]: the token's sequence's block 0
     row_key = torch.arange(0, L, NB, device=dev, dtype=kdt) + first[:, None]  # [C, Hs]
-    key = torch.where(idx >= 0, row_key[:, :, None] + idx, L).flatten()
+    # (masked_fill_ with a Python scalar: torch.where(..., L) makes a device scalar first, one
+    # launch more)
+    key = (row_key[:, :, None] + idx).masked_fill_(idx < 0, L).flatten()
     sorted_key, perm = torch.sort(key, stable=True)
     if tok0:
         perm += tok0 * Hs * K
@@ -191,8 +203,9 @@ def items(sorted_lists: Lists, TW: int) -> WorkList:
     each list cut into ``ceil(count / TW)`` items in order, then ``W`` (a bound known from the
     shapes) minus the used ones empty items (``start == end == 0``, list ``Hs * NB - 1``).
 
-    A cheap cut on small tensors: no host sync, fixed sizes (CUDA-graph capturable), 8 ops
-    on the ``W`` items and 8 on the ``Hs * NB`` lists. ``item_start`` and ``item_end`` are the
+    A cheap cut on small tensors: no host sync, fixed sizes (CUDA-graph capturable), 14 torch
+    ops, 16 CUDA launches (16 and 18 before the two per-list columns shared one buffer and one
+    gather; eager, each is ~5-10 us of host time). ``item_start`` and ``item_end`` are the
     two rows of one ``(2, W')`` tensor (``W'`` = W rounded up to even: the second row stays
     16-byte aligned for the kernels)."""
     if TW < 1:
@@ -200,27 +213,31 @@ def items(sorted_lists: Lists, TW: int) -> WorkList:
     sl = sorted_lists
     L = sl.heads * sl.num_blocks
     dev = sl.perm.device
-    b = sl.bounds  # [L + 1]
+    b = sl.bounds  # [L + 1]; b[0] = 0 (no key sorts below list 0)
     per_list = (b.diff() + (TW - 1)) // TW  # items of each list
-    items_end = per_list.cumsum(0)  # [L]: one past each list's last item
     W = (sl.rows * sl.heads * sl.slots) // TW + L  # >= sum(ceil(count / TW))
     Wp = W + W % 2
+    # item w of list l covers entries [base[l] + w TW, min(base[l] + (w + 1) TW, end[l])),
+    # base[l] = bounds[l] - (l's first item) * TW, end[l] = bounds[l + 1]. The sentinel l = L
+    # (items past the last): base = used - items * TW, so that base + w TW >= 0, and end = 0
+    # (= bounds[0]): an item [0, 0). A non-empty item's start is below its list's end, so
+    # min() keeps it. base and end are the two columns of one table, gathered per item at once
+    # (base[0] = bounds[0] = 0 and end[L] = 0: the zeros).
+    items_end = per_list.cumsum(0)  # [L]: one past each list's last item
     lst = torch.searchsorted(
         items_end, torch.arange(Wp, device=dev), right=True, out_int32=True
     )  # [W'] the item's list; L past the last item
-    # item w of list l covers entries [base[l] + w TW, min(base[l] + (w + 1) TW, end[l])),
-    # base[l] = bounds[l] - (l's first item) * TW. The sentinel l = L (items past the last):
-    # base = used - items * TW, so that base + w TW >= 0, and end = bounds[0] = 0: an item
-    # [0, 0). A non-empty item's start is below its list's end, so min() keeps it.
-    base = b - torch.nn.functional.pad(items_end, (1, 0)) * TW  # [L + 1]
-    end = b.roll(-1)  # [L + 1]: bounds[l + 1], bounds[0] = 0 at L
+    table = torch.zeros((L + 1, 2), dtype=torch.int64, device=dev)
+    torch.sub(b[1:], items_end, alpha=TW, out=table[1:, 0])
+    table[:L, 1].copy_(b[1:])
     steps = torch.arange(0, (Wp + 1) * TW, TW, device=dev).as_strided((2, Wp), (1, 1))
     # (into a row-major buffer: from steps' strides alone the sum would come out column-major,
     # and the kernels read item_start / item_end as contiguous rows; int64: T * Hs * K can
     # pass 2**31 at long context)
     span = torch.empty((2, Wp), dtype=torch.int64, device=dev)
-    torch.add(base.index_select(0, lst), steps, out=span)
-    torch.minimum(span, end.index_select(0, lst), out=span)
+    at = table.index_select(0, lst)  # [W', 2]: base, end of each item's list
+    torch.add(at[:, 0], steps, out=span)
+    torch.minimum(span, at[:, 1], out=span)
     return WorkList(
         sl.perm, lst[:W].clamp_max(L - 1), span[0, :W], span[1, :W], sl.block_start,
         sl.block_end, sl.num_blocks, W, sl.slots, sl.heads, sl.q_map, TW,

@@ -145,7 +145,48 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
         return fwd_reason(problem)
     if op == "bwd":
         return bwd_kernel_reason(problem)
-    return _select_reason(problem)
+    return memo((_select_reason, problem), _select_reason, problem)
+
+
+# Host time: what ``auto``'s resolves and the forward's stage pick compute per call are pure
+# functions of the call's shapes, dtypes and configuration (kernels' ``can_implement``, the
+# stages' ``*_fits``, meta tensors) and of this module's switches: 49 us per training step on
+# this CPU for the three resolves (``resolve("fwd")`` 30 us, 20 of them ``call_stages``) and 12
+# us for the forward's ``stages_for``, ~2-3 us each remembered (tests/test_glue_host.py).
+# Each is kept per its exact arguments (switches included where read: :func:`switches`), so a
+# remembered value is the one a fresh call returns; the dict is bounded (varlen calls vary
+# ``max_seqlen``, a field of the key) by clearing it when full.
+MEMO_ENTRIES = 4096
+_MEMO: dict = {}
+
+
+def memo(key: tuple, fn, *args):
+    """``fn(*args)``, computed once per ``key`` (hashable: ``fn`` and whatever ``fn`` reads of
+    ``args`` and of module state; :data:`MEMO_ENTRIES` keys at most)."""
+    value = _MEMO.get(key, _MEMO)
+    if value is _MEMO:
+        if len(_MEMO) >= MEMO_ENTRIES:
+            _MEMO.clear()
+        value = _MEMO[key] = fn(*args)
+    return value
+
+
+def clear_memo() -> None:
+    """Forget what :func:`memo` kept (for a caller that changes what a remembered function
+    reads beyond its key, e.g. a test that patches a kernel's ``can_implement``)."""
+    _MEMO.clear()
+
+
+def switches() -> tuple:
+    """What :func:`forward_stages` reads at call time besides its arguments: the stage switches
+    and the stage functions it hands out (tests patch both), for the keys of :func:`memo`."""
+    from . import bwd_sm90, combine_sm90, fwd_partials_sm90
+
+    fp = fwd_partials_sm90
+    return (
+        PROXY_LSE_ON_CUTE, KL_ON_CUTE, COMBINE_ON_CUTE, FWD_Q_MAP_DECLARED, fp.KL_FWD_MODE,
+        fp.partials, fp.kl, bwd_sm90.kl, combine_sm90.combine,
+    )  # fmt: skip
 
 
 # The forward's KL value on CuTe (``bwd_sm90.kl``: the fused backward's kernel in its KL mode,
@@ -246,38 +287,65 @@ def fwd_reason(problem: Problem, stages=None) -> str | None:
     ones ``fwd_partials_sm90.fwd`` will pick for the call (:func:`call_stages`; e.g. Triton's
     combine above the CuTe combine's 64 slots, with Triton's ``max_top_k``)."""
     from ..sparse_forward import borrowed_reason
+
+    why = memo((_fwd_kernel_reason, problem), _fwd_kernel_reason, problem)
+    if why is not None:
+        return why
+    # (the borrowed stages' limits are another backend's: asked per call, not remembered)
+    return borrowed_reason(call_stages(problem) if stages is None else stages, problem)
+
+
+def _fwd_kernel_reason(problem: Problem) -> str | None:
+    """``FwdPartialsSm90.can_implement`` of ``problem``'s configuration."""
     from .common import cutlass_dtype
     from .fwd_partials_sm90 import FwdPartialsSm90
 
-    why = FwdPartialsSm90.can_implement(
+    return FwdPartialsSm90.can_implement(
         cutlass_dtype(problem.dtype), problem.num_heads, problem.num_kv_heads,
         problem.num_sel_heads, problem.head_dim, problem.cfg.top_k, problem.cfg.block_size,
     )  # fmt: skip
-    if why is not None:
-        return why
-    return borrowed_reason(call_stages(problem) if stages is None else stages, problem)
 
 
 def meta_inputs(problem: Problem):
     """``(q, k, q_proxy, k_proxy, indices)`` of one token with ``problem``'s heads, dims and
     ``top_k`` on the meta device (no memory): for the stages' ``*_fits``, which read shapes
-    and dtypes only. The proxy is ``None`` where the problem has none (``proxy_head_dim`` 0)."""
+    and dtypes only. The proxy is ``None`` where the problem has none (``proxy_head_dim`` 0).
+    The same tensors for the same heads, dims and ``top_k`` (:func:`memo`)."""
+    p = problem
+    dims = (p.dtype, p.num_heads, p.num_kv_heads, p.head_dim, p.num_sel_heads)
+    dims += (p.num_proxy_k_heads, p.proxy_head_dim, p.cfg.top_k or 1)
+    return memo((_meta_inputs, *dims), _meta_inputs, *dims)
+
+
+def _meta_inputs(dtype, H, Hkv, D, Hs, Hpk, Dp, K):
+    """:func:`meta_inputs` of these heads and dims."""
     import torch
 
-    m = dict(dtype=problem.dtype, device="meta")
-    H, Hkv, D = problem.num_heads, problem.num_kv_heads, problem.head_dim
-    Hs, Hpk, Dp = problem.num_sel_heads, problem.num_proxy_k_heads, problem.proxy_head_dim
+    m = dict(dtype=dtype, device="meta")
     q, k = torch.empty(1, H, D, **m), torch.empty(1, Hkv, D, **m)
     qp = torch.empty(1, Hs, Dp, **m) if Dp else None
     kp = torch.empty(1, Hpk, Dp, **m) if Dp else None
-    K = problem.cfg.top_k or 1
     return q, k, qp, kp, torch.empty(1, Hs, K, dtype=torch.int32, device="meta")
 
 
 def stages_for(q, k, q_proxy, k_proxy, indices, cfg, combine_ok: bool | None = None):
     """:func:`forward_stages` for one call's tensors (shapes and dtypes only: the meta device
     will do): each CuTe stage where its ``*_fits`` takes the call. ``combine_ok`` replaces
-    ``combine_fits`` (the warmup's two-level combine, ``warmup.stages``)."""
+    ``combine_fits`` (the warmup's two-level combine, ``warmup.stages``). Remembered per what
+    the ``*_fits`` read (dtypes, every size but the token count, ``cfg``) and the
+    :func:`switches` (:func:`memo`)."""
+    shapes = (_rows(q), _rows(k), _rows(q_proxy), _rows(k_proxy), _rows(indices))
+    key = (_pick_stages, shapes, cfg, combine_ok, switches())
+    return memo(key, _pick_stages, q, k, q_proxy, k_proxy, indices, cfg, combine_ok)
+
+
+def _rows(x) -> tuple | None:
+    """What the stages' ``*_fits`` may read of a call's tensor: dtype and row shape."""
+    return None if x is None else (x.dtype, x.shape[1:])
+
+
+def _pick_stages(q, k, q_proxy, k_proxy, indices, cfg, combine_ok):
+    """:func:`stages_for`, computed."""
     from .bwd_sm90 import kl_fits
     from .combine_sm90 import combine_fits
     from .fwd_partials_sm90 import proxy_fits
@@ -301,7 +369,13 @@ def call_stages(problem: Problem):
 
 def bwd_kernel_reason(problem: Problem) -> str | None:
     """Why the fused backward kernel cannot run ``problem`` (``None``: it can): ``BWD_LIMITS``
-    and ``BwdSm90.can_implement`` (the head-group arithmetic and shared memory)."""
+    and ``BwdSm90.can_implement`` (the head-group arithmetic and shared memory); remembered
+    per ``problem`` (:func:`memo`)."""
+    return memo((_bwd_kernel_reason, problem), _bwd_kernel_reason, problem)
+
+
+def _bwd_kernel_reason(problem: Problem) -> str | None:
+    """:func:`bwd_kernel_reason`, computed."""
     from .bwd_sm90 import BwdSm90
     from .common import cutlass_dtype
 
