@@ -69,7 +69,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .. import ordered, worklist
 from ..cubin import SHARED_LIMIT
-from ..problem import Grads, Saved
+from ..problem import Grads, Saved, row_delta
 from ..worklist import geometry
 from .common import (
     PointerTensors,
@@ -1108,7 +1108,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, *, q_map=None, **variant) -> G
     lse_t = aligned(lse.contiguous()).view(-1)
     if main:
         dout = dout.contiguous()
-        delta = (dout.float() * out.float()).sum(-1)  # (T, H)
+        delta = row_delta(dout, out)  # (T, H)
         dO, vt = aligned(dout).view(T * H, D), aligned(v.contiguous()).permute(0, 2, 1)
         main_args = (dO, kv, vt, lse_t, delta.view(-1))
     else:

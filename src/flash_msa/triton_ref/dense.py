@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..problem import Config, Forward, Grads, Saved
+from ..problem import Config, Forward, Grads, Saved, row_delta
 from ..worklist import geometry
 from . import tiles
 from .common import (
@@ -551,7 +551,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
         dq = torch.empty_like(q) if det else torch.zeros((T, H, D), **f32)
         dk = new((T, Hkv, D), **f32)
         dv = new((T, Hkv, D), **f32)
-        delta = (dout.float() * out.float()).sum(-1)
+        delta = row_delta(dout, out)
         args = (q, k, v, dout, delta, lse, cu_seqlens, dq, dk, dv, cfg.softmax_scale)
 
         def options(tile):

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .. import ordered, worklist
-from ..problem import Config, Grads, Saved
+from ..problem import Config, Grads, Saved, row_delta
 from ..worklist import ITEM_TOKENS, geometry
 from . import proxy as proxy_pass
 from . import tiles
@@ -256,7 +256,7 @@ def _atomic(
         dq = torch.zeros((T, H, D), **f32)
         dk = torch.zeros((Tk, Hkv, D), **f32)
         dv = torch.zeros((Tk, Hkv, D), **f32)
-        delta = (dout.float() * out.float()).sum(-1)  # [T, H]
+        delta = row_delta(dout, out)  # [T, H]
         args = _main_args(q, k, v, dout, delta, lse, wl, dq, dk, dv, wl.perm, cfg)
         tile, options = _main_tile(q, k, wl, cfg, args, False)
         _bwd_kernel[(wl.num_items, cfg.block_size // tile[1])](*args, **options(tile))
@@ -297,7 +297,7 @@ def _ordered(
     if kept is not None and (main or proxy_pass_needed):
         whole = worklist.items(kept, ITEM_TOKENS)
     if main:
-        delta = (dout.float() * out.float()).sum(-1)  # [T, H]
+        delta = row_delta(dout, out)  # [T, H]
         # the tile decides S, hence the partials' size: pick it first, on the one-chunk work list
         # if there is one, else a one-token one, with placeholder buffers (the compiled kernel
         # depends on dtypes, not sizes; tiles.pick compiles, it does not launch)
