@@ -15,6 +15,11 @@ the partial buffers stay below :data:`PARTIAL_BYTES`) the driver
 5. with ``cfg.compute_kl``, runs ``kl``: the chunk's sum of per-row KL terms (and, in training,
    the proxy gradient for ``dkl = 1``).
 
+With :data:`ONE_SORT` (:func:`one_sort` says where) step 1 is one sort of all rows before the
+loop (``worklist.lists(..., chunk=C)``), each chunk's work list cut from it
+(``worklist.chunk_items``: the same items), and step 5 one ``kl`` call after the loop over the
+whole lists' items.
+
 The partial-buffer contract (what a ``partials`` stage writes and ``combine`` reads), for the
 chunk's packed tokens ``tok0 .. tok0 + C`` and a row ``(t, h, slot)`` with ``slot`` the
 position of the key block in the token's index row:
@@ -43,11 +48,13 @@ The work list is built once per training step: when the forward runs in one chun
 e.g. anchor 16K and 32K) and :func:`keeps` allows it, the returned ``Forward`` carries the
 chunk's sorted lists (:func:`flash_msa.worklist.carry`), which api.py keeps for the backward;
 the backends' ``bwd`` cut their own items from them instead of sorting again. A chunked forward
-(long context, e.g. paper 32K: 4 chunks) keeps nothing; its backward builds as before.
+(long context, e.g. paper 32K: 4 chunks) keeps nothing, and its backward builds as before;
+unless it sorted once (:data:`ONE_SORT`): then it keeps those lists, of all rows.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
@@ -197,8 +204,9 @@ def fwd(
     Needs ``stages.q_map``.
 
     The result carries the forward's sorted lists (:func:`flash_msa.worklist.carried`) when it
-    ran in one chunk and :func:`keeps` them: ``T * Hs * K * 8`` bytes (+ ``(Hs * NB + 1) * 8 +
-    NB * 8``), held as long as the caller holds them (api.py: until the backward).
+    ran in one chunk and :func:`keeps` them, or sorted once (:func:`one_sort`): ``T * Hs * K *
+    8`` bytes (+ ``(Hs * NB + 1) * 8 + NB * 8``), held as long as the caller holds them (api.py:
+    until the backward).
     """
     if proxy_grad:
         stages = with_proxy_grad(stages)
@@ -211,9 +219,6 @@ def fwd(
     proxy = q_proxy is not None
     f32 = dict(dtype=torch.float32, device=q.device)
     C = min(T, max(1, PARTIAL_BYTES // (H * K * D * q.element_size())))
-    o_part = torch.empty((C, H, K, D), dtype=q.dtype, device=q.device)
-    l_part = torch.empty((C, H, K), **f32)
-    pl_part = torch.empty((C, Hs, K), **f32) if proxy else None
     out = torch.empty_like(q)
     lse = torch.empty((T, H), **f32)
     proxy_lse = torch.empty((T, Hs), **f32) if proxy else None
@@ -222,16 +227,27 @@ def fwd(
     if proxy and cfg.compute_kl and proxy_grad and stages.kl_makes_proxy_grad:
         unit = (torch.zeros(q_proxy.shape, **f32), torch.zeros(k_proxy.shape, **f32))
     key_blocks = worklist.blocks(cu_seqlens, cfg.block_size, k.shape[0])  # every chunk's
-    sorted_lists = None
-    for c0 in range(0, T, C):
+    sorted_lists = whole = None
+    if one_sort(T, C, Hs, K, key_blocks.num_blocks, q, k, v, cfg, unit):
+        whole = worklist.lists(
+            indices, cu_seqlens, cfg.block_size, 0, k.shape[0], q_map, key_blocks, chunk=C
+        )  # (before the partial buffers: the sort's transient memory is freed by then)
+        chunk_wls = worklist.chunk_items(whole, worklist.ITEM_TOKENS)  # every chunk's at once
+    o_part = torch.empty((C, H, K, D), dtype=q.dtype, device=q.device)
+    l_part = torch.empty((C, H, K), **f32)
+    pl_part = torch.empty((C, Hs, K), **f32) if proxy else None
+    for c, c0 in enumerate(range(0, T, C)):
         c1 = min(T, c0 + C)
         idx = indices[c0:c1]
         if q_map is not None:  # padding rows: no keys, whatever their slots hold (combine)
             idx = worklist.drop_padding_rows(idx, q_map[c0:c1])
-        sorted_lists = worklist.lists(
-            idx, cu_seqlens, cfg.block_size, c0, k.shape[0], q_map, key_blocks
-        )
-        wl = worklist.items(sorted_lists, worklist.ITEM_TOKENS)
+        if whole is not None:  # the chunk's runs of the one sort: the same work list
+            wl = chunk_wls[c]
+        else:
+            sorted_lists = worklist.lists(
+                idx, cu_seqlens, cfg.block_size, c0, k.shape[0], q_map, key_blocks
+            )
+            wl = worklist.items(sorted_lists, worklist.ITEM_TOKENS)
         fused = (q_proxy, k_proxy, pl_part) if proxy and stages.partials_make_proxy else None
         stages.partials(q, k, v, wl, o_part, l_part, cfg, c0, fused)
         if proxy and fused is None:
@@ -244,21 +260,68 @@ def fwd(
             continue
         if not stages.combine_makes_proxy:
             stages.combine(None, pl_part, idx, None, proxy_lse[c0:c1])
-        if cfg.compute_kl:
+        if cfg.compute_kl and whole is None:
             part = stages.kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit).float()
             kl_sum = part if kl_sum is None else kl_sum + part
+    if proxy and cfg.compute_kl and whole is not None:  # once, over the whole lists' items
+        wl = worklist.items(whole, worklist.ITEM_TOKENS)
+        kl_sum = stages.kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit).float()
     kl = None
     if proxy and cfg.compute_kl:
         kl = (torch.zeros((), **f32) if kl_sum is None else kl_sum) / (Hs * T)
     f = Forward(out, lse, proxy_lse, kl, unit)
-    if C < T or not keeps(sorted_lists, q, k, v):
-        return f  # chunked (long context): each chunk's lists are gone; or too large to keep
+    if whole is not None:  # (one_sort checked keeps' share before sorting: this is a formality)
+        sorted_lists = whole.unchunked()
+    elif C < T:
+        return f  # chunked (long context) and sorted per chunk: each chunk's lists are gone
+    if not keeps(sorted_lists, q, k, v):
+        return f  # too large to keep
     if cfg.deterministic:  # the ordered backwards sort per chunk of their own when their dQ
         from . import ordered  # partials (>= H K D fp32 per row) need chunks: nothing to keep
 
         if ordered.token_chunk(T, H * K * D * 4) < T:
             return f
     return worklist.carry(f, sorted_lists)
+
+
+# P1 of docs/reviews/2026-12-01-fwd-after-partials.md: a chunked forward (C < T) sorts its work
+# list once over all rows (worklist.lists(..., chunk=C)) instead of once per chunk, cuts each
+# chunk's work list from it (worklist.chunk_items: the same items, so out, lse and proxy_lse
+# are bitwise those of the per-chunk sorts), runs the KL stage once after the chunk loop over
+# the whole lists' items (fuller items: the KL value changes by its fp32 summation order only,
+# the same bits every run) and keeps the lists for the backward (which then does not sort).
+# Paper 128K (16 chunks): 1 sort instead of 16, 67 torch ops of driver glue instead of 464
+# (counted on CPU with stub stages: tests/test_one_sort.py), the KL on 241-entry items instead
+# of 175; predicted fwd op -4.3..-5.8 ms. Off until the H200 A/B
+# (benchmarks/cute_fwd_ab.py: "fwd op cute one-sort"). The environment variable
+# FLASH_MSA_ONE_SORT=1 turns it on at import (for `python -m flash_msa bench`); tests and
+# benchmarks set the attribute. Where it does not run: :func:`one_sort`.
+ONE_SORT = os.environ.get("FLASH_MSA_ONE_SORT", "0") == "1"
+
+# The one sort's transient device memory may reach this (worklist.lists over all T rows: ~40
+# bytes per (row, selection head, slot) entry at the sort's peak, cute/warmup.py's count, as
+# the backward's own sort of the same entries, which keeping the lists then saves): paper 128K
+# 8.4M entries 0.34 GB, long 1M 67M entries 2.7 GB. It runs before the partial buffers
+# (PARTIAL_BYTES) are allocated, so the two do not add up.
+ONE_SORT_BYTES = 4 << 30
+
+
+def one_sort(T: int, C: int, Hs: int, K: int, NB: int, q, k, v, cfg: Config, unit) -> bool:
+    """Whether :func:`fwd` sorts once for all its ``T // C`` chunks (:data:`ONE_SORT`): on, a
+    chunked call (``C < T``: one chunk sorts once anyway), the sort's transient memory
+    (``worklist.SORT_BYTES_PER_ENTRY`` per entry) within :data:`ONE_SORT_BYTES`, and the lists it
+    holds through the forward (``T * Hs * K * 8`` bytes of ``perm``, ``(NC + 1) (Hs NB + 1)
+    * 8`` of the chunk table, ``NB * 8`` of blocks; paper 128K: 67 MB) within :func:`keeps`'
+    share of q, k, v and out, so that they are kept for the backward too. Not with a unit
+    proxy gradient in deterministic mode: the Triton KL stage's ordered dQ_proxy row partials
+    are sized by its work list's rows (ordered.PARTIAL_BYTES per chunk; all T rows there)."""
+    if not ONE_SORT or C >= T or (cfg.deterministic and unit is not None):
+        return False
+    entries = T * Hs * K
+    if worklist.SORT_BYTES_PER_ENTRY * entries > ONE_SORT_BYTES:
+        return False
+    held = entries * 8 + (-(-T // C) + 1) * (Hs * NB + 1) * 8 + NB * 8
+    return KEEP_SHARE * held <= 2 * q.nbytes + k.nbytes + v.nbytes
 
 
 # The forward's sorted lists are kept for the backward (:func:`fwd`) only while they cost at most

@@ -11,10 +11,13 @@ and the block size): no host synchronization, CUDA-graph capturable, determinist
 sort keeps each list in token order). In two parts: :func:`lists`, the expensive one (the
 stable sort of ``C * Hs * K`` keys into lists, their bounds; the key blocks, :func:`blocks`),
 independent of the item size, and :func:`items`, the cheap cut into items of ``TW`` entries
-(16 small ops). :func:`build` is both. A training step sorts once: the sparse-forward driver's
-``Forward`` carries its lists when it ran in one chunk (:func:`carry`, the memory rule in
-``sparse_forward.keeps``), api.py saves them for the backward, whose ``bwd`` cuts its own items
-(``TW`` 128 on CuTe, 256 on Triton) from them when :func:`matches` says they are the call's.
+(16 small ops). :func:`build` is both. :func:`lists` with ``chunk`` also finds each query
+chunk's run of each list, and :func:`chunk_items` cuts every chunk's work list from that one
+sort (the sparse-forward driver's ``ONE_SORT``). A training step sorts once: the sparse-forward
+driver's ``Forward`` carries its lists when it ran in one chunk or sorted once (:func:`carry`,
+the memory rule in ``sparse_forward.keeps``), api.py saves them for the backward, whose ``bwd``
+cuts its own items (``TW`` 128 on CuTe, 256 on Triton) from them when :func:`matches` says they
+are the call's.
 
 Backend-neutral: both backends' forward and backward kernels walk these lists (the Triton
 kernels and the CuTe kernels read the same six tensors), and :func:`geometry` says how a work
@@ -36,6 +39,13 @@ import torch
 from .problem import Forward, Saved
 
 ITEM_TOKENS = 256  # tokens per work item: K/V (and dK/dV) stay on chip over them
+
+
+# Transient device bytes per (row, selection head, slot) entry at the peak of :func:`lists`'
+# sort (keys, the stable sort's values and scratch): 40, counted for the CuTe warmup's lists
+# (the tenth session's review: 24 undercounted the sort's buffers). Read by the budgets of the
+# warmup's lists (cute/warmup.py) and of the forward's one sort (sparse_forward.one_sort).
+SORT_BYTES_PER_ENTRY = 40
 
 
 def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
@@ -133,11 +143,31 @@ class Lists(NamedTuple):
     tok0: int  # the first row
     rows: int  # C: the rows sorted (tok0 .. tok0 + rows)
     block_size: int
+    # ``lists(..., chunk=R)`` only (else None, 0): chunk c (rows tok0 + c R .. + R) of list l is
+    # perm[chunk_bounds[c, l]:chunk_bounds[c + 1, l]] (the last chunk's end: the list's end);
+    # (NC + 1, Hs * NB + 1) int64, NC = ceil(rows / R); bounds is its row 0 (a view)
+    chunk_bounds: torch.Tensor | None = None
+    chunk_rows: int = 0  # R: rows per chunk
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the lists' own tensors (``q_map`` is the caller's)."""
-        return sum(x.nbytes for x in (self.perm, self.bounds, self.block_start, self.block_end))
+        """Device bytes of the lists' own tensors (``q_map`` is the caller's; with a chunk
+        table, the table instead of ``bounds``, its row 0)."""
+        b = self.bounds if self.chunk_bounds is None else self.chunk_bounds
+        return sum(x.nbytes for x in (self.perm, b, self.block_start, self.block_end))
+
+    @property
+    def num_chunks(self) -> int:
+        """NC: the chunks of ``chunk_rows`` rows (1 without a chunk table)."""
+        return 1 if self.chunk_bounds is None else self.chunk_bounds.shape[0] - 1
+
+    def unchunked(self) -> Lists:
+        """These lists without the chunk table (``bounds`` copied out of it: the table's
+        storage is freed with it), as a caller keeps them for the backward (api.py saves the
+        tensor fields; the host fields, ``chunk_bounds`` among them, would stay on its ``ctx``)."""
+        if self.chunk_bounds is None:
+            return self
+        return self._replace(bounds=self.bounds.clone(), chunk_bounds=None, chunk_rows=0)
 
 
 def lists(
@@ -148,6 +178,7 @@ def lists(
     total_tokens: int | None = None,
     q_map: torch.Tensor | None = None,
     key_blocks: Blocks | None = None,
+    chunk: int | None = None,
 ) -> Lists:
     """The sorted lists of ``indices`` ``(C, Hs, K)`` (sequence-local blocks, -1 unused): the
     rows of packed tokens ``[tok0, tok0 + C)`` of a ``total_tokens``-token batch (default: all).
@@ -160,8 +191,19 @@ def lists(
     caller that sorts several chunks (else computed here).
 
     One stable sort of ``C * Hs * K`` keys (int32 unless ``Hs * NB`` needs more: the radix
-    sort then moves half the bytes; the order is the same) and one search for the bounds."""
+    sort then moves half the bytes; the order is the same) and one search for the bounds.
+
+    ``chunk``: rows per chunk R (the sparse-forward driver's query chunks, ``ONE_SORT``): the
+    key of an entry of row ``tok0 + r`` becomes ``list * NC + r // R`` (NC = ceil(C / R)
+    chunks; the unused slots ``L * NC + r // R``), a chunk-major key inside each list; the
+    stable sort gives the same ``perm`` (a list's entries are in row order, so its chunks are
+    consecutive runs), and one search over ``(NC + 1) * (L + 1)`` keys gives every chunk's
+    run of every list (``Lists.chunk_bounds``; ``bounds`` is its row 0). :func:`chunk_items`
+    cuts every chunk's work list from it, :func:`items` the whole one. Four torch ops more than
+    without (one an elementwise pass over the keys); no host sync."""
     C, Hs, K = indices.shape
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk: the rows per chunk must be >= 1, got {chunk}")
     total = C if total_tokens is None else total_tokens
     if key_blocks is None:
         key_blocks = blocks(cu_seqlens, block_size, total)
@@ -172,7 +214,9 @@ def lists(
     dev = indices.device
     NB = key_blocks.num_blocks
     L = Hs * NB  # lists; the key L marks an unused slot (sorts last)
-    kdt = torch.int32 if L < 2**31 else torch.int64
+    NC = 1 if chunk is None else max(1, -(-C // chunk))
+    # (with chunks the keys reach (L + 1) NC: the search's last one)
+    kdt = torch.int32 if (L if chunk is None else (L + 1) * NC) < 2**31 else torch.int64
     cu = cu_seqlens.to(torch.int32)
 
     # entries -> list keys, stable-sorted (token order inside each list)
@@ -187,15 +231,28 @@ def lists(
     row_key = torch.arange(0, L, NB, device=dev, dtype=kdt) + first[:, None]  # [C, Hs]
     # (masked_fill_ with a Python scalar: torch.where(..., L) makes a device scalar first, one
     # launch more)
-    key = (row_key[:, :, None] + idx).masked_fill_(idx < 0, L).flatten()
-    sorted_key, perm = torch.sort(key, stable=True)
+    key = (row_key[:, :, None] + idx).masked_fill_(idx < 0, L)
+    if chunk is not None:  # key * NC + the row's chunk, in place (one pass)
+        rc = torch.arange(C, device=dev, dtype=kdt) // chunk
+        torch.add(rc[:, None, None], key, alpha=NC, out=key)
+    sorted_key, perm = torch.sort(key.flatten(), stable=True)
     if tok0:
         perm += tok0 * Hs * K
-    # list l: the entries with key l, from the first key >= l on
-    bounds = torch.searchsorted(sorted_key, torch.arange(L + 1, device=dev, dtype=kdt))
+    if chunk is None:  # list l: the entries with key l, from the first key >= l on
+        bounds = torch.searchsorted(sorted_key, torch.arange(L + 1, device=dev, dtype=kdt))
+        return Lists(
+            perm, bounds, key_blocks.start, key_blocks.end, NB, K, Hs, q_map, tok0, C, block_size
+        )
+    # chunk c of list l starts at the first key >= l NC + c: table[c, l] for c <= NC, l <= L
+    # (row NC, l: = (l + 1) NC, the end of list l; row 0: the lists' bounds; column L: where
+    # the chunk's unused slots start, never used as an end)
+    keys = torch.arange((L + 1) * NC + 1, device=dev, dtype=kdt)
+    keys = keys.as_strided((NC + 1, L + 1), (1, NC))
+    table = torch.searchsorted(sorted_key, keys.contiguous())  # (NC + 1, L + 1) int64
     return Lists(
-        perm, bounds, key_blocks.start, key_blocks.end, NB, K, Hs, q_map, tok0, C, block_size
-    )
+        perm, table[0], key_blocks.start, key_blocks.end, NB, K, Hs, q_map, tok0, C, block_size,
+        table, chunk,
+    )  # fmt: skip
 
 
 def items(sorted_lists: Lists, TW: int) -> WorkList:
@@ -242,6 +299,68 @@ def items(sorted_lists: Lists, TW: int) -> WorkList:
         sl.perm, lst[:W].clamp_max(L - 1), span[0, :W], span[1, :W], sl.block_start,
         sl.block_end, sl.num_blocks, W, sl.slots, sl.heads, sl.q_map, TW,
     )  # fmt: skip
+
+
+def chunk_items(sorted_lists: Lists, TW: int) -> tuple[WorkList, ...]:
+    """The work list of every chunk (rows ``tok0 + c R .. + R``, R = ``chunk_rows``) of lists
+    sorted with chunks (``lists(..., chunk=R)``), items of at most ``TW`` entries: chunk c's is
+    the work list ``items(lists(<its rows>, ..., tok0 + c R, ...), TW)`` (the driver's
+    per-chunk sort) item by item: the same ``item_list``, each item the same entries
+    (``perm[item_start:item_end]``), the same empty items (``[0, 0)``, list ``L - 1``), ``W``,
+    blocks and map. Only ``perm`` is the whole call's (the item bounds index it).
+
+    :func:`items`' cut, for all NC chunks at once on ``(NC, ...)`` tensors: 18 torch ops
+    whatever NC (:func:`items` of one chunk: 14; paper 128K has 16 chunks), no host sync. Chunk c's
+    ``item_list``, ``item_start``, ``item_end`` are rows of three shared buffers, each row
+    16-byte aligned (``W'``: W of a full chunk rounded up to a multiple of 4)."""
+    sl = sorted_lists
+    if sl.chunk_bounds is None:
+        raise ValueError("sorted_lists: made without chunks (lists(..., chunk=R))")
+    if TW < 1:
+        raise ValueError(f"TW: the entries per item must be >= 1, got {TW}")
+    L = sl.heads * sl.num_blocks
+    dev = sl.perm.device
+    NC, R = sl.num_chunks, sl.chunk_rows
+    t = sl.chunk_bounds  # (NC + 1, L + 1): chunk c of list l is [t[c, l], t[c + 1, l])
+    starts, ends = t[:-1], t[1:, :-1]
+    per_list = (ends - starts[:, :-1] + (TW - 1)) // TW  # (NC, L) items of each list
+    Ws = [(min(R, sl.rows - c0) * sl.heads * sl.slots) // TW + L for c0 in range(0, sl.rows, R)]
+    if not Ws:  # no rows: no chunks
+        return ()
+    Wp = -(-Ws[0] // 4) * 4  # the first chunk is a full one: the largest W
+    # as in items(), per chunk: item w of list l covers [base + w TW, min(base + (w + 1) TW,
+    # end)), base = start - (l's first item) TW; the sentinel l = L: base = where the chunk's
+    # unused entries start - items TW (>= 0 from its first item on), end 0: [0, 0)
+    items_end = per_list.cumsum(1)  # (NC, L)
+    w = torch.arange(Wp, device=dev).expand(NC, Wp).contiguous()
+    lst = torch.searchsorted(items_end, w, right=True)  # (NC, W') int64: L past the last item
+    table = torch.zeros((NC, L + 1, 2), dtype=torch.int64, device=dev)
+    torch.sub(starts[:, 1:], items_end, alpha=TW, out=table[:, 1:, 0])
+    table[:, 0, 0].copy_(starts[:, 0])
+    table[:, :L, 1].copy_(ends)
+    at = torch.take_along_dim(table, lst[:, :, None], dim=1)  # (NC, W', 2): base, end
+    steps = torch.arange(0, (Wp + 1) * TW, TW, device=dev).as_strided((2, Wp), (1, 1))
+    span = torch.empty((NC, 2, Wp), dtype=torch.int64, device=dev)
+    torch.add(at[:, None, :, 0], steps, out=span)
+    torch.minimum(span, at[:, None, :, 1], out=span)
+    lists_ = lst.clamp_max_(L - 1).to(torch.int32)
+    return tuple(
+        WorkList(
+            sl.perm,
+            lists_[c, :W],
+            span[c, 0, :W],
+            span[c, 1, :W],
+            sl.block_start,
+            sl.block_end,
+            sl.num_blocks,
+            W,
+            sl.slots,
+            sl.heads,
+            sl.q_map,
+            TW,
+        )  # fmt: skip
+        for c, W in enumerate(Ws)
+    )
 
 
 def build(

@@ -63,7 +63,7 @@ GROUP = 64  # slots the CuTe combine merges per row (combine_sm90.MAX_TOPK): the
 # A sort-free builder (each list is one run of tokens: 8 bytes per entry, no sort) would cut
 # this five-fold: not written yet.
 LIST_BYTES = 6 << 30
-BYTES_PER_ENTRY = 40
+BYTES_PER_ENTRY = worklist.SORT_BYTES_PER_ENTRY
 
 
 def width(max_seqlen: int, block_size: int) -> int:
