@@ -178,3 +178,13 @@ def torch_combine(o_part, l_part, idx, out, lse, proxy=None):
         out.copy_(torch.nan_to_num((w[..., None] * o).sum(2), nan=0.0).to(out.dtype))
     if proxy is not None:
         torch_combine(None, proxy[0], idx, None, proxy[1])
+
+
+def work_items(wl):
+    """``[(list, [entries...])]`` of a work list's non-empty items, in item order (the work
+    list tests compare two builds by it)."""
+    out = []
+    for lst, s, e in zip(wl.item_list.tolist(), wl.item_start.tolist(), wl.item_end.tolist()):
+        if e > s:
+            out.append((lst, wl.perm[s:e].tolist()))
+    return out

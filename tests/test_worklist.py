@@ -15,15 +15,7 @@ import flash_msa
 from flash_msa import reference, sparse_forward, testing, worklist
 from flash_msa.problem import Forward, Saved
 from harness import config, packed_inputs
-
-
-def _items(wl):
-    """``[(list, [entries...])]`` of the non-empty items, in item order."""
-    out = []
-    for lst, s, e in zip(wl.item_list.tolist(), wl.item_start.tolist(), wl.item_end.tolist()):
-        if e > s:
-            out.append((lst, wl.perm[s:e].tolist()))
-    return out
+from harness import work_items as _items
 
 
 @pytest.mark.parametrize("lengths", [(300,), (0, 130, 1, 257)])
