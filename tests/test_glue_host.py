@@ -71,11 +71,9 @@ def test_key_blocks_equal_plain_python():
     empty sequences, lengths at and around block multiples and one-token sequences; both rows
     16-byte aligned and contiguous (the kernels read them by pointer)."""
     g = torch.Generator().manual_seed(0)
-    cases = [(1,), (64,), (65,), (0, 0, 5), (128, 0, 127, 129, 1)]
+    cases = [(1,), (64,), (65,), (0, 0, 5), (128, 0, 127, 129, 1), (0,)]
     cases += [tuple(torch.randint(0, 300, (n,), generator=g).tolist()) for n in (1, 2, 7, 33)]
-    for lengths in cases:
-        if sum(lengths) == 0:
-            continue
+    for lengths in cases:  # (0,): a batch of one empty sequence, every block [0, 0)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         for block in (64, 128):
             kb = worklist.blocks(cu, block, sum(lengths))
@@ -235,7 +233,8 @@ def test_cute_remembered_reasons_are_fresh_ones(monkeypatch):
 
 def test_cute_repeated_resolve_recomputes_nothing(monkeypatch):
     """``auto``'s three resolves of a repeated call pick the stages once (the forward's pick
-    for the call's own tensors included), another ``max_seqlen`` is another key, and the
+    for the call's own tensors included, and another varlen step's ``max_seqlen``), another
+    ``top_k`` is another key, and the
     bounded memo stays right when it is cleared for room."""
     pytest.importorskip("cutlass")
     from flash_msa import cute
@@ -254,7 +253,11 @@ def test_cute_repeated_resolve_recomputes_nothing(monkeypatch):
     )
     assert cute.stages_for(q, k, qp, kp, idx, prob.cfg) is cute.call_stages(prob)
     assert len(picks) == 1  # (the call's tensors: the same key as the problem's meta inputs)
-    backends.resolve("fwd", _hopper(max_seqlen=8192))
+    # a varlen step's longest sequence, the scales and the sequence count are read by no
+    # kernel's limits (cute.run_free): the same pick; top_k is read: another key
+    backends.resolve("fwd", _hopper(max_seqlen=8192, softmax_scale=0.1, num_seqs=3))
+    assert len(picks) == 1
+    backends.resolve("fwd", _hopper(top_k=8))
     assert len(picks) == 2
     monkeypatch.setattr(cute, "MEMO_ENTRIES", 2)
     for kw in _PROBLEMS[:6]:

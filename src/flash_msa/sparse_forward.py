@@ -312,9 +312,12 @@ def one_sort(T: int, C: int, Hs: int, K: int, NB: int, q, k, v, cfg: Config, uni
     (``worklist.SORT_BYTES_PER_ENTRY`` per entry) within :data:`ONE_SORT_BYTES`, and the lists it
     holds through the forward (``T * Hs * K * 8`` bytes of ``perm``, ``(NC + 1) (Hs NB + 1)
     * 8`` of the chunk table, ``NB * 8`` of blocks; paper 128K: 67 MB) within :func:`keeps`'
-    share of q, k, v and out, so that they are kept for the backward too. Not with a unit
-    proxy gradient in deterministic mode: the Triton KL stage's ordered dQ_proxy row partials
-    are sized by its work list's rows (ordered.PARTIAL_BYTES per chunk; all T rows there)."""
+    share of q, k, v and out, so that they can be kept for the backward too (outside
+    deterministic mode: there the ordered backward sorts per chunk of its own, a quarter of the
+    forward's chunk at real sizes, so :func:`fwd` drops the lists after the forward). Not
+    with a unit proxy gradient in deterministic mode: the Triton KL stage's ordered dQ_proxy
+    row partials are sized by its work list's rows (ordered.PARTIAL_BYTES per chunk; all T rows
+    there)."""
     if not ONE_SORT or C >= T or (cfg.deterministic and unit is not None):
         return False
     entries = T * Hs * K

@@ -41,6 +41,8 @@ sequences are run-time values (no recompilation).
 
 from __future__ import annotations
 
+import dataclasses
+
 from .. import limits
 from ..limits import Limits
 from ..problem import Problem
@@ -177,6 +179,24 @@ def clear_memo() -> None:
     _MEMO.clear()
 
 
+def run_free(cfg):
+    """``cfg`` without what changes from call to call in training but no kernel's limits read
+    (``max_seqlen``: every varlen step's longest sequence; the scales): a :func:`memo` key of
+    the limits and stage picks, which would otherwise miss on nearly every varlen call. Their
+    readers (``limits.reason``, the kernels' ``can_implement``, the stages' ``*_fits``) read
+    ``block_size``, ``top_k``, ``compute_kl``, ``deterministic``, ``selection_precision`` and
+    ``warmup`` of a config, all kept."""
+    return dataclasses.replace(cfg, max_seqlen=0, softmax_scale=0.0, proxy_scale=None)
+
+
+def shape_key(problem: Problem) -> Problem:
+    """``problem`` with :func:`run_free`'s config and one sequence: the :func:`memo` key of the
+    forward's and backward's kernel reasons (``limits.reason`` and ``can_implement`` read
+    neither the sequence count nor the lengths; the selection's reason does, and keeps the
+    whole problem as its key)."""
+    return dataclasses.replace(problem, num_seqs=1, cfg=run_free(problem.cfg))
+
+
 def switches() -> tuple:
     """What :func:`forward_stages` reads at call time besides its arguments: the stage switches
     and the stage functions it hands out (tests patch both), for the keys of :func:`memo`."""
@@ -186,6 +206,7 @@ def switches() -> tuple:
     return (
         PROXY_LSE_ON_CUTE, KL_ON_CUTE, COMBINE_ON_CUTE, FWD_Q_MAP_DECLARED, fp.KL_FWD_MODE,
         fp.partials, fp.kl, bwd_sm90.kl, combine_sm90.combine,
+        fp.FwdPartialsSm90.warpgroups,  # (proxy_fits reads the class default at call time)
     )  # fmt: skip
 
 
@@ -288,7 +309,7 @@ def fwd_reason(problem: Problem, stages=None) -> str | None:
     combine above the CuTe combine's 64 slots, with Triton's ``max_top_k``)."""
     from ..sparse_forward import borrowed_reason
 
-    why = memo((_fwd_kernel_reason, problem), _fwd_kernel_reason, problem)
+    why = memo((_fwd_kernel_reason, shape_key(problem)), _fwd_kernel_reason, problem)
     if why is not None:
         return why
     # (the borrowed stages' limits are another backend's: asked per call, not remembered)
@@ -335,7 +356,7 @@ def stages_for(q, k, q_proxy, k_proxy, indices, cfg, combine_ok: bool | None = N
     the ``*_fits`` read (dtypes, every size but the token count, ``cfg``) and the
     :func:`switches` (:func:`memo`)."""
     shapes = (_rows(q), _rows(k), _rows(q_proxy), _rows(k_proxy), _rows(indices))
-    key = (_pick_stages, shapes, cfg, combine_ok, switches())
+    key = (_pick_stages, shapes, run_free(cfg), combine_ok, switches())
     return memo(key, _pick_stages, q, k, q_proxy, k_proxy, indices, cfg, combine_ok)
 
 
@@ -371,7 +392,7 @@ def bwd_kernel_reason(problem: Problem) -> str | None:
     """Why the fused backward kernel cannot run ``problem`` (``None``: it can): ``BWD_LIMITS``
     and ``BwdSm90.can_implement`` (the head-group arithmetic and shared memory); remembered
     per ``problem`` (:func:`memo`)."""
-    return memo((_bwd_kernel_reason, problem), _bwd_kernel_reason, problem)
+    return memo((_bwd_kernel_reason, shape_key(problem)), _bwd_kernel_reason, problem)
 
 
 def _bwd_kernel_reason(problem: Problem) -> str | None:
