@@ -188,3 +188,16 @@ def work_items(wl):
         if e > s:
             out.append((lst, wl.perm[s:e].tolist()))
     return out
+
+
+def random_rows(lengths, Hs, K, block, q_map, seed):
+    """``(cu, idx)``: int32 sequence-local block indices of each query row (any block of its
+    token's sequence, 30% unused; a padding row's are arbitrary) and the cu_seqlens of
+    ``lengths`` (the work-list tests' inputs)."""
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    toks = torch.arange(sum(lengths)) if q_map is None else q_map.clamp_min(0).long()
+    seq = torch.searchsorted(cu[1:].long(), toks, right=True).clamp_max(len(lengths) - 1)
+    nblk = (cu[1:] - cu[:-1] + block - 1) // block
+    idx = (torch.rand(len(toks), Hs, K, generator=g) * nblk[seq].float()[:, None, None]).long()
+    return cu, torch.where(torch.rand(idx.shape, generator=g) < 0.3, -1, idx).int()

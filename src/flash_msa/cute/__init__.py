@@ -155,9 +155,10 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
 # stages' ``*_fits``, meta tensors) and of this module's switches: 49 us per training step on
 # this CPU for the three resolves (``resolve("fwd")`` 30 us, 20 of them ``call_stages``) and 12
 # us for the forward's ``stages_for``, ~2-3 us each remembered (tests/test_glue_host.py).
-# Each is kept per its exact arguments (switches included where read: :func:`switches`), so a
-# remembered value is the one a fresh call returns; the dict is bounded (varlen calls vary
-# ``max_seqlen``, a field of the key) by clearing it when full.
+# Each is kept per what it reads (switches included: :func:`switches`; the forward's and
+# backward's keys leave out what varlen steps vary and no limit reads: :func:`run_free`,
+# :func:`shape_key`), so a remembered value is the one a fresh call returns; the dict is
+# bounded by clearing it when full (the selection's key keeps ``max_seqlen``: its grid limit).
 MEMO_ENTRIES = 4096
 _MEMO: dict = {}
 
