@@ -1,7 +1,7 @@
 """Sparse forward kernels side by side on one GPU: every line verified on its own output, then
 timed (ms and TFLOP/s by the FWD formula).
 
-    PYTHONPATH=src python3 benchmarks/cute_fwd_ab.py [--quick]
+    PYTHONPATH=src python3 benchmarks/cute_fwd_ab.py [--quick] [--case SHAPE:S] [--lines TEXT]
     ncu --clock-control none -k regex:kernel python3 benchmarks/cute_fwd_ab.py --profile
 
 ``--profile`` only runs the CuTe partials (anchor 32K random, three launches) for a profiler;
@@ -138,7 +138,7 @@ def verify(mine_out, mine_lse, refs, dtype):
     return ok, f"{'PASS' if ok else 'FAIL'} {', '.join(parts)}"
 
 
-def run_case(shape, S, kind, profile=False, breakdown=False):
+def run_case(shape, S, kind, profile=False, breakdown=False, lines=None):
     _, H, Hkv, Hp, Hpk, D, Dp, _ = bench.SHAPES[shape]
     qp, kp, q, k, v = (
         x[0].contiguous()
@@ -256,6 +256,8 @@ def run_case(shape, S, kind, profile=False, breakdown=False):
     runs += [("fwd op triton", tri_op, "op"), ("fwd op cute", cute_op, "op")]
     runs += [("fwd op cute one-sort", cute_op_one_sort, "op")]
     runs += [("fwd op cute proxy-on-cute", cute_op_proxy, "op")]
+    if lines:  # --lines: only the lines whose name contains the text (e.g. "fwd op")
+        runs = [r for r in runs if lines in r[0]]
     for name, fn, what in runs:
         if what == "proxy":
             testing.poison(pl_part)
@@ -309,13 +311,19 @@ def main():
         for shape in ("anchor", "paper"):
             run_case(shape, 32768, "random", breakdown=True)
         return
+    def option(name):  # --case shape:S / --lines text (one value each)
+        return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
     quick = "--quick" in sys.argv
     cases = [("anchor", 32768), ("paper", 32768)]
     if not quick:
         cases += [("anchor", 131072), ("paper", 131072)]
+    if option("--case"):
+        shape, S = option("--case").split(":")
+        cases = [(shape, int(S))]
     for shape, S in cases:
         for kind in ("random", "local"):
-            run_case(shape, S, kind)
+            run_case(shape, S, kind, lines=option("--lines"))
 
 
 if __name__ == "__main__":
