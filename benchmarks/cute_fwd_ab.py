@@ -18,12 +18,13 @@ For the anchor and paper shapes at S=32K and 128K (random and local inputs, top_
     "partials+proxy cute wgN"), and Triton's
     ``proxy_partials`` alone;
   * the whole forward op without selection (partials, combine, proxy LSE, KL value): Triton's,
-    the CuTe one (CuTe partials + Triton's proxy LSE stage), the CuTe one with
-    ``sparse_forward.ONE_SORT`` on ("fwd op cute one-sort": one work-list sort per op, the KL
-    once over the whole lists; verified also bitwise against "fwd op cute" for out, lse and
-    proxy_lse, the KL value within 1e-5 relative and the same bits in a second run; it differs
-    from "fwd op cute" only where the op runs in several chunks: paper 32K (4), anchor 128K
-    (4), paper 128K (16)), and the CuTe one with
+    the CuTe one (one work-list sort per op where ``sparse_forward.one_sort`` allows it, the
+    default since the twelfth session), the CuTe one with the per-chunk sorts, the fallback
+    ("fwd op cute per-chunk sorts": ``sparse_forward.ONE_SORT_BYTES = 0``; verified also
+    bitwise against "fwd op cute" for out, lse and proxy_lse, the KL value within 1e-5
+    relative, and the default's KL the same bits in a second run; it differs from "fwd op
+    cute" only where the op runs in several chunks: paper 32K (4), anchor 128K (4), paper 128K
+    (16)), and the CuTe one with
     ``cute.PROXY_LSE_ON_CUTE`` on ("fwd op cute proxy-on-cute").
 TFLOP/s are by FWD = 4*D*H*sparse pairs for every line (for the proxy lines and the ops this
 leaves out the proxy LSE and KL work, so it understates them).
@@ -193,13 +194,13 @@ def run_case(shape, S, kind, profile=False, breakdown=False, lines=None):
     def cute_op():
         return fwd_partials_sm90.fwd(q, k, v, idx, cu, cfg, qp, kp)
 
-    def cute_op_one_sort():  # the op sorting its work list once (sparse_forward.ONE_SORT)
-        switch = sparse_forward.ONE_SORT
-        sparse_forward.ONE_SORT = True
+    def cute_op_per_chunk():  # the op sorting its work list per chunk (one_sort's fallback)
+        limit = sparse_forward.ONE_SORT_BYTES
+        sparse_forward.ONE_SORT_BYTES = 0
         try:
             return cute_op()
         finally:
-            sparse_forward.ONE_SORT = switch
+            sparse_forward.ONE_SORT_BYTES = limit
 
     def cute_op_proxy():  # the op with the proxy LSE partials in the CuTe partials' launch
         switch = cute.PROXY_LSE_ON_CUTE
@@ -254,7 +255,7 @@ def run_case(shape, S, kind, profile=False, breakdown=False, lines=None):
     ]
     runs += [("proxy_partials triton", tri_proxy, "proxy")]
     runs += [("fwd op triton", tri_op, "op"), ("fwd op cute", cute_op, "op")]
-    runs += [("fwd op cute one-sort", cute_op_one_sort, "op")]
+    runs += [("fwd op cute per-chunk sorts", cute_op_per_chunk, "op")]
     runs += [("fwd op cute proxy-on-cute", cute_op_proxy, "op")]
     if lines:  # --lines: only the lines whose name contains the text (e.g. "fwd op")
         runs = [r for r in runs if lines in r[0]]
@@ -285,15 +286,15 @@ def run_case(shape, S, kind, profile=False, breakdown=False, lines=None):
             res = fn()
             torch.cuda.synchronize()
             ok, text = verify(res.out[t_op, h_op], res.lse[t_op, h_op], ref_op, q.dtype)
-            if fn is cute_op_one_sort:  # and the same bits as the op that sorts per chunk
+            if fn is cute_op_per_chunk:  # and the same bits as the op that sorts once
                 base = cute_op()
                 same = all(torch.equal(getattr(res, n), getattr(base, n))
                            for n in ("out", "lse", "proxy_lse"))  # fmt: skip
-                rel = ((res.kl - base.kl).abs() / base.kl.abs()).item()
-                again = bool(torch.equal(cute_op_one_sort().kl, res.kl))
+                rel = ((res.kl - base.kl).abs() / res.kl.abs()).item()
+                again = bool(torch.equal(cute_op().kl, base.kl))
                 ok &= same and rel <= 1e-5 and again
                 text = text.replace("PASS", "PASS" if ok else "FAIL")
-                text += f", out/lse/proxy_lse {'bitwise' if same else 'DIFFER'} vs per-chunk sorts"
+                text += f", out/lse/proxy_lse {'bitwise' if same else 'DIFFER'} vs one sort"
                 text += f", kl rel diff {rel:.1e}{'' if again else ', kl NOT reproducible'}"
                 del base
         head = f"{shape} S={S} {kind} {name}: {text}"

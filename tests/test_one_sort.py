@@ -1,11 +1,13 @@
-"""CPU tests of ``sparse_forward.ONE_SORT`` (P1 of docs/reviews/2026-12-01-fwd-after-partials.md):
+"""CPU tests of the one sort per chunked forward (``sparse_forward.one_sort``, P1 of
+docs/reviews/2026-12-01-fwd-after-partials.md, the default since the twelfth session's A/B):
 a chunked forward sorts its work list once (``worklist.lists(..., chunk=C)``), cuts each chunk's
 work list from it (``worklist.chunk_items``: item for item the per-chunk ``build``'s) and runs
 the KL stage once over the whole lists; out, lse and proxy_lse are bitwise those of the
 per-chunk sorts, the KL value equal up to its fp32 summation order (and the same bits run to
 run), the lists reach the backward (one sort per training step, the main gradients bitwise),
 and the driver runs fewer torch ops. Triton backend under the interpreter, ``PARTIAL_BYTES``
-patched small so that the calls run in several chunks."""
+patched small so that the calls run in several chunks; the per-chunk sorts (the fallback) are
+forced with ``ONE_SORT_BYTES = 0``, one of ``one_sort``'s own conditions."""
 
 from __future__ import annotations
 
@@ -18,6 +20,15 @@ from flash_msa import reference, sparse_forward, testing, worklist
 from harness import config, packed_inputs
 from harness import random_rows as _rows
 from harness import work_items as _items
+
+
+_ONE_SORT_BYTES = sparse_forward.ONE_SORT_BYTES
+
+
+def _switch(monkeypatch, on):
+    """One sort (the default) or, ``on`` False, the per-chunk sorts: the fallback ``one_sort``
+    takes when the sort's transient memory would pass ``ONE_SORT_BYTES``."""
+    monkeypatch.setattr(sparse_forward, "ONE_SORT_BYTES", _ONE_SORT_BYTES if on else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +96,7 @@ def test_chunk_items_equal_the_per_chunk_build(lengths, mapped, block, rows_per_
 
 
 # ---------------------------------------------------------------------------------------------
-# the driver: ONE_SORT on vs off (Triton stages, interpreter)
+# the driver: one sort vs the per-chunk sorts (Triton stages, interpreter)
 # ---------------------------------------------------------------------------------------------
 _SHAPE = dict(H=4, Hkv=2, Hp=2, Hpk=1, D=16, block=64, top_k=2)
 _ROW_BYTES = 4 * 2 * 16 * 4  # H * K * D * fp32: PARTIAL_BYTES per row
@@ -103,13 +114,13 @@ def _count_sorts(monkeypatch) -> list:
 
 
 def _forward(monkeypatch, on, lengths, mapped=False, det=False, proxy_grad=False):
-    """The Triton forward (the driver) in chunks of ``_CHUNK`` rows, ``ONE_SORT`` ``on``: its
+    """The Triton forward (the driver) in chunks of ``_CHUNK`` rows, one sort if ``on``: its
     ``Forward`` and the rows of each sort."""
     from flash_msa.triton_ref import sparse_fwd
 
     s = _SHAPE
     monkeypatch.setattr(sparse_forward, "PARTIAL_BYTES", _CHUNK * _ROW_BYTES)
-    monkeypatch.setattr(sparse_forward, "ONE_SORT", on)
+    _switch(monkeypatch, on)
     (qp, kp, q, k, v), cu = packed_inputs(
         lengths, s["H"], s["Hkv"], s["Hp"], s["Hpk"], s["D"], s["D"],
         dtype=torch.float32, device="cpu", seed=4,
@@ -138,7 +149,7 @@ def _forward(monkeypatch, on, lengths, mapped=False, det=False, proxy_grad=False
     [((70, 0, 26), False, False), ((66, 30), True, False), ((70, 26), False, True)],
 )
 def test_driver_one_sort_same_outputs(monkeypatch, lengths, mapped, det):
-    """ONE_SORT on against off, 4 chunks (varlen with an empty sequence; a query map with
+    """One sort against the per-chunk sorts, 4 chunks (varlen with an empty sequence; a query map with
     padding rows; deterministic mode): one sort instead of one per chunk, out, lse and
     proxy_lse bitwise equal, the KL value within fp32 summation order (and bitwise the same
     in a second run), the whole lists kept for the backward (off: none kept)."""
@@ -160,7 +171,7 @@ def test_driver_one_sort_same_outputs(monkeypatch, lengths, mapped, det):
 def test_unit_proxy_gradient_one_pass(monkeypatch):
     """With the unit proxy gradient (the Triton KL stage makes it in the KL pass) the one KL
     pass over the whole lists adds the same gradient (fp32 atomics: up to order); in
-    deterministic mode ONE_SORT stands aside (the ordered row partials are sized by a work
+    deterministic mode the one sort stands aside (the ordered row partials are sized by a work
     list's rows): one sort per chunk, the same bits as off."""
     off, _, _ = _forward(monkeypatch, False, (70, 26), proxy_grad=True)
     on, sorts, _ = _forward(monkeypatch, True, (70, 26), proxy_grad=True)
@@ -180,7 +191,7 @@ def _step(monkeypatch, on):
     forward's KL, and the rows of each sort of the step."""
     monkeypatch.setenv("FLASH_MSA_BACKEND", "triton")
     monkeypatch.setattr(sparse_forward, "PARTIAL_BYTES", _CHUNK * _ROW_BYTES)
-    monkeypatch.setattr(sparse_forward, "ONE_SORT", on)
+    _switch(monkeypatch, on)
     s, lengths = _SHAPE, (70, 0, 26)
     (qp, kp, q, k, v), cu = packed_inputs(
         lengths, s["H"], s["Hkv"], s["Hp"], s["Hpk"], s["D"], s["D"],
@@ -197,7 +208,7 @@ def _step(monkeypatch, on):
 
 
 def test_training_step_one_sort(monkeypatch):
-    """A chunked training step sorts once with ONE_SORT (the backward cuts the forward's
+    """A chunked training step sorts once (the backward cuts the forward's
     lists) instead of once per chunk plus the backward's; dq, dk, dv bitwise, the proxy
     gradients (made from the KL pass's unit gradient, fp32 atomics) to fp32 rounding."""
     on, kl_on, sorts = _step(monkeypatch, True)
@@ -234,7 +245,7 @@ def _glue_ops(monkeypatch, on, chunks):
     """Torch ops of the driver around stub stages (no kernels: the work list, the buffers,
     the KL sum) for a call of ``chunks`` chunks of 32 rows."""
     monkeypatch.setattr(sparse_forward, "PARTIAL_BYTES", 32 * _ROW_BYTES)
-    monkeypatch.setattr(sparse_forward, "ONE_SORT", on)
+    _switch(monkeypatch, on)
     T, H, Hs, K, D = 32 * chunks, 4, 2, 2, 16
     g = torch.Generator().manual_seed(0)
     q, qp = torch.randn(T, H, D, generator=g), torch.randn(T, Hs, D, generator=g)

@@ -331,8 +331,8 @@ def _measure(prov, xs, dense, iters, precision="bf16"):
         fn = dense[prov]
         res["fwd_ms"] = time_ms(lambda: fn(q, k, v), iters=iters)
 
-        def step():
-            fn(q, k, v).backward(dout)
+        def step():  # (autograd.grad: no .grad accumulation adds, as in the graphed step)
+            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
     else:
         dout = torch.randn_like(leaves[2])
         with forced(prov), torch.no_grad():
@@ -342,10 +342,15 @@ def _measure(prov, xs, dense, iters, precision="bf16"):
         with forced(_mix(prov)), torch.no_grad():
             res["fwd_ms"] = time_ms(lambda: msa_attention(*leaves, TOP_K, **sel), iters=iters)
 
+        # autograd.grad, not backward() into .grad: a step that kept the leaves' .grad added
+        # each new gradient to it (five bf16 adds here, three for a dense provider: 78 us of
+        # GPU time and ~60 us of host time at anchor 16K, docs/reviews/2026-12-01-step-glue.md
+        # P4), which a training loop that sets the grads to None does not pay, and the graphed
+        # step never did; since the twelfth session the eager step does as the graphed one
         def step(compute_kl=True):
             with forced(_mix(prov)):
                 out, kl = msa_attention(*leaves, TOP_K, compute_kl=compute_kl, **sel)
-                torch.autograd.backward([out, kl], [dout, torch.ones_like(kl)])
+                torch.autograd.grad([out, kl], leaves, [dout, torch.ones_like(kl)])
 
         # the same step without the KL value (its gradient stays exact): issue 13's target
         res["step_nokl_ms"] = time_ms(lambda: step(False), iters=iters)
@@ -433,8 +438,9 @@ def graph_steps(prov, leaves, dense, precision="bf16"):
     provider ``prov`` on the leaves ``(q_proxy, k_proxy, q, k, v)`` (requiring grad). Each
     ``step()`` returns ``out`` (and ``kl``), then the gradients, new tensors every call
     (``torch.autograd.grad``, not ``.grad``: in a capture they are allocated from the graph's
-    pool, and no accumulation kernel is added; the eager ``step_ms`` accumulates into ``.grad``,
-    five elementwise adds). The incoming gradients are those of the eager step: a random
+    pool, and no accumulation kernel is added; the eager ``step_ms`` takes them the same way
+    since the twelfth session, before it accumulated into ``.grad``, five elementwise adds).
+    The incoming gradients are those of the eager step: a random
     ``dout``, ``dkl = 1``. Runs on any device (a CPU test calls the steps).
 
     The outputs are returned detached: a step's autograd graph must not outlive the step. An

@@ -15,8 +15,8 @@ the partial buffers stay below :data:`PARTIAL_BYTES`) the driver
 5. with ``cfg.compute_kl``, runs ``kl``: the chunk's sum of per-row KL terms (and, in training,
    the proxy gradient for ``dkl = 1``).
 
-With :data:`ONE_SORT` (:func:`one_sort` says where) step 1 is one sort of all rows before the
-loop (``worklist.lists(..., chunk=C)``), each chunk's work list cut from it
+Where :func:`one_sort` allows it (a chunked call, within memory) step 1 is one sort of all rows
+before the loop (``worklist.lists(..., chunk=C)``), each chunk's work list cut from it
 (``worklist.chunk_items``: the same items), and step 5 one ``kl`` call after the loop over the
 whole lists' items.
 
@@ -48,13 +48,13 @@ The work list is built once per training step: when the forward runs in one chun
 e.g. anchor 16K and 32K) and :func:`keeps` allows it, the returned ``Forward`` carries the
 chunk's sorted lists (:func:`flash_msa.worklist.carry`), which api.py keeps for the backward;
 the backends' ``bwd`` cut their own items from them instead of sorting again. A chunked forward
-(long context, e.g. paper 32K: 4 chunks) keeps nothing, and its backward builds as before;
-unless it sorted once (:data:`ONE_SORT`): then it keeps those lists, of all rows.
+(long context, e.g. paper 32K: 4 chunks) sorts once too where :func:`one_sort` allows it, and
+keeps those lists, of all rows; where it sorted per chunk it keeps nothing and its backward
+builds as before.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
@@ -284,19 +284,19 @@ def fwd(
     return worklist.carry(f, sorted_lists)
 
 
-# P1 of docs/reviews/2026-12-01-fwd-after-partials.md: a chunked forward (C < T) sorts its work
-# list once over all rows (worklist.lists(..., chunk=C)) instead of once per chunk, cuts each
-# chunk's work list from it (worklist.chunk_items: the same items, so out, lse and proxy_lse
-# are bitwise those of the per-chunk sorts), runs the KL stage once after the chunk loop over
-# the whole lists' items (fuller items: the KL value changes by its fp32 summation order only,
-# the same bits every run) and keeps the lists for the backward (which then does not sort).
-# Paper 128K (16 chunks): 1 sort instead of 16, 67 torch ops of driver glue instead of 464
-# (counted on CPU with stub stages: tests/test_one_sort.py), the KL on 241-entry items instead
-# of 175; predicted fwd op -4.3..-5.8 ms. Off until the H200 A/B
-# (benchmarks/cute_fwd_ab.py: "fwd op cute one-sort"). The environment variable
-# FLASH_MSA_ONE_SORT=1 turns it on at import (for `python -m flash_msa bench`); tests and
-# benchmarks set the attribute. Where it does not run: :func:`one_sort`.
-ONE_SORT = os.environ.get("FLASH_MSA_ONE_SORT", "0") == "1"
+# One sort per chunked forward (P1 of docs/reviews/2026-12-01-fwd-after-partials.md): a chunked
+# forward (C < T) sorts its work list once over all rows (worklist.lists(..., chunk=C)) instead
+# of once per chunk, cuts each chunk's work list from it (worklist.chunk_items: the same items,
+# so out, lse and proxy_lse are bitwise those of the per-chunk sorts), runs the KL stage once
+# after the chunk loop over the whole lists' items (fuller items: the KL value changes by its
+# fp32 summation order only, the same bits every run) and keeps the lists for the backward
+# (which then does not sort). Paper 128K (16 chunks): 1 sort instead of 16, 67 torch ops of
+# driver glue instead of 464 (counted on CPU with stub stages: tests/test_one_sort.py).
+# Decided by the twelfth session's H200 A/B (same run, verified bitwise against the per-chunk
+# sorts; benchmarks/results/stage12/): the CuTe forward op at paper 128K 70.42 -> 66.02 ms
+# random, 65.29 -> 64.17 local (predicted 64-66); the bench's training step 173.6 -> 170.1 ms
+# with the KL, 153.9 -> 152.3 without. The per-chunk sort stays only as the fallback where
+# :func:`one_sort` says no (memory; deterministic mode with a unit proxy gradient).
 
 # The one sort's transient device memory may reach this (worklist.lists over all T rows: ~40
 # bytes per (row, selection head, slot) entry at the sort's peak, cute/warmup.py's count, as
@@ -307,8 +307,7 @@ ONE_SORT_BYTES = 4 << 30
 
 
 def one_sort(T: int, C: int, Hs: int, K: int, NB: int, q, k, v, cfg: Config, unit) -> bool:
-    """Whether :func:`fwd` sorts once for all its ``T // C`` chunks (:data:`ONE_SORT`): on, a
-    chunked call (``C < T``: one chunk sorts once anyway), the sort's transient memory
+    """Whether :func:`fwd` sorts once for all its ``T // C`` chunks: a chunked call (``C < T``: one chunk sorts once anyway), the sort's transient memory
     (``worklist.SORT_BYTES_PER_ENTRY`` per entry) within :data:`ONE_SORT_BYTES`, and the lists it
     holds through the forward (``T * Hs * K * 8`` bytes of ``perm``, ``(NC + 1) (Hs NB + 1)
     * 8`` of the chunk table, ``NB * 8`` of blocks; paper 128K: 67 MB) within :func:`keeps`'
@@ -318,7 +317,7 @@ def one_sort(T: int, C: int, Hs: int, K: int, NB: int, q, k, v, cfg: Config, uni
     with a unit proxy gradient in deterministic mode: the Triton KL stage's ordered dQ_proxy
     row partials are sized by its work list's rows (ordered.PARTIAL_BYTES per chunk; all T rows
     there)."""
-    if not ONE_SORT or C >= T or (cfg.deterministic and unit is not None):
+    if C >= T or (cfg.deterministic and unit is not None):
         return False
     entries = T * Hs * K
     if worklist.SORT_BYTES_PER_ENTRY * entries > ONE_SORT_BYTES:

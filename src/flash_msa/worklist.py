@@ -13,7 +13,7 @@ stable sort of ``C * Hs * K`` keys into lists, their bounds; the key blocks, :fu
 independent of the item size, and :func:`items`, the cheap cut into items of ``TW`` entries
 (16 small ops). :func:`build` is both. :func:`lists` with ``chunk`` also finds each query
 chunk's run of each list, and :func:`chunk_items` cuts every chunk's work list from that one
-sort (the sparse-forward driver's ``ONE_SORT``). A training step sorts once: the sparse-forward
+sort (the sparse-forward driver's ``one_sort``). A training step sorts once: the sparse-forward
 driver's ``Forward`` carries its lists when it ran in one chunk or sorted once (:func:`carry`,
 the memory rule in ``sparse_forward.keeps``), api.py saves them for the backward, whose ``bwd``
 cuts its own items (``TW`` 128 on CuTe, 256 on Triton) from them when :func:`matches` says they
@@ -193,7 +193,7 @@ def lists(
     One stable sort of ``C * Hs * K`` keys (int32 unless ``Hs * NB`` needs more: the radix
     sort then moves half the bytes; the order is the same) and one search for the bounds.
 
-    ``chunk``: rows per chunk R (the sparse-forward driver's query chunks, ``ONE_SORT``): the
+    ``chunk``: rows per chunk R (the sparse-forward driver's query chunks, ``one_sort``): the
     key of an entry of row ``tok0 + r`` becomes ``list * NC + r // R`` (NC = ceil(C / R)
     chunks; the unused slots ``L * NC + r // R``), a chunk-major key inside each list; the
     stable sort gives the same ``perm`` (a list's entries are in row order, so its chunks are
