@@ -109,9 +109,10 @@ def test_work_list_build_op_counts():
 # ---------------------------------------------------------------------------------------------
 # the sparse-forward driver's KL sum
 # ---------------------------------------------------------------------------------------------
-def _driver(monkeypatch, compute_kl, parts, chunk_rows=None):
+def _driver(monkeypatch, compute_kl, parts, chunk_rows=None, sorts=None):
     """The driver on stub stages (no tensor ops of their own; the KL stage returns ``parts``
-    in turn): its result and the aten ops it ran besides the work list's."""
+    in turn): its result and the aten ops it ran besides the work list's (the per-chunk
+    sorts' build; ``sorts=1``: not subtracted, the one sort's ops are another set)."""
     lengths, H, Hkv, Hs, D, block, K = (100, 60), 4, 2, 2, 16, 64, 2
     T = sum(lengths)
     if chunk_rows is not None:
@@ -136,6 +137,8 @@ def _driver(monkeypatch, compute_kl, parts, chunk_rows=None):
         sl, lists_ops = _ops(worklist.lists, idx[c0 : c0 + C], cu, block, c0, T, None, kb)
         build += lists_ops + _ops(worklist.items, sl, worklist.ITEM_TOKENS)[1]
     rest = list(ops)
+    if sorts == 1:
+        return f, rest
     for op in build:
         rest.remove(op)
     return f, rest
@@ -149,9 +152,15 @@ def test_driver_kl_sum_without_zero_fill(monkeypatch):
     assert f.kl is None
     assert ops == [], ops
     parts = [torch.tensor(0.25), torch.tensor(1.5), torch.tensor(-0.125)]
+    # the per-chunk sorts (one_sort's fallback, forced): a KL call per chunk
+    monkeypatch.setattr(sparse_forward, "ONE_SORT_BYTES", 0)
     f, _ = _driver(monkeypatch, True, parts, chunk_rows=64)  # 3 chunks of 64, 64, 32 rows
     expect = (torch.zeros(()) + parts[0] + parts[1] + parts[2]) / (2 * 160)
     assert torch.equal(f.kl, expect) and f.kl.dtype == torch.float32
+    monkeypatch.undo()
+    # the one sort (the default for a chunked call): one KL call over the whole lists
+    f, _ = _driver(monkeypatch, True, parts, chunk_rows=64, sorts=1)
+    assert torch.equal(f.kl, parts[0] / (2 * 160))  # (three calls would have added the rest)
     f, _ = _driver(monkeypatch, True, parts[1:2], chunk_rows=160)  # one chunk
     assert torch.equal(f.kl, parts[1] / (2 * 160))
 

@@ -219,9 +219,10 @@ def _driver_forward(monkeypatch, partial_bytes=None, keep_share=None):
 
 
 def test_memory_rule_one_chunk_kept_chunked_nothing(monkeypatch):
-    """The driver keeps its lists only when it ran in one chunk, within ``keeps``' share of
-    q, k, v and out: ``T * Hs * K * 8`` bytes for ``perm`` and the small bounds; a chunked
-    forward (long context) or a layout whose lists outgrow the share keeps nothing."""
+    """The driver keeps its lists when it sorted once (one chunk, or a chunked call that
+    ``one_sort`` allows), within ``keeps``' share of q, k, v and out: ``T * Hs * K * 8`` bytes
+    for ``perm`` and the small bounds; a chunked forward that sorted per chunk (one_sort's
+    fallback) or a layout whose lists outgrow the share keeps nothing."""
     f, calls, (q, k, v, idx, cu, cfg) = _driver_forward(monkeypatch)
     kept = worklist.carried(f)
     assert calls == [160] and kept is not None and kept.rows == 160
@@ -231,8 +232,14 @@ def test_memory_rule_one_chunk_kept_chunked_nothing(monkeypatch):
     out, lse = f[:2]  # a carrying Forward unpacks as a plain one
     assert isinstance(f, Forward) and len(f) == 5 and out is f.out
     monkeypatch.undo()
-    # chunks of 48 rows (the partials' budget): nothing kept
+    # chunks of 48 rows (the partials' budget): one sort of all rows, kept
     per_row = 4 * 2 * 16 * 4  # H * K * D * fp32
+    f, calls, _ = _driver_forward(monkeypatch, partial_bytes=48 * per_row)
+    assert calls == [160] and worklist.carried(f) is not None
+    assert worklist.carried(f).rows == 160
+    monkeypatch.undo()
+    # the same chunks sorted one by one (one_sort's fallback, forced): nothing kept
+    monkeypatch.setattr(sparse_forward, "ONE_SORT_BYTES", 0)
     f, calls, _ = _driver_forward(monkeypatch, partial_bytes=48 * per_row)
     assert calls == [48, 48, 48, 16] and worklist.carried(f) is None
     monkeypatch.undo()

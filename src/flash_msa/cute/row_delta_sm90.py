@@ -1,9 +1,8 @@
 """The backward's ``delta = rowsum(dO * O)`` on Hopper (sm_90a) in CuTe DSL: one memory-bound
 kernel in place of :func:`flash_msa.problem.row_delta`'s two torch launches.
 
-Not wired in yet: the backward (``cute/bwd_sm90.py``) still calls ``problem.row_delta``; the
-switch is meant to ask :func:`can_implement` (or :func:`row_delta_fits` for the static part)
-and call :func:`row_delta`, else keep ``problem.row_delta``.
+The CuTe backward (``cute/bwd_sm90.bwd``) calls :func:`row_delta` where :func:`can_implement`
+allows the call, else ``problem.row_delta``.
 
 Measured (H200, the row-delta helper's run of 2026-12-01: benchmarks/row_delta_ab.py
 --variants, bf16, random inputs; device ms, the kernel alone): paper 128K (T 131072, H 64, D
