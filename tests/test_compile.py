@@ -97,8 +97,9 @@ def test_triton_kernels_compile_for_other_targets_within_their_shared_memory(arc
 def test_cute_kernels_compile_for_sm90_without_spills():
     """Every configuration of ``flash_msa.cute.compile_check`` (selection, forward partials with
     1, 2 and 3 warpgroups and with the query map, their KL mode, backward and its KL mode,
-    combine, the fp8 quantize pass) compiles without spills; all but the combine and the
-    quantize pass (element-wise, no MMA) use wgmma and TMA."""
+    combine, the fp8 quantize pass, the backward's row delta) compiles without spills; all but
+    the combine, the quantize pass and the row delta (element-wise, no MMA) use wgmma and
+    TMA."""
     pytest.importorskip("cutlass")
     from flash_msa.cute import compile_check
 
@@ -108,9 +109,11 @@ def test_cute_kernels_compile_for_sm90_without_spills():
     expected |= {name for name, *_ in compile_check.kl_configurations()}
     from flash_msa.cute.combine_sm90 import combine_configurations
     from flash_msa.cute.quantize_sm90 import quantize_configurations
+    from flash_msa.cute.row_delta_sm90 import row_delta_configurations
 
     expected |= {name for name, *_ in combine_configurations()}
     expected |= {name for name, *_ in quantize_configurations()}
+    expected |= {name for name, *_ in row_delta_configurations()}
     res = subprocess.run(
         [sys.executable, "-m", "flash_msa.cute.compile_check"],
         capture_output=True, text=True, timeout=600,
@@ -119,8 +122,9 @@ def test_cute_kernels_compile_for_sm90_without_spills():
     assert {r["kernel"] for r in rows} == expected, res.stderr
     for r in rows:
         assert r["stack"] == 0 and r["local"] == 0, r  # spills show up as stack
-        # (the combine and the quantize pass are memory-bound: no MMA, no TMA)
-        assert r["kernel"].startswith(("combine", "quantize")) or (r["wgmma"] and r["tma"]), r
+        # (the combine, the quantize pass and the row delta are memory-bound: no MMA, no TMA)
+        memory_bound = r["kernel"].startswith(("combine", "quantize", "row_delta"))
+        assert memory_bound or (r["wgmma"] and r["tma"]), r
         assert r.get("setmaxnreg_kept", True), r  # ptxas may drop a setmaxnreg, warning only
         if r["kernel"].startswith("select e4m3"):  # the FP8 selection: e4m3 products, k 32
             assert r["mma"] == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"], r

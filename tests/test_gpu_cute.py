@@ -3,8 +3,8 @@
 Selection: the CuTe kernel against the torch reference and the Triton kernel (same block sets,
 near-ties accepted, see ``testing.selection_mismatch``), the index format (ascending, -1 last,
 ``min(top_k, own + 1)`` entries, the own block kept), every slot written (poisoned output), the
-pipeline depth and the MMA ping-pong (constructor arguments) not changing the result, no host
-synchronization, and the mix that ``auto`` runs (CuTe selection and forward, Triton backward).
+pipeline depth (a constructor argument) not changing the result, no host synchronization, and
+the mix that ``auto`` runs (CuTe selection and forward, Triton backward).
 
 Forward: the per-block partials of every kernel variant (``warpgroups``, a constructor
 argument) per slot against the reference, unused slots never written; the op in bf16 and fp16,
@@ -132,37 +132,6 @@ def test_cute_select_pipeline_depth_does_not_change_the_result(stages):
     qp, kp, cu, cfg = _select_case((3000, 1, 2100), 4, 1, 128, 64, 24, torch.bfloat16, seed=2)
     default = _select_into_poisoned(qp, kp, cu, cfg)
     assert torch.equal(_select_into_poisoned(qp, kp, cu, cfg, stages=stages), default)
-
-
-# anchor / paper k=16, varlen with block 64 (sequences of 1 and 129 tokens), top_k 64 (split
-# lists), odd top_k with block 64; every sequence's first query tile has one key tile (n_tiles 1:
-# the second warpgroup skips its only hand-over)
-PINGPONG_CASES = [SELECT_CASES[i] for i in (0, 1, 5, 6)]
-
-
-@pytest.mark.parametrize(
-    "case", PINGPONG_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-b{c[4]}-k{c[5]}"
-)
-@pytest.mark.parametrize("kind", ["random", "local"])
-def test_cute_select_pingpong_is_bitwise_the_default(case, kind):
-    """``SelectSm90(pingpong=True)`` (the consumer warpgroups take turns to issue their MMAs):
-    the same scores in the same order, so the default's indices bit for bit. A hang here is
-    the named barriers' accounting (``select_sm90``'s docstring, "MMA ping-pong")."""
-    _cute()
-    qp, kp, cu, cfg = _select_case(*case, kind=kind)
-    default = _select_into_poisoned(qp, kp, cu, cfg)
-    assert torch.equal(_select_into_poisoned(qp, kp, cu, cfg, pingpong=True), default)
-
-
-@pytest.mark.parametrize("stages", [2, 3])
-def test_cute_select_pingpong_at_the_shallowest_pipelines(stages):
-    """The ping-pong's turns beside the smallest key rings ``can_implement`` takes (a turn may
-    wait on a stage the other warpgroup's release refills): the default's indices."""
-    _cute()
-    qp, kp, cu, cfg = _select_case((3000, 1, 2100), 4, 1, 128, 64, 24, torch.bfloat16, seed=2)
-    default = _select_into_poisoned(qp, kp, cu, cfg)
-    got = _select_into_poisoned(qp, kp, cu, cfg, stages=stages, pingpong=True)
-    assert torch.equal(got, default)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -677,28 +646,6 @@ def test_cute_select_q_map_is_sync_free_and_graph_capturable():
     qp_l.copy_(torch.randn_like(qp_l))
     graph.replay()
     assert torch.equal(captured, cute_be.select(qp_l, kp, cu, cfg, q_map=q_map))
-
-
-@pytest.mark.parametrize(
-    "case", [QMAP_SELECT_CASES[i] for i in (1, 2)], ids=lambda c: "x".join(map(str, c[0]))
-)
-@pytest.mark.parametrize("kind", ["zigzag", "random"])
-def test_cute_select_q_map_pingpong_is_bitwise_the_default(case, kind):
-    """The query-map kernel with ``pingpong=True`` (its named barrier 1 before the loop, the
-    turns' 2 and 3 in it): the default's indices bit for bit, padding rows left alone."""
-    _cute()
-    from flash_msa.cute import select_sm90
-
-    qp, kp, cu, cfg = _select_case(*case)
-    q_map = _q_map(kind, case[0], cfg.block_size)
-    qp_l = _local_rows(qp, q_map)
-    outs = []
-    for pingpong in (False, True):
-        into = testing.poisoned((qp_l.shape[0], qp.shape[1], cfg.top_k), torch.int32, "cuda")
-        outs.append(
-            select_sm90.select_into(into, qp_l, kp, cu, cfg, q_map=q_map, pingpong=pingpong)
-        )
-    assert torch.equal(outs[1], outs[0])
 
 
 # ---------------------------------------------------------------------------------------------

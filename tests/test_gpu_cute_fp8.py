@@ -193,22 +193,6 @@ def test_cute_fp8_select_pipeline_depth_does_not_change_the_result(stages):
     assert torch.equal(_cute_fp8(qz, cu, cfg, stages=stages), _cute_fp8(qz, cu, cfg))
 
 
-# paper k=16, varlen with Dp 64 and block 64, top_k 64 (split lists) with one and two blocks per
-# tile, per-token key scales; every sequence's first query tile has one key tile (n_tiles 1)
-PINGPONG_CASES = [CASES[i] for i in (0, 1, 3, 4, 6)]
-
-
-@pytest.mark.parametrize("case", PINGPONG_CASES, ids=_case_id)
-@pytest.mark.parametrize("kind", ["random", "local"])
-def test_cute_fp8_select_pingpong_is_bitwise_the_default(case, kind):
-    """``SelectSm90(pingpong=True)`` (the consumer warpgroups take turns to issue their MMAs):
-    the same scores in the same order, so the default's indices bit for bit. A hang here is
-    the named barriers' accounting (``select_sm90``'s docstring, "MMA ping-pong")."""
-    *shape, key_scale = case
-    _, _, cu, cfg, qz = _case(*shape, kind=kind, key_scale=key_scale)
-    assert torch.equal(_cute_fp8(qz, cu, cfg, pingpong=True), _cute_fp8(qz, cu, cfg))
-
-
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_cute_fp8_select_hypothesis_runtime_sizes(data):

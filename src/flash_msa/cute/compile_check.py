@@ -73,18 +73,14 @@ def report(configurations, compile_one) -> int:
 
 
 def configurations():
-    """(name, dtype, Dp, Hp, Hpk, top_k, block[, qmap[, key_scale[, stages[, pingpong]]]]) of the
-    selection kernels checked (all with the rank top-k insertion, ``SelectSm90.offer_rank``:
-    k=1, 16, 17, 64 and split lists among them); the ``qmap`` ones (``SelectSm90(qmap=True)``,
-    context parallelism's query map): anchor / paper (their selections have the same shape),
-    both dims and blocks, top_k 64 (the most registers), a split list, fp16, several key heads; the
+    """(name, dtype, Dp, Hp, Hpk, top_k, block[, qmap[, key_scale[, stages]]]) of the selection
+    kernels checked (all with the rank top-k insertion, ``SelectSm90.offer_rank``: k=1, 16, 17,
+    64 and split lists among them); the ``qmap`` ones (``SelectSm90(qmap=True)``, context
+    parallelism's query map): anchor / paper (their selections have the same shape), both dims
+    and blocks, top_k 64 (the most registers), a split list, fp16, several key heads; the
     ``e4m3`` ones (the FP8 mode, ``key_scale`` "block" or "token"): anchor / paper, Dp 64,
     blocks 64 and 128, top_k 1, 16 and 64, both key scales, several key heads, and the deepest
-    pipeline the A/B times (12 stages; the default is ``select_sm90.FP8_STAGES``); the
-    ``pingpong`` ones (``SelectSm90(pingpong=True)``, the consumer warpgroups' MMA ping-pong the
-    A/B times against the default): bf16 anchor / paper k=16, Dp 64 with block 64, k=1, k=64
-    with block 64 (split lists, two blocks per tile), e4m3 k=16 with both key scales, e4m3 k=64
-    with both blocks, and the query map (its named barrier before the loop) at k=16 and k=64."""
+    pipeline the A/B times (12 stages; the default is ``select_sm90.FP8_STAGES``)."""
     for Dp in (64, 128):
         for block in (64, 128):
             yield f"select bf16 Dp={Dp} b={block} k=16 Hp=4 Hpk=1", "bf16", Dp, 4, 1, 16, block
@@ -110,17 +106,6 @@ def configurations():
         yield name, "e4m3", Dp, Hp, Hpk, K, block, False, scale
     name = "select e4m3 scale=block Dp=128 b=128 k=16 Hp=4 Hpk=1 stages=12"
     yield name, "e4m3", 128, 4, 1, 16, 128, False, "block", 12
-    for dt, scale, Dp, Hp, Hpk, K, block, qmap in (
-        ("bf16", None, 128, 4, 1, 16, 128, False), ("bf16", None, 64, 4, 1, 16, 64, False),
-        ("bf16", None, 128, 2, 2, 1, 128, False), ("bf16", None, 128, 4, 1, 64, 64, False),
-        ("e4m3", "block", 128, 4, 1, 16, 128, False), ("e4m3", "token", 128, 4, 1, 16, 128, False),
-        ("e4m3", "block", 128, 4, 1, 64, 128, False), ("e4m3", "block", 128, 4, 1, 64, 64, False),
-        ("bf16", None, 128, 4, 1, 16, 128, True), ("bf16", None, 128, 4, 1, 64, 64, True),
-    ):  # fmt: skip
-        mode = f"scale={scale}" if scale else ("qmap" if qmap else "")
-        name = " ".join(f"select {dt} {mode}".split())
-        name = f"{name} Dp={Dp} b={block} k={K} Hp={Hp} Hpk={Hpk} pingpong"
-        yield name, dt, Dp, Hp, Hpk, K, block, qmap, scale, None, True
 
 
 def fwd_configurations():
@@ -275,15 +260,14 @@ def compile_kl(
 
 def compile_select(
     dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
-    key_scale: str | None = None, stages: int | None = None, pingpong: bool = False, **dump,
+    key_scale: str | None = None, stages: int | None = None, **dump,
 ) -> dict:  # fmt: skip
     """:func:`flash_msa.cute.select_sm90.compile_select`: the kernel compiled on the pointer
     launch's arguments (``qmap``: the query-map kernel; ``key_scale``: the FP8 mode, ``dtype``
-    "e4m3"; ``stages``: the pipeline depth, default the mode's; ``pingpong``: the consumer
-    warpgroups' MMA ping-pong, ``SelectSm90.pingpong``)."""
+    "e4m3"; ``stages``: the pipeline depth, default the mode's)."""
     from .select_sm90 import compile_select as compile_one
 
-    return compile_one(dtype, Dp, Hp, Hpk, K, block, qmap, key_scale, stages, pingpong, **dump)
+    return compile_one(dtype, Dp, Hp, Hpk, K, block, qmap, key_scale, stages, **dump)
 
 
 def main(argv: list[str]) -> int:
@@ -307,6 +291,9 @@ def main(argv: list[str]) -> int:
         from .quantize_sm90 import compile_quantize, quantize_configurations
 
         checks += [(n, compile_quantize, c) for n, *c in quantize_configurations()]
+        from .row_delta_sm90 import compile_row_delta, row_delta_configurations
+
+        checks += [(n, compile_row_delta, c) for n, *c in row_delta_configurations()]
         for name, compile_one, cfg in checks:
             if name.startswith(only):
                 res = compile_one(*cfg, dump=dump, name=name)

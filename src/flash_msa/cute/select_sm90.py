@@ -66,41 +66,11 @@ benchmarks/results/stage11/ab/select_ab.log): random bf16 k=16 14.59 -> 13.01, f
 after every offer, ties included; that chain survives only as the CPU oracle of
 tests/test_select_insert_cpu.py, which replays both.
 
-MMA ping-pong (``SelectSm90(pingpong=True)``, an A/B variant, off; issue 15, Option B of
-docs/reviews/2026-12-01-fp8-selection-epilogue.md, FA3's scheduler barriers): the two consumer
-warpgroups take turns to issue a key tile's MMA, so that one's MMA runs alone on the tensor
-cores while the other does its row maxima and insertion, instead of both in lock-step. Consumer
-warpgroup w (0 or 1) waits for its turn on named barrier ``MMA_BARS[w]`` (``bar.sync``, 256
-threads: its 128 waiting + the other's 128 arriving) after the stage's full barrier and before
-the MMA, and hands the turn over on ``MMA_BARS[1 - w]`` (``bar.arrive``, 256) right after
-committing it; warpgroup 1 arrives once on ``MMA_BARS[0]`` before its first MMA, so warpgroup
-0 issues first. Ids 2 and 3: the kernel's only other named barriers are 0 (the pipeline's
-CTA-wide setup sync) and ``QUERY_BAR`` = 1 (the query map's gathered tile, once before the
-loop, both consumer warpgroups). The scores, their order and the lists are the default's; only
-the issue order changes. Accounting, per CTA with ``N = n_tiles`` key tiles: ``N`` is
-CTA-uniform (the causal tile count, or with the map the last row's tile), both consumer
-warpgroups run the same loop with no early exit (a CTA past its sequence's rows runs none of
-it), and each issues ``N`` MMAs (one before the loop, one per ``j < N - 1``):
-
-- warpgroup 0: ``N`` ``bar.sync 2`` (one per issue) and ``N`` ``bar.arrive 3`` (one per issue);
-- warpgroup 1: ``N`` ``bar.sync 3`` and ``N`` ``bar.arrive 2``: the initial one and one per
-  issue except its last (``j + 2 == N`` in the loop; the one before the loop when ``N == 1``),
-  which warpgroup 0 has no turn left to take;
-- so barrier 2 and barrier 3 each complete exactly ``N`` phases (128 ``bar.sync`` + 128
-  ``bar.arrive`` threads), and no arrival is pending when the loop ends (the hardware barrier
-  is clean for anything after it). A warpgroup waiting for its turn at tile j needs only the
-  other's issue of tile j (warpgroup 1) or j - 1 (warpgroup 0), which needs only that tile's
-  full barrier, filled once both released tile j - ``stages`` (before their issues of j - 1):
-  no deadlock at any ``N``, block size (64: the same one MMA per tile), top_k or mode.
-
-Every condition is warp-uniform (``wg_idx``, ``j``, ``N``), as the ``.aligned`` barriers need.
-PTX (tests/test_select_pingpong_cpu.py): 2 ``bar.sync 2, 256``, 2 ``bar.sync 3, 256``, 2
-``bar.arrive 3, 256``, 3 ``bar.arrive 2, 256`` (the issue before the loop and the one in it,
-each behind a branch on the warpgroup); none in the default kernel, whose PTX and cubin are
-byte-identical to the ones before the field existed (``__repr__``). Resources (compile_check
-``select ... pingpong``): REG 168 (the launch count), no spills, ``setmaxnreg`` kept, the
-wgmmas not serialized; highest register named in the SASS 145 -> 146 (e4m3 paper k=16),
-175 -> 176 (e4m3 k=64), 155 -> 161 (qmap k=64 block 64) of ``CONSUMER_REGS`` = 240.
+An MMA ping-pong (Option B of that review: the consumer warpgroups taking turns to issue a
+tile's MMA on two named barriers) was tried in the twelfth session and lost its H200 A/B (paper
+S=131072 random, kernel ms default -> ping-pong, identical indices): bf16 k=16 13.499 ->
+13.528, fp8 k=16 9.697 -> 9.876, bf16 k=64 15.829 -> 16.014, fp8 k=64 12.379 -> 13.770; it left
+the code (docs/perf-notes.md, "Twelfth session").
 
 Limits (:meth:`SelectSm90.can_implement`): Dp in {64, 128}, block size in {64, 128},
 top_k <= 64 (the lists live in registers: a lane keeps one row's list, or half of it beyond 16
@@ -109,7 +79,7 @@ entries), bf16 or fp16 (e4m3 in the FP8 mode).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -215,12 +185,6 @@ class SelectSm90:
     # FP8 mode (module docstring): the key scales' granularity, "block" or "token"
     # (quant.KEY_SCALES), with e4m3 operands; None: the exact bf16/fp16 selection
     key_scale: str | None = None
-    # the consumer warpgroups' MMA ping-pong (module docstring, "MMA ping-pong"; Option B of
-    # docs/reviews/2026-12-01-fp8-selection-epilogue.md): two named barriers hand the turn to
-    # issue a tile's MMA from one consumer warpgroup to the other; the same scores, so the same
-    # indices. False: the kernel's PTX is byte-identical to the one before the field existed
-    # (``__repr__``); off until its H200 A/B (benchmarks/cute_select_ab.py --variants)
-    pingpong: bool = False
     # the launch's tensors as their CuTe views had them (``common.view_layout``: element type,
     # static sizes and strides, in the order of :func:`launch_tensor_names`), set by
     # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
@@ -233,10 +197,6 @@ class SelectSm90:
     THREADS: ClassVar[int] = 384  # producer warpgroup + two consumer warpgroups
     CONSUMERS: ClassVar[int] = 256  # the consumer warpgroups' threads
     QUERY_BAR: ClassVar[int] = 1  # named barrier of the consumers: the gathered query tile
-    # named barriers of the MMA ping-pong (``pingpong``), 256 threads each: consumer warpgroup
-    # w (0 or 1) waits on MMA_BARS[w] for its turn and hands it over on MMA_BARS[1 - w]; 0 is
-    # the CTA's (the pipeline's setup sync), 1 QUERY_BAR: no other named barrier in the kernel
-    MMA_BARS: ClassVar[tuple[int, int]] = (2, 3)
     PRODUCER_REGS: ClassVar[int] = 24  # 128 * 24 + 256 * 240 = 168 * 384: the register file
     CONSUMER_REGS: ClassVar[int] = 240
 
@@ -297,15 +257,6 @@ class SelectSm90:
             return f"{smem} bytes of shared memory exceed the sm_90 capacity ({SHARED_LIMIT})"
         return None
 
-    def __repr__(self) -> str:
-        """The dataclass's text without ``pingpong`` where it is False: the DSL names the
-        compiled kernel after this text, so the default kernel's PTX stays byte-identical to
-        the one before the field existed (entry name included); a variant's name says
-        ``pingpongTrue``. Equality, hashing and the disk cache's key read every field."""
-        shown = [f for f in fields(self) if f.repr and (f.name != "pingpong" or self.pingpong)]
-        text = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
-        return f"{type(self).__qualname__}({text})"
-
     def __post_init__(self):
         why = self.can_implement(
             self.dtype, self.proxy_head_dim, self.heads, self.k_heads, self.top_k,
@@ -315,8 +266,6 @@ class SelectSm90:
             why = "the fp8 selection has no query map"
         if why is not None:
             raise ValueError(f"CuTe selection: {why}")
-        if not isinstance(self.pingpong, bool):
-            raise TypeError(f"CuTe selection: pingpong must be a bool, not {self.pingpong!r}")
 
     # -----------------------------------------------------------------------------------------
     # host: MMAs, layouts, TMA atoms, shared storage, launch
@@ -495,16 +444,8 @@ class SelectSm90:
                 else:
                     cute.arch.mbarrier_wait(q_bar, 0)
                 cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-                second = None  # ping-pong: the second consumer warpgroup (it issues second)
-                if cutlass.const_expr(self.pingpong):
-                    second = wg_idx == 2
-                    self.mma_turn_first(second)
                 k_pipe.consumer_wait(cons)
-                if cutlass.const_expr(self.pingpong):
-                    self.mma_turn_wait(second)
                 self.scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
-                if cutlass.const_expr(self.pingpong):
-                    self.mma_turn_pass(second, n_tiles == 1)
                 for j in cutlass.range(n_tiles, unroll=1):
                     scale = None  # FP8: the key scales of this tile (block's or columns')
                     if cutlass.const_expr(self.key_scale is not None):  # loads under the MMA
@@ -519,11 +460,7 @@ class SelectSm90:
                     )
                     if j + 1 < n_tiles:  # the next tile's MMA runs during this tile's insertion
                         k_pipe.consumer_wait(cons)
-                        if cutlass.const_expr(self.pingpong):
-                            self.mma_turn_wait(second)
                         self.scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
-                        if cutlass.const_expr(self.pingpong):
-                            self.mma_turn_pass(second, j + 2 == n_tiles)
                     # the quad's maximum of this lane's row, per block (the quad shares a row)
                     kept = self.quad_exchange_max(cand, my_row)
                     row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
@@ -591,35 +528,6 @@ class SelectSm90:
             mma = mma_first if kb == 0 else mma_rest
             cute.gemm(mma, acc, tSrQ[None, None, kb, 0], tSrK[None, None, kb, stage], acc)
         warpgroup.commit_group()
-
-    @cute.jit
-    def mma_turn_first(self, second):
-        """Ping-pong: the second consumer warpgroup (``second``) hands the first its first turn
-        (one ``bar.arrive`` on ``MMA_BARS[0]``, before either issues an MMA)."""
-        if second:
-            cute.arch.barrier_arrive(barrier_id=self.MMA_BARS[0], number_of_threads=self.CONSUMERS)
-
-    @cute.jit
-    def mma_turn_wait(self, second):
-        """Ping-pong: wait for this warpgroup's turn to issue a tile's MMA (``bar.sync`` on its
-        own barrier, ``MMA_BARS[second]``: 128 threads waiting + the other's 128 arrivals)."""
-        if second:
-            cute.arch.barrier(barrier_id=self.MMA_BARS[1], number_of_threads=self.CONSUMERS)
-        else:
-            cute.arch.barrier(barrier_id=self.MMA_BARS[0], number_of_threads=self.CONSUMERS)
-
-    @cute.jit
-    def mma_turn_pass(self, second, last):
-        """Ping-pong: hand the turn to the other warpgroup after issuing a tile's MMA
-        (``bar.arrive`` on its barrier), except the second warpgroup after its ``last`` issue:
-        the first has no turn left to take (the accounting: module docstring)."""
-        if second:
-            if not last:
-                cute.arch.barrier_arrive(
-                    barrier_id=self.MMA_BARS[0], number_of_threads=self.CONSUMERS
-                )
-        else:
-            cute.arch.barrier_arrive(barrier_id=self.MMA_BARS[1], number_of_threads=self.CONSUMERS)
 
     @cute.jit
     def block_maxima(
@@ -838,20 +746,19 @@ class SelectSm90:
 # host: torch tensors in, indices out
 # ---------------------------------------------------------------------------------------------
 def select_into(
-    indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages, q_map=None,
-    pingpong: bool = SelectSm90.pingpong,
-):  # fmt: skip
+    indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages, q_map=None
+):
     """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written):
     ascending sequence-local block numbers, -1 in unused slots. Returns ``indices``.
 
     ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` contiguous bf16/fp16 CUDA tensors,
     ``cu_seqlens (N+1,)`` int32; ``cfg.max_seqlen`` bounds the grid (no host synchronization).
-    ``stages``, ``pingpong``: the kernel's pipeline depth and MMA ping-pong (``SelectSm90``'s
-    fields; A/B runs: the defaults are the shipped kernel). ``q_map``: ``None`` or ``(Tq,)``
-    int32 (the contract's query map): ``q_proxy`` and ``indices`` have ``Tq`` rows,
-    ``k_proxy`` the keys' ``T``; every entry of a mapped row is written, those of padding rows
-    (``-1``) are left as they are (:func:`select` fills them with -1). The exact selection
-    only: ``cfg.selection_precision == "fp8"`` raises (:func:`select_fp8_into` is that one).
+    ``stages``: the kernel's pipeline depth (A/B runs; the default is the shipped one).
+    ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map): ``q_proxy`` and
+    ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of a mapped row is
+    written, those of padding rows (``-1``) are left as they are (:func:`select` fills them
+    with -1). The exact selection only:
+    ``cfg.selection_precision == "fp8"`` raises (:func:`select_fp8_into` is that one).
     """
     if cfg.selection_precision != "bf16":
         raise ValueError(
@@ -862,8 +769,7 @@ def select_into(
     Hpk = k_proxy.shape[1]
     K = cfg.top_k
     kernel = SelectSm90(
-        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages, q_map is not None,
-        pingpong=pingpong,
+        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages, q_map is not None
     )  # fmt: skip
     _check_indices(indices, T, Hp, K)
     if T == 0:
@@ -884,10 +790,7 @@ def select_into(
     return indices
 
 
-def select_fp8_into(
-    indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_STAGES,
-    pingpong: bool = SelectSm90.pingpong,
-):  # fmt: skip
+def select_fp8_into(indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_STAGES):
     """The fp8 selection (``selection_precision="fp8"``) of quantized operands into
     ``indices`` ``(T, Hp, top_k)`` int32 (every entry written, as :func:`select_into`).
     Returns ``indices``.
@@ -896,8 +799,7 @@ def select_fp8_into(
     with ``cfg.block_size`` (its block scales are per selection block): e4m3 ``q (T, Hp, Dp)``
     and ``k (T, Hpk, Dp)``, fp32 ``k_scale (T, Hpk)`` on one CUDA device, per block or per token
     (``key_scale``, compiled in); ``q_scale`` is not read (a positive row constant). No query
-    map. ``stages``, ``pingpong``: the key-pipeline depth and the MMA ping-pong (A/B runs;
-    the defaults are the shipped kernel).
+    map. ``stages``: the key-pipeline depth (A/B runs; the default is the shipped one).
     """
     qz = quantized
     for name, x in (("q", qz.q), ("k", qz.k)):  # before their shapes are read
@@ -921,9 +823,8 @@ def select_fp8_into(
             f"{qz.k_scale.dtype} {tuple(qz.k_scale.shape)}"
         )
     kernel = SelectSm90(
-        cutlass.Float8E4M3FN, Dp, Hp, Hpk, K, cfg.block_size, stages, key_scale=qz.key_scale,
-        pingpong=pingpong,
-    )  # fmt: skip
+        cutlass.Float8E4M3FN, Dp, Hp, Hpk, K, cfg.block_size, stages, key_scale=qz.key_scale
+    )
     _check_indices(indices, T, Hp, K)
     if T == 0:
         return indices
@@ -1054,14 +955,13 @@ def specimen_tensors(kernel: SelectSm90, tokens: int = 4) -> tuple:
 
 def compile_select(
     dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
-    key_scale: str | None = None, stages: int | None = None, pingpong: bool = False, *,
-    dump=None, name: str = "",
+    key_scale: str | None = None, stages: int | None = None, *, dump=None, name: str = "",
 ) -> dict:  # fmt: skip
     """Compile :class:`SelectSm90` for sm_90a on the launch arguments :func:`_launch` passes
     (:func:`launch_arguments` of :func:`specimen_tensors`; the configurations:
     ``compile_check.configurations``): ``dtype`` "bf16" / "fp16" / "e4m3" (with ``key_scale``,
     the FP8 mode: the wgmma instructions reported as ``mma``), ``qmap`` the query-map kernel,
-    ``stages`` the pipeline depth (default the mode's), ``pingpong`` the MMA ping-pong. Returns
+    ``stages`` the pipeline depth (default the mode's). Returns
     ``compile_check.compile_kernel``'s report (``dump``: a folder for ``<name>.ptx`` /
     ``.cubin``)."""
     from cutlass.cute.runtime import make_fake_stream
@@ -1071,8 +971,6 @@ def compile_select(
     dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN}[dtype]
     if stages is None:
         stages = SelectSm90.stages if key_scale is None else FP8_STAGES
-    kernel = SelectSm90(
-        dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale, pingpong=pingpong
-    )
+    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale)
     kernel, args = launch_arguments(kernel, specimen_tensors(kernel), 1, make_fake_stream())
     return compile_kernel(kernel, *args, mma=key_scale is not None, dump=dump, name=name)
