@@ -69,7 +69,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .. import ordered, worklist
 from ..cubin import SHARED_LIMIT
-from ..problem import Grads, Saved, row_delta
+from ..problem import Grads, Saved
 from ..worklist import geometry
 from . import row_delta_sm90
 from .common import (
@@ -1111,10 +1111,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, *, q_map=None, **variant) -> G
         dout = dout.contiguous()
         # (T, H): one CuTe pass where it runs (row_delta_sm90: paper 128K 0.97 ms on the H200
         # against 7.9 ms for problem.row_delta's fp32 temporary and its sum), else torch's
-        if row_delta_sm90.can_implement(dout, out) is None:
-            delta = row_delta_sm90.row_delta(dout, out)
-        else:
-            delta = row_delta(dout, out)
+        delta = row_delta_sm90.delta(dout, out)
         dO, vt = aligned(dout).view(T * H, D), aligned(v.contiguous()).permute(0, 2, 1)
         main_args = (dO, kv, vt, lse_t, delta.view(-1))
     else:

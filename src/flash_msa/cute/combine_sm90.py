@@ -649,17 +649,10 @@ def compile_combine(dtype, H, Hs, K, D, has_o, proxy=False, *, dump=None, name="
     cuobjdump's ``{"reg", "stack", "local"}`` (spills show as stack) like ``compile_check``'s
     other kernels, with ``wgmma``/``tma`` False. ``dump``: a folder for ``<name>.ptx`` /
     ``.cubin`` (``compile_check.compile_kernel``)."""
-    from cutlass import BFloat16, Float16
-    from cutlass.cute.runtime import make_fake_stream
+    from .compile_check import compile_memory_bound, kernel_dtype
 
-    from .compile_check import compile_kernel
-
-    dt = {"bf16": BFloat16, "fp16": Float16, None: None}[dtype]
-    kernel = CombineSm90(dt, H, Hs, K, D, has_o, proxy)
-    a = 1 << 20  # a dummy address, 16-byte aligned
-    args = launch_arguments(kernel, a, a, a, a, a, a, a, 1, make_fake_stream())
-    res = compile_kernel(kernel, *args, dump=dump, name=name)
-    return dict(res, wgmma=False, tma=False)
+    kernel = CombineSm90(kernel_dtype(dtype), H, Hs, K, D, has_o, proxy)
+    return compile_memory_bound(kernel, launch_arguments, 7, dump=dump, name=name)
 
 
 def _main(argv: list[str]) -> int:

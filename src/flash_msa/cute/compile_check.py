@@ -210,10 +210,24 @@ def compile_bwd(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=No
     return compile_one(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant, **dump)
 
 
-def _dtype(name: str):
+def kernel_dtype(name: str | None):
+    """The CuTe element type of a configuration's dtype name (``None``: ``None``)."""
     from cutlass import BFloat16, Float8E4M3FN, Float16
 
-    return {"bf16": BFloat16, "fp16": Float16, "e4m3": Float8E4M3FN}[name]
+    return {"bf16": BFloat16, "fp16": Float16, "e4m3": Float8E4M3FN, None: None}[name]
+
+
+def compile_memory_bound(kernel, launch_arguments, addresses: int, counts=(1,), *, dump=None,
+                         name: str = "") -> dict:  # fmt: skip
+    """Compile a memory-bound pointer-launch kernel (the combine, the quantize pass, the row
+    delta: no MMA, no TMA) for sm_90a on ``launch_arguments(kernel, *addresses dummy device
+    addresses, *counts, stream)``, the arguments its host function passes; cuobjdump's counts
+    (:func:`compile_kernel`) with ``wgmma``/``tma`` False."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    a = 1 << 20  # a dummy address, 16-byte aligned
+    args = launch_arguments(kernel, *(a,) * addresses, *counts, make_fake_stream())
+    return dict(compile_kernel(kernel, *args, dump=dump, name=name), wgmma=False, tma=False)
 
 
 def compile_fwd(

@@ -580,17 +580,11 @@ def compile_quantize(dtype, Dp, Hp, Hpk, block, key_scale, rotate, tuning=None, 
     addresses); returns cuobjdump's ``{"reg", "stack", "local"}`` (spills show as stack) with
     ``wgmma``/``tma`` False, like ``compile_check``'s other kernels. ``dump``: a folder for
     ``<name>.ptx`` / ``.cubin``."""
-    from cutlass import BFloat16, Float16
-    from cutlass.cute.runtime import make_fake_stream
+    from .compile_check import compile_memory_bound, kernel_dtype
 
-    from .compile_check import compile_kernel
-
-    dt = {"bf16": BFloat16, "fp16": Float16}[dtype]
+    dt = kernel_dtype(dtype)
     kernel = QuantizeSm90(dt, Dp, Hp, Hpk, block, key_scale, rotate, **(tuning or {}))
-    a = 1 << 20  # a dummy address, 16-byte aligned
-    args = launch_arguments(kernel, a, a, a, a, a, a, a, 1, 1, make_fake_stream())
-    res = compile_kernel(kernel, *args, dump=dump, name=name)
-    return dict(res, wgmma=False, tma=False)
+    return compile_memory_bound(kernel, launch_arguments, 7, (1, 1), dump=dump, name=name)
 
 
 def _main(argv: list[str]) -> int:

@@ -1,8 +1,8 @@
 """The backward's ``delta = rowsum(dO * O)`` on Hopper (sm_90a) in CuTe DSL: one memory-bound
 kernel in place of :func:`flash_msa.problem.row_delta`'s two torch launches.
 
-The CuTe backward (``cute/bwd_sm90.bwd``) calls :func:`row_delta` where :func:`can_implement`
-allows the call, else ``problem.row_delta``.
+The CuTe backward (``cute/bwd_sm90.bwd``) calls :func:`delta`: this kernel where
+:func:`can_implement` allows the call, else ``problem.row_delta``.
 
 Measured (H200, the row-delta helper's run of 2026-12-01: benchmarks/row_delta_ab.py
 --variants, bf16, random inputs; device ms, the kernel alone): paper 128K (T 131072, H 64, D
@@ -65,6 +65,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
+from ..problem import row_delta as problem_row_delta
 from .common import cutlass_dtype, run_typed, stream
 
 HEAD_DIMS = (64, 128)  # D / 8 lanes per row must divide a warp: 8 or 16 lanes
@@ -254,17 +255,31 @@ def row_delta(
     if why is not None:
         kind = TypeError if ("torch.Tensor" in why or "bfloat16 or" in why) else ValueError
         raise kind(f"CuTe row delta: {why}")
+    return _launch(dout, out, warps, unroll)
+
+
+def delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The backward's ``delta`` ``(T, H)`` fp32: this kernel where :func:`can_implement` allows
+    the call (checked once), else :func:`flash_msa.problem.row_delta` (the CuTe backward's
+    call)."""
+    if can_implement(dout, out) is None:
+        return _launch(dout, out, RowDeltaSm90.warps, RowDeltaSm90.unroll)
+    return problem_row_delta(dout, out)
+
+
+def _launch(dout, out, warps: int, unroll: int) -> torch.Tensor:
+    """One launch over ``dout``, ``out`` that :func:`can_implement` accepted."""
     kernel = RowDeltaSm90(cutlass_dtype(dout.dtype), dout.shape[2], warps, unroll)
     T, H, _ = dout.shape
-    delta = torch.empty((T, H), dtype=torch.float32, device=dout.device)
+    res = torch.empty((T, H), dtype=torch.float32, device=dout.device)
     if T * H == 0:
-        return delta
+        return res
     device = dout.device
     args = launch_arguments(
-        kernel, dout.data_ptr(), out.data_ptr(), delta.data_ptr(), T * H, stream(device)
+        kernel, dout.data_ptr(), out.data_ptr(), res.data_ptr(), T * H, stream(device)
     )
     run_typed(kernel, device, args, LAUNCH_SIGNATURE)
-    return delta
+    return res
 
 
 def launch_arguments(kernel: RowDeltaSm90, dout: int, out: int, delta: int, n_rows: int, strm):
@@ -318,17 +333,10 @@ def compile_row_delta(dtype, D, tuning=None, *, dump=None, name=""):
     addresses); returns cuobjdump's ``{"reg", "stack", "local"}`` (spills show as stack) with
     ``wgmma``/``tma`` False, like ``compile_check``'s other kernels. ``dump``: a folder for
     ``<name>.ptx`` / ``.cubin``."""
-    from cutlass import BFloat16, Float16
-    from cutlass.cute.runtime import make_fake_stream
+    from .compile_check import compile_memory_bound, kernel_dtype
 
-    from .compile_check import compile_kernel
-
-    dt = {"bf16": BFloat16, "fp16": Float16}[dtype]
-    kernel = RowDeltaSm90(dt, D, **(tuning or {}))
-    a = 1 << 20  # a dummy address, 16-byte aligned
-    args = launch_arguments(kernel, a, a, a, 1, make_fake_stream())
-    res = compile_kernel(kernel, *args, dump=dump, name=name)
-    return dict(res, wgmma=False, tma=False)
+    kernel = RowDeltaSm90(kernel_dtype(dtype), D, **(tuning or {}))
+    return compile_memory_bound(kernel, launch_arguments, 3, dump=dump, name=name)
 
 
 def _main(argv: list[str]) -> int:
