@@ -37,7 +37,7 @@ def _child() -> dict:
     import torch
     from cutlass import BFloat16
 
-    from flash_msa.cute import disk_cache, select_sm90
+    from flash_msa.cute import common, disk_cache, select_sm90
     from flash_msa.cute.select_sm90 import SelectSm90
 
     imported = time.perf_counter() - t0
@@ -59,9 +59,10 @@ def _child() -> dict:
             cuda.CUstream(0),
         )
         t = time.perf_counter()
-        fn = disk_cache.compiled(
-            kernel, args, select_sm90.LAUNCH_SIGNATURE, "sm_90-test", "--gpu-arch sm_90a"
-        )
+        fn = disk_cache.compiled(  # (the production options: a TVM-FFI function)
+            kernel, args, select_sm90.LAUNCH_SIGNATURE, "sm_90-test",
+            f"{common.FFI_OPTIONS} --gpu-arch sm_90a",
+        )  # fmt: skip
         seconds = time.perf_counter() - t
         # the launch arguments select_into passes for 300 (CPU) tokens
         n = 300
@@ -73,13 +74,16 @@ def _child() -> dict:
             torch.tensor([0, n], dtype=torch.int32),
             torch.zeros(n, Hp, K, dtype=torch.int32),
         )
-        _, launch = select_sm90.launch_arguments(kernel, tensors, 3, cuda.CUstream(0))
-        packed, _ = fn.execution_args.generate_execution_args(launch, {})
-        out["kernels"].append(
-            dict(seconds=round(seconds, 3), packed=len(packed), params=list(
-                fn.execution_args.signature.parameters
-            ))
-        )  # fmt: skip
+        _, launch = select_sm90.launch_arguments(kernel, tensors, 3, common.RawStream(0))
+        # the call as run_typed makes it: the TVM-FFI function checks the arguments' number and
+        # types first (a TypeError naming the parameter), then launches, which needs a GPU: on
+        # this machine the CUDA runtime's error says the arguments were accepted
+        try:
+            fn(*common.ffi_args(launch))
+            called = "launched"
+        except Exception as e:
+            called = f"{type(e).__name__}: {str(e)[:200]}"
+        out["kernels"].append(dict(seconds=round(seconds, 3), called=called))
     out["compile_calls"] = len(calls)
     out["stats"] = dict(disk_cache.stats)
     return out
@@ -114,9 +118,10 @@ def test_second_process_loads_instead_of_compiling(tmp_path):
     assert warm_s < 0.5 < cold_s, (cold_s, warm_s)
     for k in warm["kernels"]:  # ready to launch: the arguments select_into passes are accepted
         # (the pointer launch: the four tensors as a pointer and a mode-0 size each, then
-        # n_mblk and the stream)
-        assert k["params"] == ["tensors", "n_mblk", "stream"], k
-        assert k["packed"] == 4 * 2 + 2, k
+        # n_mblk and the stream): past the argument checks, up to the CUDA runtime
+        assert k["called"] == "launched" or (
+            k["called"].startswith("RuntimeError") and "Cuda" in k["called"]
+        ), k
 
     # a corrupted entry (one byte flipped, as a disk error would) is dropped and recompiled;
     # a truncated one (a writer killed mid-write without the rename) likewise

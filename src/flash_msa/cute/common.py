@@ -303,9 +303,20 @@ def row_gather_copy(dtype, threads: int, width: int):
     )  # fmt: skip
 
 
-def stream(device: torch.device) -> cuda.CUstream:
-    """torch's current stream on ``device``, for a launch."""
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+class RawStream(int):
+    """A CUDA stream handle (``cudaStream_t`` as an int), a launch's stream argument: what a
+    TVM-FFI launch takes (:func:`run_typed`); its compile sees a ``cuda.CUstream`` of it."""
+
+    __slots__ = ()
+
+
+def stream(device: torch.device) -> RawStream:
+    """torch's current stream on ``device``, for a launch. (torch's raw-handle accessor: the H200
+    host's step timing measured ~17 us a call for ``cuda.CUstream(torch.cuda.current_stream(
+    device).cuda_stream)``, a Python stream object and a cuda-python wrapper per launch;
+    benchmarks/host_breakdown.py, stage13.)"""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return RawStream(torch._C._cuda_getCurrentRawStream(index))
 
 
 def static_signature(x):
@@ -360,13 +371,66 @@ def run_typed(kernel, device: torch.device, args: tuple, signature: str) -> None
     pointers, scalars and the stream, built by its module's ``launch_arguments``): the kernel
     object is then the whole in-process key, and ``signature``, a fixed text naming that
     builder, stands for the argument layout in the disk cache's key. No per-call
-    ``static_signature`` and no DLPack views: a few microseconds of host time per launch
-    (the combine and the fp8 quantize pass, small kernels where :func:`run`'s 20-40 us per
-    tensor view showed as a ~0.13 ms floor on the H200)."""
+    ``static_signature`` and no DLPack views.
+
+    Compiled with TVM-FFI (:data:`FFI_OPTIONS`) and called with plain values (:func:`ffi_args`:
+    device addresses and sizes as ints, scalars as Python numbers, the stream handle): the
+    call is one C function call instead of the DSL executor's Python argument packing. The
+    H200 host (benchmarks/host_breakdown.py --launch-ab, the row-delta kernel, 5 arguments):
+    10.9 us a launch through the executor, 4.1 through TVM-FFI; inside the anchor-16K eager
+    step the five launches' ``run_typed`` took 410 us in all (stage13/c1)."""
     key = (type(kernel), kernel, signature, device.index)
     fn = _compiled.get(key)
     if fn is None:
         major, minor = torch.cuda.get_device_capability(device)
-        fn = disk_cache.compiled(kernel, args, signature, f"sm_{major}{minor}")
+        fn = disk_cache.compiled(
+            kernel, compile_arguments(args), signature, f"sm_{major}{minor}", FFI_OPTIONS
+        )
         _compiled[key] = fn
-    fn(*args)
+    fn(*ffi_args(args))
+
+
+# TVM-FFI launches (apache-tvm-ffi, a dependency): the compiled function takes ints for typed
+# pointers, Python numbers for DSL scalars, nested tuples for tuple arguments, an int stream
+FFI_OPTIONS = "--enable-tvm-ffi"
+
+
+def compile_arguments(args: tuple) -> tuple:
+    """``args`` as ``cute.compile`` takes them: a :class:`RawStream` as a ``cuda.CUstream``."""
+    return tuple(cuda.CUstream(int(a)) if type(a) is RawStream else a for a in args)
+
+
+def _ffi_value(a):
+    conv = _FFI_CONVERT.get(type(a))
+    if conv is not None:
+        return conv(a)
+    if isinstance(a, cutlass.Numeric):  # Int32, Float32, ...: the Python value
+        return a.value
+    if isinstance(a, tuple):
+        return tuple(_ffi_value(x) for x in a)
+    if isinstance(a, cute.Pointer):
+        return int(a.__tvm_ffi_opaque_ptr__())
+    return a  # ints, floats, RawStream: as they are
+
+
+def _ffi_pointer_tensors(pt: PointerTensors) -> tuple:
+    hit = _FFI_POINTERS.get(id(pt))
+    if hit is not None and hit[0] is pt:
+        return hit[1]
+    value = (tuple(int(p.__tvm_ffi_opaque_ptr__()) for p in pt.pointers),
+             tuple(s.value for s in pt.sizes))  # fmt: skip
+    if len(_FFI_POINTERS) >= 2 * POINTER_CACHE_SIZE:
+        _FFI_POINTERS.clear()  # (the pointer cache keeps at most POINTER_CACHE_SIZE alive)
+    _FFI_POINTERS[id(pt)] = (pt, value)
+    return value
+
+
+# a PointerTensors' (ints, sizes), per object: pointer_arguments hands a repeated launch the same
+# object, so its conversion is one dict lookup (the object is held, so its id is not reused)
+_FFI_POINTERS: dict = {}
+_FFI_CONVERT = {PointerTensors: _ffi_pointer_tensors, RawStream: int, Int32: lambda a: a.value}
+
+
+def ffi_args(args: tuple) -> tuple:
+    """``args`` (a ``launch_arguments``' typed tuple) as the TVM-FFI function takes them."""
+    return tuple(_ffi_value(a) for a in args)

@@ -252,10 +252,16 @@ def _runtime_loaded() -> None:
         log.warning("flash_msa: cannot load the CuTe DSL runtime library globally: %s", e)
 
 
-def load(path: Path):
+def _tvm_ffi(options: str) -> bool:
+    """Whether ``options`` compile a TVM-FFI function (``common.FFI_OPTIONS``): stored by its
+    own export, loaded as a TVM-FFI module."""
+    return "--enable-tvm-ffi" in options
+
+
+def load(path: Path, options: str = ""):
     """The compiled function stored at ``path``, or ``None`` if there is none. An entry that
     fails its checksum or does not load is deleted (``stats["dropped"]``) and ``None``
-    returned: it will be compiled again."""
+    returned: it will be compiled again. ``options``: the compile options it was stored with."""
     import cutlass.cute as cute
 
     _runtime_loaded()
@@ -270,7 +276,7 @@ def load(path: Path):
         obj, marker, digest = data[:-48], data[-48:-32], data[-32:]
         if marker != MARKER or hashlib.sha256(obj).digest() != digest:
             raise ValueError("bad checksum (truncated or corrupted)")
-        fn = cute.runtime.load_module(str(path))[PREFIX]
+        fn = cute.runtime.load_module(str(path), enable_tvm_ffi=_tvm_ffi(options))[PREFIX]
     except Exception as e:  # any failure: the entry is unusable, recompile
         log.warning("flash_msa: dropping compile cache entry %s: %s", path, e)
         stats["dropped"] += 1
@@ -281,14 +287,30 @@ def load(path: Path):
     return fn
 
 
-def store(fn, path: Path) -> None:
-    """Write compiled function ``fn`` to ``path``: a temporary file in the same directory,
-    renamed into place (atomic: a reader sees no entry or a whole one). Failures are logged."""
+def _object_bytes(fn, options: str, folder: Path) -> bytes:
+    """The ELF object of compiled function ``fn``: the DSL's ``dump_to_object``, or for a TVM-FFI
+    function its ``export_to_c`` (which writes a file: a temporary one in ``folder``)."""
+    if not _tvm_ffi(options):
+        return fn.dump_to_object(PREFIX)
+    fd, name = tempfile.mkstemp(dir=folder, suffix=".o")
+    os.close(fd)
+    try:
+        fn.export_to_c(name, function_name=PREFIX)
+        return Path(name).read_bytes()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+
+
+def store(fn, path: Path, options: str = "") -> None:
+    """Write compiled function ``fn`` (compiled with ``options``) to ``path``: a temporary file
+    in the same directory, renamed into place (atomic: a reader sees no entry or a whole one).
+    Failures are logged."""
     tmp = None
     try:
         _runtime_loaded()
-        obj = fn.dump_to_object(PREFIX)
         path.parent.mkdir(parents=True, exist_ok=True)
+        obj = _object_bytes(fn, options, path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
         os.fchmod(fd, 0o644)  # mkstemp's 0o600 would hide the entry from other users
         with os.fdopen(fd, "wb") as f:
@@ -360,16 +382,16 @@ def compiled(kernel, args: tuple, signature, target: str, options: str | None = 
         path = entry_path(kernel, signature, target, options or "")
         if path is None:
             return compile_now()
-        fn = load(path)
+        fn = load(path, options or "")
         if fn is not None:
             return fn
         with _Lock(path.with_suffix(".lock"), LOCK_TIMEOUT) as lock:
             if lock.held:  # another process may have compiled it while we waited
-                fn = load(path)
+                fn = load(path, options or "")
                 if fn is not None:
                     return fn
             fn = compile_now()
-            store(fn, path)
+            store(fn, path, options or "")
         return fn
 
     fn = get()
