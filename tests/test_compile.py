@@ -110,10 +110,12 @@ def test_cute_kernels_compile_for_sm90_without_spills():
     from flash_msa.cute.combine_sm90 import combine_configurations
     from flash_msa.cute.quantize_sm90 import quantize_configurations
     from flash_msa.cute.row_delta_sm90 import row_delta_configurations
+    from flash_msa.cute.worklist_sm90 import worklist_configurations
 
     expected |= {name for name, *_ in combine_configurations()}
     expected |= {name for name, *_ in quantize_configurations()}
     expected |= {name for name, *_ in row_delta_configurations()}
+    expected |= {name for name, *_ in worklist_configurations()}
     res = subprocess.run(
         [sys.executable, "-m", "flash_msa.cute.compile_check"],
         capture_output=True, text=True, timeout=600,
@@ -122,8 +124,9 @@ def test_cute_kernels_compile_for_sm90_without_spills():
     assert {r["kernel"] for r in rows} == expected, res.stderr
     for r in rows:
         assert r["stack"] == 0 and r["local"] == 0, r  # spills show up as stack
-        # (the combine, the quantize pass and the row delta are memory-bound: no MMA, no TMA)
-        memory_bound = r["kernel"].startswith(("combine", "quantize", "row_delta"))
+        # (the combine, the quantize pass, the row delta and the work-list kernels are
+        # memory-bound: no MMA, no TMA)
+        memory_bound = r["kernel"].startswith(("combine", "quantize", "row_delta", "worklist"))
         assert memory_bound or (r["wgmma"] and r["tma"]), r
         assert r.get("setmaxnreg_kept", True), r  # ptxas may drop a setmaxnreg, warning only
         if r["kernel"].startswith("select e4m3"):  # the FP8 selection: e4m3 products, k 32

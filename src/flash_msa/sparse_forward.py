@@ -56,6 +56,7 @@ builds as before.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -100,6 +101,10 @@ class Stages:
     kl: Callable | None = None
     kl_makes_proxy_grad: bool = False  # the kl stage can make the unit proxy gradient
     q_map: bool = False  # every stage of these (borrowed ones included) honours wl.q_map
+    # the work-list build: a module-like object with worklist's ``blocks``, ``lists``,
+    # ``items`` and ``chunk_items`` (the same signatures and results, bit for bit); a backend
+    # may build it with its own kernels (the CuTe backend: cute/worklist_sm90.py)
+    work: Any = worklist
 
 
 BORROWED_FROM = "triton"
@@ -226,13 +231,14 @@ def fwd(
     unit = None
     if proxy and cfg.compute_kl and proxy_grad and stages.kl_makes_proxy_grad:
         unit = (torch.zeros(q_proxy.shape, **f32), torch.zeros(k_proxy.shape, **f32))
-    key_blocks = worklist.blocks(cu_seqlens, cfg.block_size, k.shape[0])  # every chunk's
+    work = stages.work
+    key_blocks = work.blocks(cu_seqlens, cfg.block_size, k.shape[0])  # every chunk's
     sorted_lists = whole = None
     if one_sort(T, C, Hs, K, key_blocks.num_blocks, q, k, v, cfg, unit):
-        whole = worklist.lists(
+        whole = work.lists(
             indices, cu_seqlens, cfg.block_size, 0, k.shape[0], q_map, key_blocks, chunk=C
         )  # (before the partial buffers: the sort's transient memory is freed by then)
-        chunk_wls = worklist.chunk_items(whole, worklist.ITEM_TOKENS)  # every chunk's at once
+        chunk_wls = work.chunk_items(whole, worklist.ITEM_TOKENS)  # every chunk's at once
     o_part = torch.empty((C, H, K, D), dtype=q.dtype, device=q.device)
     l_part = torch.empty((C, H, K), **f32)
     pl_part = torch.empty((C, Hs, K), **f32) if proxy else None
@@ -244,10 +250,10 @@ def fwd(
         if whole is not None:  # the chunk's runs of the one sort: the same work list
             wl = chunk_wls[c]
         else:
-            sorted_lists = worklist.lists(
+            sorted_lists = work.lists(
                 idx, cu_seqlens, cfg.block_size, c0, k.shape[0], q_map, key_blocks
             )
-            wl = worklist.items(sorted_lists, worklist.ITEM_TOKENS)
+            wl = work.items(sorted_lists, worklist.ITEM_TOKENS)
         fused = (q_proxy, k_proxy, pl_part) if proxy and stages.partials_make_proxy else None
         stages.partials(q, k, v, wl, o_part, l_part, cfg, c0, fused)
         if proxy and fused is None:
@@ -264,7 +270,7 @@ def fwd(
             part = stages.kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit).float()
             kl_sum = part if kl_sum is None else kl_sum + part
     if proxy and cfg.compute_kl and whole is not None:  # once, over the whole lists' items
-        wl = worklist.items(whole, worklist.ITEM_TOKENS)
+        wl = work.items(whole, worklist.ITEM_TOKENS)
         kl_sum = stages.kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit).float()
     kl = None
     if proxy and cfg.compute_kl:

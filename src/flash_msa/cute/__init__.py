@@ -31,7 +31,7 @@ contract, see docs/design.md), and ``FLASH_MSA_BACKEND=cute`` raises
 :class:`~flash_msa.BackendError`; so does a backward outside its limits (``auto`` runs it on
 Triton within the same autograd step). Blackwell (sm_100) kernels are not written yet.
 
-Kernels are compiled on first use and cached in-process (``common.run``) and on disk
+Kernels are compiled on first use and cached in-process (``common.run_typed``) and on disk
 (``disk_cache.py``: a second process loads instead of compiling; ``FLASH_MSA_CACHE=0`` off) per
 kernel object
 (every field of its configuration: dtype, head dims, head counts, top_k, block size, tuning),
@@ -256,7 +256,13 @@ def forward_stages(kl_fits: bool = True, combine_fits: bool = True, proxy_fits: 
     from ..sparse_forward import Stages
     from . import fwd_partials_sm90  # (imported here: the tests patch its switches)
 
-    stages = dict(partials=fwd_partials_sm90.partials, q_map=FWD_Q_MAP_DECLARED)
+    from . import worklist_sm90
+
+    # the work list built by CuTe kernels (bit for bit worklist's; worklist_ab.py on the H200,
+    # anchor 16K: the forward's blocks + lists + items 897 -> 222 us of host time)
+    stages = dict(
+        partials=fwd_partials_sm90.partials, q_map=FWD_Q_MAP_DECLARED, work=worklist_sm90
+    )
     if PROXY_LSE_ON_CUTE and proxy_fits:
         stages["partials_make_proxy"] = True
     if KL_ON_CUTE and kl_fits:

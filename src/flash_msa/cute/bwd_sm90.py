@@ -71,7 +71,7 @@ from .. import ordered, worklist
 from ..cubin import SHARED_LIMIT
 from ..problem import Grads, Saved
 from ..worklist import geometry
-from . import row_delta_sm90
+from . import row_delta_sm90, worklist_sm90
 from .common import (
     ALIGN,
     PointerTensors,
@@ -1152,11 +1152,14 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, *, q_map=None, **variant) -> G
         copied = not main or torch.float32 not in (q.dtype, k.dtype, v.dtype)
         dq, dk, dv, dqp, dkp = zero_buffers(shapes, q.device, shared=copied)
         if T > 0:  # (no tokens: zero gradients, no launch)
+            # (the CuTe build: worklist_sm90, the torch glue's values in 2 launches for the
+            # cut, where the torch ops cost ~0.3 ms of host time at anchor 16K)
             if kept is not None:  # one sort per step: the forward's lists, this kernel's items
-                wl = worklist.items(kept, BwdSm90.ITEM_TOKENS)
+                wl = worklist_sm90.items(kept, BwdSm90.ITEM_TOKENS)
             else:
-                wl = worklist.build(
-                    indices, cu_seqlens, cfg.block_size, BwdSm90.ITEM_TOKENS, 0, Tk, q_map
+                wl = worklist_sm90.items(
+                    worklist_sm90.lists(indices, cu_seqlens, cfg.block_size, 0, Tk, q_map),
+                    BwdSm90.ITEM_TOKENS,
                 )
             outs = [None if x is None else x.view(-1, x.shape[-1]) for x in (dq, dk, dv, dqp, dkp)]
             launch(wl, outs)  # 2-D fp32 views: > 2**31 elements at 1M tokens
@@ -1402,9 +1405,10 @@ def _ordered(
         if q_map is not None:  # padding rows: no keys, whatever their slots hold (slot_sum)
             idx = worklist.drop_padding_rows(idx, q_map[c0:c1])
         if kept is not None and C >= T:  # one chunk: the forward's lists, this kernel's items
-            wl = worklist.items(kept, BwdSm90.ITEM_TOKENS)
+            wl = worklist_sm90.items(kept, BwdSm90.ITEM_TOKENS)
         else:
-            wl = worklist.build(idx, cu_seqlens, block, BwdSm90.ITEM_TOKENS, c0, Tk, q_map)
+            sl = worklist_sm90.lists(idx, cu_seqlens, block, c0, Tk, q_map)
+            wl = worklist_sm90.items(sl, BwdSm90.ITEM_TOKENS)
         items = ordered.list_items(wl)
         ranges = ordered.item_ranges(wl.num_items, per_item)
         most = max((w1 - w0 for w0, w1 in ranges), default=0)

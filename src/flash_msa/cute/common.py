@@ -319,59 +319,14 @@ def stream(device: torch.device) -> RawStream:
     return RawStream(torch._C._cuda_getCurrentRawStream(index))
 
 
-def static_signature(x):
-    """What a kernel compiled for run-time argument ``x`` bakes in of it.
-
-    A CuTe tensor view (:func:`cute_tensor`): its type, element type, memory space and the
-    static sizes and strides (run-time ones as ``None``; the base alignment is always
-    :data:`ALIGN`); a tuple (a ``NamedTuple`` of tensors too): its type and its items'
-    signatures; a DSL scalar (``Int32``, ``Float32``) or a stream: its type only (the value is a
-    kernel parameter); a Python constant: its type and value."""
-    if isinstance(x, tuple):
-        return type(x), tuple(static_signature(a) for a in x)
-    if isinstance(x, (cutlass.Numeric, cuda.CUstream)):
-        return type(x)
-    if isinstance(x, (bool, int, float, str)):
-        return type(x), x
-    sig = getattr(x, "_flash_msa_signature", None)  # a view made by cute_tensor
-    if sig is not None:
-        return sig
-    if hasattr(x, "dynamic_shapes_mask"):  # cutlass.cute.runtime's tensor view
-        return view_signature(x)
-    raise TypeError(f"static_signature: no rule for a {type(x).__name__} argument")
-
-
 _compiled: dict = {}
-
-
-def run(kernel, device: torch.device, *args) -> None:
-    """Call ``kernel(*args)``: ``kernel`` a kernel object (a frozen dataclass whose fields are
-    its whole static configuration, with a ``@cute.jit __call__``), ``args`` its run-time
-    arguments. Compiled once per ``(kernel, static_signature(args), device)``: the kernel object
-    is part of the key by value (its type and every field), so no configuration field can be
-    left out of the key, and neither can a static size or dtype of an argument.
-
-    A process's first call of a configuration goes through the persistent disk cache
-    (:mod:`flash_msa.cute.disk_cache`, keyed by the same values, the device's compute capability
-    and the kernel's source): another process on the machine that compiled it (another rank,
-    an earlier job) saves this one the tracing and the compile."""
-    if not (dataclasses.is_dataclass(kernel) and type(kernel).__dataclass_params__.frozen):
-        raise TypeError(f"run: {type(kernel).__name__} is not a frozen dataclass")
-    key = (type(kernel), kernel, static_signature(args), device.index)
-    fn = _compiled.get(key)
-    if fn is None:
-        major, minor = torch.cuda.get_device_capability(device)
-        fn = disk_cache.compiled(kernel, args, key[2], f"sm_{major}{minor}")
-        _compiled[key] = fn
-    fn(*args)
 
 
 def run_typed(kernel, device: torch.device, args: tuple, signature: str) -> None:
     """Call ``kernel(*args)`` where the kernel object fixes every argument's type (raw
     pointers, scalars and the stream, built by its module's ``launch_arguments``): the kernel
     object is then the whole in-process key, and ``signature``, a fixed text naming that
-    builder, stands for the argument layout in the disk cache's key. No per-call
-    ``static_signature`` and no DLPack views.
+    builder, stands for the argument layout in the disk cache's key. No DLPack views.
 
     Compiled with TVM-FFI (:data:`FFI_OPTIONS`) and called with plain values (:func:`ffi_args`:
     device addresses and sizes as ints, scalars as Python numbers, the stream handle): the
@@ -428,7 +383,10 @@ def _ffi_pointer_tensors(pt: PointerTensors) -> tuple:
 # a PointerTensors' (ints, sizes), per object: pointer_arguments hands a repeated launch the same
 # object, so its conversion is one dict lookup (the object is held, so its id is not reused)
 _FFI_POINTERS: dict = {}
-_FFI_CONVERT = {PointerTensors: _ffi_pointer_tensors, RawStream: int, Int32: lambda a: a.value}
+_FFI_CONVERT = {
+    PointerTensors: _ffi_pointer_tensors, RawStream: int, cuda.CUstream: int,
+    Int32: lambda a: a.value,
+}  # fmt: skip
 
 
 def ffi_args(args: tuple) -> tuple:

@@ -308,6 +308,9 @@ def main(argv: list[str]) -> int:
         from .row_delta_sm90 import compile_row_delta, row_delta_configurations
 
         checks += [(n, compile_row_delta, c) for n, *c in row_delta_configurations()]
+        from .worklist_sm90 import compile_worklist, worklist_configurations
+
+        checks += [(n, compile_worklist, c) for n, *c in worklist_configurations()]
         for name, compile_one, cfg in checks:
             if name.startswith(only):
                 res = compile_one(*cfg, dump=dump, name=name)
