@@ -103,8 +103,9 @@ LIMITS = {
         head_dims=(64, 128),
         deterministic=True,
         q_map=FWD_Q_MAP_DECLARED,  # the partials' map mode: see FWD_Q_MAP_DECLARED
-        note="every stage on CuTe: per-block attention, the proxy LSE, the combine and the "
-        "KL value; where a CuTe stage cannot run the call (its *_fits), the Triton stage "
+        note="every stage on CuTe: the work list (with torch's sort; chunked and q_map "
+        "lists by torch ops), per-block attention, the proxy LSE, the combine and the KL "
+        "value; where a CuTe stage cannot run the call (its *_fits), the Triton stage "
         "runs it, with its limits",
     ),
     "bwd": BWD_LIMITS,
