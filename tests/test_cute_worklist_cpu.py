@@ -339,6 +339,18 @@ def test_items_replayed_equal_torch(replayed, lengths, Hs, K, block, TW):
     assert launches == ["ItemEndsSm90", "ItemsSm90"] * 2
 
 
+def test_lists_without_entries_launch_no_bounds_kernel(replayed):
+    """No rows (E = 0): the bounds are zeros made on the host, as ``worklist.lists``' search
+    gives them; neither list kernel is launched (the empty key buffer's address may be null:
+    docs/reviews/2026-12-01-worklist-kernels.md, F2)."""
+    ws, launches = replayed
+    cu = torch.tensor([0, 300, 420], dtype=torch.int32)
+    idx = torch.empty((0, 3, 5), dtype=torch.int32)
+    for tok0 in (0, 300):
+        _same_lists(ws.lists(idx, cu, 64, tok0, 420), worklist.lists(idx, cu, 64, tok0, 420))
+    assert "ListBoundsSm90" not in launches and "ListKeysSm90" not in launches, launches
+
+
 def test_items_replayed_many_lists(replayed):
     """More lists than one tile of the scan (1024 threads x 4), lists of several items."""
     ws, _ = replayed

@@ -65,6 +65,12 @@ sizes past 2^30, and ``blocks`` where ``worklist.blocks`` computes in int64):
   :class:`ListBoundsSm90` (grid, thread per list ``l <= L``): ``bounds[l]`` = the first sorted
   key ``>= l`` (binary search: balanced whatever the lists' sizes).
 
+Invalid input, unlike torch: a row past ``cu_seqlens[-1]`` (a ``cu_seqlens`` that does not end
+at the row count, which the API checks only with ``FLASH_MSA_DEBUG=1``: the check would sync) is
+taken as the last sequence's by :class:`ListKeysSm90`'s search, where ``worklist.lists``'
+gather fails with a device-side assert (docs/reviews/2026-12-01-worklist-kernels.md, F1; not
+changed yet: a device-side refusal needs an H200 run).
+
 Host: raw device addresses (``cute.runtime.make_ptr``) and Int32 counts (:func:`launch_arguments`:
 the kernel object fixes every argument's type, so ``common.run_typed`` keys on it alone), the
 argument objects kept per exact launch (:func:`_launch`: building them cost more than the rest
@@ -630,8 +636,12 @@ def lists(
     sorted_key, perm = torch.sort(key, stable=True)
     if tok0:
         perm += tok0 * Hs * K
-    bounds = torch.empty(L + 1, dtype=torch.int64, device=dev)
-    _launch(LIST_BOUNDS, dev, sorted_key.data_ptr(), bounds.data_ptr(), E, L)
+    if E == 0:  # no entries: every list is [0, 0) (no launch on an empty key buffer, whose
+        # address may be null: docs/reviews/2026-12-01-worklist-kernels.md, F2)
+        bounds = torch.zeros(L + 1, dtype=torch.int64, device=dev)
+    else:
+        bounds = torch.empty(L + 1, dtype=torch.int64, device=dev)
+        _launch(LIST_BOUNDS, dev, sorted_key.data_ptr(), bounds.data_ptr(), E, L)
     return worklist.Lists(
         perm, bounds, key_blocks.start, key_blocks.end, NB, K, Hs, None, tok0, C, block_size
     )
