@@ -78,8 +78,8 @@ def test_cute_kl_stage_refuses_the_unit_gradient():
 
 
 # ---------------------------------------------------------------------------------------------
-# the KL stage on the forward partials' kernel (fwd_partials_sm90: FwdKlSm90, kl; behind
-# KL_FWD_MODE): its sum against the reference and bwd_sm90.kl, and in the driver
+# the KL stage on the forward partials' kernel (fwd_partials_sm90: FwdKlSm90, kl; the CuTe
+# forward's kl stage): its sum against the reference and bwd_sm90.kl, and in the driver
 # ---------------------------------------------------------------------------------------------
 # the CUTE layouts with D == Dp (G = H / Hs: anchor 4, paper 16, Hp>Hpk>1-b64 2, G2=1 1,
 # D=64-b128 4; empty and one-token sequences; Dp > D is refused: FwdKlSm90.can_implement) and
@@ -141,7 +141,7 @@ def test_cute_kl_fwd_mode_stage(case, dtype, kind):
 @pytest.mark.parametrize("case", ["anchor", "paper", "G=8"])
 def test_cute_kl_fwd_mode_in_the_driver(case, dtype):
     """The CuTe forward's stages with ``kl`` = ``fwd_partials_sm90.kl`` (what
-    ``cute.forward_stages`` runs once ``KL_FWD_MODE`` is on): the KL by the rule against the
+    ``cute.forward_stages`` runs): the KL by the rule against the
     fp64 reference, every other output bitwise equal to today's stages'; the unit proxy
     gradient still goes to Triton's stage (``with_proxy_grad``)."""
     import dataclasses

@@ -206,7 +206,7 @@ def switches() -> tuple:
 
     fp = fwd_partials_sm90
     return (
-        PROXY_LSE_ON_CUTE, KL_ON_CUTE, COMBINE_ON_CUTE, FWD_Q_MAP_DECLARED, fp.KL_FWD_MODE,
+        PROXY_LSE_ON_CUTE, KL_ON_CUTE, COMBINE_ON_CUTE, FWD_Q_MAP_DECLARED,
         fp.partials, fp.kl, bwd_sm90.kl, combine_sm90.combine,
         fp.FwdPartialsSm90.warpgroups,  # (proxy_fits reads the class default at call time)
     )  # fmt: skip
@@ -267,11 +267,10 @@ def forward_stages(kl_fits: bool = True, combine_fits: bool = True, proxy_fits: 
     if PROXY_LSE_ON_CUTE and proxy_fits:
         stages["partials_make_proxy"] = True
     if KL_ON_CUTE and kl_fits:
-        from .bwd_sm90 import kl
-
-        # the partials kernel's KL mode (FwdKlSm90, fwd_partials_sm90.kl: off until its H200
-        # run) where its switch is on; it hands the calls it cannot run to bwd_sm90.kl
-        stages["kl"] = fwd_partials_sm90.kl if fwd_partials_sm90.KL_FWD_MODE else kl
+        # the partials kernel's KL mode (FwdKlSm90, fwd_partials_sm90.kl: won its ninth-session
+        # A/B against bwd_sm90.kl, 17.5 against 43.75 ms at paper 128K); it hands the calls it
+        # cannot run (a query map, D != Dp) to bwd_sm90.kl
+        stages["kl"] = fwd_partials_sm90.kl
     if COMBINE_ON_CUTE and combine_fits:
         from .combine_sm90 import combine
 

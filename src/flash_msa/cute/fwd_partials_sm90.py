@@ -1017,14 +1017,13 @@ def fwd(
 # ---------------------------------------------------------------------------------------------
 # the KL value on this kernel (issue 14): FwdKlSm90, the driver stage kl
 # ---------------------------------------------------------------------------------------------
-# The KL stage on the forward partials' kernel (:class:`FwdKlSm90`, :func:`kl`). On (ninth
-# session, H200, benchmarks/results/stage9/): tests/test_gpu_cute_kl.py passed (with -k
-# fwd_mode); benchmarks/kl_ab.py, the KL stage alone, same run: 1.11 / 2.03 / 4.98 / 17.5 ms
-# against 2.17 / 3.66 / 12.11 / 43.75 for ``bwd_sm90.kl`` and 3.56 / 7.29 / 18.48 / 73.96 for
-# Triton's at anchor 16K / 32K, paper 32K / 128K; sums equal to 6e-7 relative. Read by
-# ``cute.forward_stages``; the calls this kernel cannot run (a query map, D != Dp) go to
-# ``bwd_sm90.kl``.
-KL_FWD_MODE = True
+# The KL stage on the forward partials' kernel (:class:`FwdKlSm90`, :func:`kl`), the CuTe
+# forward's ``kl`` stage (``cute.forward_stages``) since its H200 run (ninth session,
+# benchmarks/results/stage9/): tests/test_gpu_cute_kl.py passed; benchmarks/kl_ab.py, the KL
+# stage alone, same run: 1.11 / 2.03 / 4.98 / 17.5 ms against 2.17 / 3.66 / 12.11 / 43.75 for
+# ``bwd_sm90.kl`` and 3.56 / 7.29 / 18.48 / 73.96 for Triton's at anchor 16K / 32K, paper 32K /
+# 128K; sums equal to 6e-7 relative. (Its switch, KL_FWD_MODE, left the code in the thirteenth
+# session.) The calls this kernel cannot run (a query map, D != Dp) go to ``bwd_sm90.kl``.
 
 LOG2E = 1.4426950408889634
 TINY = 1.1754944e-38  # the smallest normal fp32: lg2.approx.ftz takes a subnormal t for 0
