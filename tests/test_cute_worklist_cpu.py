@@ -253,7 +253,11 @@ def replayed(monkeypatch):
     ws = _module()
     launches = []
 
-    def run(kernel, device, args, signature):
+    def run(kernel, device, args, signature, ffi=None):
+        from flash_msa.cute import common
+
+        # the TVM-FFI call's values the launch hands over are the typed arguments' conversion
+        assert ffi == common.ffi_args(args), (type(kernel).__name__, ffi)
         launches.append(type(kernel).__name__)
         _replay(kernel, device, args, signature)
 

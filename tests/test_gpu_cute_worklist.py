@@ -35,9 +35,9 @@ def ws(monkeypatch):
     launches = []
     real_run = worklist_sm90.run_typed
 
-    def run(kernel, device, args, signature):
+    def run(kernel, device, args, signature, ffi=None):
         launches.append(type(kernel).__name__)
-        real_run(kernel, device, args, signature)
+        real_run(kernel, device, args, signature, ffi)
 
     monkeypatch.setattr(worklist_sm90, "run_typed", run)
     real_empty = torch.empty

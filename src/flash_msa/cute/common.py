@@ -322,7 +322,7 @@ def stream(device: torch.device) -> RawStream:
 _compiled: dict = {}
 
 
-def run_typed(kernel, device: torch.device, args: tuple, signature: str) -> None:
+def run_typed(kernel, device: torch.device, args: tuple, signature: str, ffi=None) -> None:
     """Call ``kernel(*args)`` where the kernel object fixes every argument's type (raw
     pointers, scalars and the stream, built by its module's ``launch_arguments``): the kernel
     object is then the whole in-process key, and ``signature``, a fixed text naming that
@@ -333,7 +333,9 @@ def run_typed(kernel, device: torch.device, args: tuple, signature: str) -> None
     call is one C function call instead of the DSL executor's Python argument packing. The
     H200 host (benchmarks/host_breakdown.py --launch-ab, the row-delta kernel, 5 arguments):
     10.9 us a launch through the executor, 4.1 through TVM-FFI; inside the anchor-16K eager
-    step the five launches' ``run_typed`` took 410 us in all (stage13/c1)."""
+    step the five launches' ``run_typed`` took 410 us in all (stage13/c1). ``ffi``: the call's
+    values when the caller has them already (``ffi_args(args)``, e.g. the ints it built ``args``
+    from: cute/worklist_sm90.py), so the per-launch conversion is skipped."""
     key = (type(kernel), kernel, signature, device.index)
     fn = _compiled.get(key)
     if fn is None:
@@ -342,7 +344,7 @@ def run_typed(kernel, device: torch.device, args: tuple, signature: str) -> None
             kernel, compile_arguments(args), signature, f"sm_{major}{minor}", FFI_OPTIONS
         )
         _compiled[key] = fn
-    fn(*ffi_args(args))
+    fn(*(ffi_args(args) if ffi is None else ffi))
 
 
 # TVM-FFI launches (apache-tvm-ffi, a dependency): the compiled function takes ints for typed
