@@ -72,6 +72,64 @@ S=131072 random, kernel ms default -> ping-pong, identical indices): bf16 k=16 1
 13.528, fp8 k=16 9.697 -> 9.876, bf16 k=64 15.829 -> 16.014, fp8 k=64 12.379 -> 13.770; it left
 the code (docs/perf-notes.md, "Twelfth session").
 
+Selector warpgroup (``SelectSm90(selector=True)``, an A/B variant, off; issue 15, Option C of
+docs/reviews/2026-12-01-fp8-selection-epilogue.md): a fourth warpgroup (``SELECTOR_WG`` = 3,
+512 threads) keeps the 128 rows' top-k lists, thread ``t`` the whole list of the tile's row
+``t`` (no split at any top_k, no pair of lanes per row, no divergence between them), so the
+consumers' per-tile work loses the insertion: they compute the block maxima exactly as the
+default (scale, own block's ``+inf``, ``-inf`` for masked blocks) and put them into a ring in
+shared memory, ``ring[row, slab, slot]`` fp32 (``RING_SLOTS`` = R = 4 tiles, 1 slab at block
+128, 2 at 64), instead of offering them. The selector offers them in the same block order
+(:meth:`SelectSm90.offer_row`: :meth:`~SelectSm90.offer_rank`'s rule on a whole list, behind a
+vote of its warp), so the lists and the indices are the default's bit for bit, ties included;
+it writes them out (:meth:`SelectSm90.write_row`, one row per thread). Supports every mode:
+bf16/fp16, e4m3 with either key scale, block 64 and 128, top_k 1..64, the query map.
+
+Barrier accounting (per CTA, N = ``n_tiles`` key tiles, CTA-uniform; slot ``s = j mod R``, use
+``u = j div R``; :meth:`~SelectSm90.ring_slot`, ``ring_full_parity``, ``ring_empty_parity``):
+
+- full[s] (``mbarrier.init`` count 8): each consumer warp, after its lanes' stores of tile j
+  (one lane per row: lanes 4q and 4q+2) and a ``bar.warp.sync`` (the other lanes' stores
+  ordered before the release), arrives once from one elected lane (``mbarrier.arrive``,
+  release): 8 arrivals complete full[s]'s phase u. The selector's 128 threads wait on it with
+  parity ``u & 1``.
+- empty[s] (count 4): each selector warp, after its lanes' loads of the slot and a
+  ``bar.warp.sync``, arrives once from one elected lane: 4 arrivals complete empty[s]'s phase
+  u. The consumers' 256 threads wait on it before writing tile j with parity ``(u + 1) & 1``
+  (phase u - 1: the selector's read of tile j - R; for j < R parity 1, which a fresh barrier
+  passes).
+- So each slot's barriers complete ceil((N - s) / R) phases each, nothing pending at the end.
+  A parity is never ambiguous: the consumers cannot complete full[s]'s phase u + 1 before the
+  selector arrived for phase u (they wait on empty first), nor the selector empty[s]'s phase
+  u + 1 before the consumers wrote use u + 1. No cycle: the consumers wait on the producer
+  (key stages) and on the selector's read of R tiles back; the selector only on the
+  consumers. The barriers are initialized with ``q_bar`` (warp 0, one elected thread) before
+  the key pipeline's ``create()``, whose fence and CTA-wide ``bar.sync 0`` (all 512 threads)
+  publish them. tests/test_cute_select_selector_cpu.py replays this on a model of the
+  mbarrier over random interleavings, and checks the ``mbarrier.init`` counts in the PTX.
+
+Registers (:meth:`SelectSm90.register_split`): 512 threads launch with 65,536 / 512 = 128;
+``setmaxnreg`` producer 24, selector ``max(56, 2 top_k + 24)`` rounded up to 8, consumers
+the rest, half each, rounded down to 8: top_k 16: 24 / 216 / 56, top_k 64: 24 / 168 / 152
+(128 x (24 + 56 + 2 x 216) = 128 x (24 + 152 + 2 x 168) = 65,536). Highest register named in
+the SASS (compile_check ``select ... selector``, sm_90a), consumers default -> selector
+variant, and the selector's: e4m3 k=16 b=128 145 -> 113, selector 39 (of 56); e4m3 k=64
+b=128 175 -> 113, 139 (of 152); bf16 k=16 b=128 133 -> 100, 39; bf16 k=64 b=64 159 -> 97,
+139; e4m3 per-token k=16 229 -> 201 (of 216), k=64 b=64 236 -> 164 (of 168): no spills,
+``setmaxnreg`` kept, the wgmmas not serialized (waits 2/8 e4m3, 2/16 bf16: the default's).
+One ``wgmma.wait_group 0`` after the consumers' loop (a no-op at run time) keeps the MMA
+pipeline inside their region: without it ptxas saw the loop-skipping path reach the kernel's
+common exit with the first MMA in flight and serialized every wgmma (C7511, waits 8/8).
+Shared memory: the ring and its 8 mbarriers after the key stages, 2,112 / 4,160 bytes
+(block 128 / 64), the struct rounded up to 1,024 (:meth:`SelectSm90.shared_bytes`); fp8 Dp
+128 8 stages 148,480 -> 151,552 / 153,600 bytes.
+
+The default kernel's PTX and cubin are byte-identical to the ones before the field existed
+(``__repr__`` hides it; its parts are compile-time branches; compile_check ``--dump``, all 27
+selection configurations). Prediction (the review's, section 2.C): the consumers' tile at
+~T0 + 20 cycles, the insertion off the critical path whatever the inputs (k = 64 and random
+inputs gain most); not measured yet: ``benchmarks/cute_select_ab.py --variants``.
+
 Limits (:meth:`SelectSm90.can_implement`): Dp in {64, 128}, block size in {64, 128},
 top_k <= 64 (the lists live in registers: a lane keeps one row's list, or half of it beyond 16
 entries), bf16 or fp16 (e4m3 in the FP8 mode).
@@ -79,7 +137,7 @@ entries), bf16 or fp16 (e4m3 in the FP8 mode).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar, NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -185,6 +243,13 @@ class SelectSm90:
     # FP8 mode (module docstring): the key scales' granularity, "block" or "token"
     # (quant.KEY_SCALES), with e4m3 operands; None: the exact bf16/fp16 selection
     key_scale: str | None = None
+    # the selector warpgroup (module docstring, "Selector warpgroup"; Option C of
+    # docs/reviews/2026-12-01-fp8-selection-epilogue.md): a fourth warpgroup keeps the top-k
+    # lists, one row per thread, fed the block maxima through a shared-memory ring; the same
+    # offers in the same order, so the same indices. False: the kernel's PTX is byte-identical
+    # to the one before the field existed (``__repr__``); off until its H200 A/B
+    # (benchmarks/cute_select_ab.py --variants)
+    selector: bool = False
     # the launch's tensors as their CuTe views had them (``common.view_layout``: element type,
     # static sizes and strides, in the order of :func:`launch_tensor_names`), set by
     # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
@@ -199,31 +264,72 @@ class SelectSm90:
     QUERY_BAR: ClassVar[int] = 1  # named barrier of the consumers: the gathered query tile
     PRODUCER_REGS: ClassVar[int] = 24  # 128 * 24 + 256 * 240 = 168 * 384: the register file
     CONSUMER_REGS: ClassVar[int] = 240
+    # the selector variant (``selector``): warpgroup 3 keeps the lists; its ring of block
+    # maxima has RING_SLOTS slots (tiles the consumers may run ahead of it); the register
+    # split is :meth:`register_split`
+    SELECTOR_WG: ClassVar[int] = 3
+    RING_SHIFT: ClassVar[int] = 2  # log2(RING_SLOTS): slot j & (R - 1), phase j >> RING_SHIFT
+    RING_SLOTS: ClassVar[int] = 1 << RING_SHIFT
+    REGISTER_FILE: ClassVar[int] = 65536  # 32-bit registers of an SM (one CTA per SM)
 
     # -----------------------------------------------------------------------------------------
     # static limits
     # -----------------------------------------------------------------------------------------
     @staticmethod
-    def shared_bytes(elem_bytes: int, proxy_head_dim: int, stages: int) -> dict:
+    def shared_bytes(
+        elem_bytes: int, proxy_head_dim: int, stages: int, ring_slabs: int = 0
+    ) -> dict:
         """Bytes of each shared-memory buffer, in the order of the ``Storage`` struct (the
-        operand tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum."""
+        operand tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum.
+        ``ring_slabs``: the selector variant's key blocks per tile (``TILE_N / block_size``),
+        its ring of block maxima (fp32, ``RING_SLOTS x ring_slabs x TILE_M``) and the ring's
+        full and empty mbarriers per slot; 0: no selector (the default's buffers alone)."""
         sizes = {
             "k_mbar": 8 * 2 * stages,  # full and empty mbarrier per stage
             "q_mbar": 8,
             "sQ": SelectSm90.TILE_M * proxy_head_dim * elem_bytes,
             "sK": SelectSm90.TILE_N * proxy_head_dim * elem_bytes * stages,
         }
+        if ring_slabs:
+            sizes["ring_mbar"] = 8 * 2 * SelectSm90.RING_SLOTS  # full and empty per slot
+            sizes["ring"] = 4 * SelectSm90.RING_SLOTS * ring_slabs * SelectSm90.TILE_M
         end = 0
         for name, size in sizes.items():
             if name in ("sQ", "sK"):
                 end = -(-end // 1024) * 1024
             end += size
+        if ring_slabs:  # the struct's size is a multiple of its alignment (1024, the tiles')
+            end = -(-end // 1024) * 1024
         return {**sizes, "total": end}
 
     @classmethod
+    def register_split(cls, top_k: int, selector: bool) -> dict:
+        """The launch's threads and registers per thread (``launch``: the file over the
+        threads, rounded down to 8), and the ``setmaxnreg`` counts of the producer, consumer
+        and (``selector``) selector warpgroups; their sum over the threads is the file.
+
+        Default: 384 threads, 128 x 24 + 256 x 240 = 168 x 384. Selector: 512 threads, 128 at
+        launch; the selector's lists take 2 x top_k registers (values and block numbers, one
+        row per thread) and ~24 more (the ring's addresses and phase, the candidates, the
+        rank update's temporaries, the write-out's sort network beside the block numbers),
+        rounded up to 8 and at least 56; the consumers get the rest, half each, rounded down
+        to 8: top_k 16: 24 / 216 / 56, top_k 64: 24 / 168 / 152 (the review's 160 / 176 for
+        k = 64 is 128 x (24 + 160) + 256 x 176 = 68,608, past the file). The consumers hold no
+        list there: the accumulator (64) and ~30 more (compile_check: no spills)."""
+        if not selector:
+            return dict(threads=cls.THREADS, launch=168, producer=cls.PRODUCER_REGS,
+                        consumer=cls.CONSUMER_REGS, selector=None)  # fmt: skip
+        per_row = cls.REGISTER_FILE // 128  # one thread of each of the 4 warpgroups
+        sel = max(56, -(-(2 * top_k + 24) // 8) * 8)
+        cons = (per_row - cls.PRODUCER_REGS - sel) // 2 // 8 * 8
+        return dict(threads=cls.THREADS + 128, launch=cls.REGISTER_FILE // 512,
+                    producer=cls.PRODUCER_REGS, consumer=cons, selector=sel)  # fmt: skip
+
+    @classmethod
     def can_implement(
-        cls, dtype, proxy_head_dim, heads, k_heads, top_k, block_size, stages=4, key_scale=None
-    ) -> str | None:
+        cls, dtype, proxy_head_dim, heads, k_heads, top_k, block_size, stages=4, key_scale=None,
+        selector=False,
+    ) -> str | None:  # fmt: skip
         """Why this configuration cannot be compiled or run (``None``: it can).
 
         Shared memory (:meth:`shared_bytes`) at Dp = 128, bf16, 4 stages: the query tile
@@ -232,7 +338,11 @@ class SelectSm90:
         Registers: 24 per producer and 240 per consumer thread (``setmaxnreg``), the whole
         file of 168 x 384; top_k > 64 would not fit there (compile_check asserts no spills).
         FP8 mode (``key_scale``): e4m3 tiles, 16 KB + 8 stages of 16 KB at Dp = 128
-        (:data:`FP8_STAGES`): 148,480 bytes; 13 stages fit (230,400), 14 do not."""
+        (:data:`FP8_STAGES`): 148,480 bytes; 13 stages fit (230,400), 14 do not.
+        ``selector``: the ring adds 2,112 bytes at block 128 (4 slots x 128 rows x 4 bytes +
+        8 mbarriers), 4,160 at block 64 (two slabs), the struct rounded up to 1,024: 3,072 /
+        5,120 more (fp8 Dp = 128: 151,552 / 153,600 bytes); 12 fp8 stages fit at Dp = 128,
+        bf16 5 (6 stages: 233,472 bytes)."""
         if key_scale is not None:
             if key_scale not in quant.KEY_SCALES:
                 return f"key_scale must be one of {quant.KEY_SCALES}, not {key_scale!r}"
@@ -252,7 +362,10 @@ class SelectSm90:
             )
         if stages < 2:
             return f"the key pipeline needs 2 or more stages, not {stages}"
-        smem = cls.shared_bytes(dtype.width // 8, proxy_head_dim, stages)["total"]
+        if not isinstance(selector, bool):
+            return f"selector must be a bool, not {selector!r}"
+        slabs = cls.TILE_N // block_size if selector else 0
+        smem = cls.shared_bytes(dtype.width // 8, proxy_head_dim, stages, slabs)["total"]
         if smem > SHARED_LIMIT:
             return f"{smem} bytes of shared memory exceed the sm_90 capacity ({SHARED_LIMIT})"
         return None
@@ -260,12 +373,21 @@ class SelectSm90:
     def __post_init__(self):
         why = self.can_implement(
             self.dtype, self.proxy_head_dim, self.heads, self.k_heads, self.top_k,
-            self.block_size, self.stages, self.key_scale,
+            self.block_size, self.stages, self.key_scale, self.selector,
         )  # fmt: skip
         if why is None and self.qmap and self.key_scale is not None:
             why = "the fp8 selection has no query map"
         if why is not None:
             raise ValueError(f"CuTe selection: {why}")
+
+    def __repr__(self) -> str:
+        """The dataclass's text without ``selector`` where it is False: the DSL names the
+        compiled kernel after this text, so the default kernel's PTX stays byte-identical to
+        the one before the field existed (entry name included); a variant's name says
+        ``selectorTrue``. Equality, hashing and the disk cache's key read every field."""
+        shown = [f for f in fields(self) if f.repr and (f.name != "selector" or self.selector)]
+        text = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
+        return f"{type(self).__qualname__}({text})"
 
     # -----------------------------------------------------------------------------------------
     # host: MMAs, layouts, TMA atoms, shared storage, launch
@@ -318,7 +440,12 @@ class SelectSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
 
-        smem = self.shared_bytes(dtype.width // 8, DP, self.stages)["total"]
+        ring_slabs = 0  # the selector's key blocks per tile in its ring (0: no selector)
+        if cutlass.const_expr(self.selector):
+            ring_slabs = TILE_N // self.block_size
+            Storage = self.selector_storage(sQ_layout, sK_layout, ring_slabs)
+        smem = self.shared_bytes(dtype.width // 8, DP, self.stages, ring_slabs)["total"]
+        threads = self.register_split(self.top_k, self.selector)["threads"]
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
         grid = (self.heads * (mCu.shape[0] - 1), n_mblk, 1)
         qm = ()  # the query map's kernel arguments (none without it)
@@ -337,7 +464,22 @@ class SelectSm90:
         self.kernel(
             tma_q, tma_mQ, tma_k, tma_mK, mCu, mIdx, mma_first, mma_rest, sQ_layout, sK_layout,
             Storage, qm, ks,
-        ).launch(grid=grid, block=(self.THREADS, 1, 1), stream=stream)  # fmt: skip
+        ).launch(grid=grid, block=(threads, 1, 1), stream=stream)  # fmt: skip
+
+    def selector_storage(self, sQ_layout, sK_layout, ring_slabs: int):
+        """The selector variant's shared storage: the default's buffers, in their order,
+        followed by the ring's mbarriers (full ``0..R-1``, empty ``R..2R-1``) and the ring
+        ``(TILE_M, ring_slabs, R)`` fp32 (R = ``RING_SLOTS``; sizes: :meth:`shared_bytes`)."""
+        R, dtype, S = self.RING_SLOTS, self.dtype, cute.struct
+        fields_ = {  # (evaluated here: this module's annotations are strings, PEP 563)
+            "k_mbar": S.MemRange[cutlass.Int64, 2 * self.stages],
+            "q_mbar": S.MemRange[cutlass.Int64, 1],
+            "sQ": S.Align[S.MemRange[dtype, cute.cosize(sQ_layout)], 1024],
+            "sK": S.Align[S.MemRange[dtype, cute.cosize(sK_layout)], 1024],
+            "ring_mbar": S.MemRange[cutlass.Int64, 2 * R],
+            "ring": S.MemRange[Float32, R * ring_slabs * self.TILE_M],
+        }
+        return S(type("SelectorStorage", (), {"__annotations__": fields_}))
 
     # -----------------------------------------------------------------------------------------
     # device
@@ -389,6 +531,8 @@ class SelectSm90:
             cpasync.prefetch_descriptor(tma_k)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_bar, 1)
+                if cutlass.const_expr(self.selector):
+                    self.ring_init(st.ring_mbar.data_ptr())
         # create() initializes the stage barriers, then fences and syncs the CTA (q_bar included)
         k_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.k_mbar.data_ptr(),
@@ -406,14 +550,35 @@ class SelectSm90:
                 first, last = self.qmap_positions(qm, qs, n_rows, start, m_blk)
                 n_tiles = last // TILE_N + 1
                 mask_from = first // TILE_N
-            if wg_idx == 0:
-                cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
-                if warp_idx == 0:
-                    self.load(tma_q, mQ, tma_k, mK, sQ, sK, q_bar, k_pipe, start, p, m_blk, n_tiles)
+            regs = self.register_split(TOPK, self.selector)
+            side = wg_idx == 0  # the producer's warpgroup (and the selector's, when it exists)
+            if cutlass.const_expr(self.selector):
+                side = side | (wg_idx == self.SELECTOR_WG)
+            if side:
+                if cutlass.const_expr(self.selector):
+                    if wg_idx == self.SELECTOR_WG:  # the lists (module docstring, "Selector")
+                        self.select_rows(
+                            st, regs["selector"], regs["launch"], tidx, n_tiles, m_blk, mIdx,
+                            start, p, L, qm, qs if cutlass.const_expr(self.qmap) else None,
+                            n_rows,
+                        )  # fmt: skip
+                    else:
+                        cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+                        if warp_idx == 0:
+                            self.load(
+                                tma_q, mQ, tma_k, mK, sQ, sK, q_bar, k_pipe, start, p, m_blk,
+                                n_tiles,
+                            )  # fmt: skip
+                else:
+                    cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+                    if warp_idx == 0:
+                        self.load(
+                            tma_q, mQ, tma_k, mK, sQ, sK, q_bar, k_pipe, start, p, m_blk, n_tiles
+                        )  # fmt: skip
                 # (with the map the consumers gather the query tile: this warpgroup runs at
                 # 24 registers, the consumers' are free before their key loop)
             else:  # consumer warpgroups: scores, block maxima, top-k lists, sorted write-out
-                cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
+                cute.arch.setmaxregister_increase(regs["consumer"])
                 wg_mma = mma_first.get_slice((wg_idx - 1) * 128)
                 thr_mma = mma_first.get_slice(tidx - 128)
                 tSrQ = mma_first.make_fragment_A(wg_mma.partition_A(sQ))
@@ -433,10 +598,16 @@ class SelectSm90:
                 HALF = (TOPK + LANES - 1) // LANES  # entries per lane
                 my_row = (tidx % 4) // 2  # which of the thread's two rows this lane's list is for
                 lower = tidx % 2 == 1  # the lower half's lane (LANES == 2)
-                topv = cute.make_rmem_tensor(HALF, Float32)
-                topi = cute.make_rmem_tensor(HALF, Int32)
-                topv.fill(-Float32.inf)
-                topi.fill(-1)
+                topv = None  # (the selector variant: no lists here, a ring into the selector)
+                topi = None
+                ring = None
+                if cutlass.const_expr(self.selector):
+                    ring = self.ring_tensors(st)
+                else:
+                    topv = cute.make_rmem_tensor(HALF, Float32)
+                    topi = cute.make_rmem_tensor(HALF, Int32)
+                    topv.fill(-Float32.inf)
+                    topi.fill(-1)
                 q0 = m_blk * TILE_M  # sequence-local position of the tile's first query
                 pos = None  # with the map: the positions of the thread's two rows
                 if cutlass.const_expr(self.qmap):
@@ -467,6 +638,8 @@ class SelectSm90:
                     if cutlass.const_expr(self.qmap):
                         row = pos[0] if my_row == 0 else pos[1]
                     own = row // BLOCK
+                    if cutlass.const_expr(self.selector):
+                        offers = []  # this lane's row's offers of the tile, to the ring
                     for sl in cutlass.range_constexpr(SLABS):
                         cv = kept[sl]
                         if cutlass.const_expr(self.key_scale == "block"):
@@ -474,10 +647,25 @@ class SelectSm90:
                         blk = j * SLABS + sl
                         if blk == own:
                             cv = Float32.inf  # the own block is always kept
-                        self.offer_rank(topv, topi, cv, blk, lower)
+                        if cutlass.const_expr(self.selector):
+                            offers.append(cv)
+                        else:
+                            self.offer_rank(topv, topi, cv, blk, lower)
+                    if cutlass.const_expr(self.selector):
+                        r_tile = crd[0, 0][0] if my_row == 0 else crd[1, 0][0]
+                        self.ring_put(ring, j, offers, r_tile, tidx)
 
                 row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
-                if cutlass.const_expr(self.qmap):  # the row's place in the group, its query row
+                if cutlass.const_expr(self.selector):
+                    # the selector writes the lists out. No MMA is in flight here (the last
+                    # tile's was waited for in the loop), but ptxas cannot see that n_tiles >=
+                    # 1: the path that skips the loop reached the kernel's exit (shared with
+                    # the producer's and the selector's warpgroups, of other register counts)
+                    # with the first MMA in flight, and ptxas serialized every wgmma for it
+                    # (C7511 "insufficient register resources", waits 8/8). This wait, a no-op
+                    # at run time, ends the pipeline inside the consumers' region (waits 2/8)
+                    warpgroup.wait_group(0)
+                elif cutlass.const_expr(self.qmap):  # the row's place in the group, its query row
                     qrow = qm[2][qs + cutlass.min(row, n_rows - 1)]
                     self.write_out(topi, mIdx, 0, qrow, p, L, tidx, row < n_rows)
                 else:
@@ -710,6 +898,144 @@ class SelectSm90:
                 topv[t] = v
                 topi[t] = x
 
+    # -----------------------------------------------------------------------------------------
+    # the selector variant (``selector``; module docstring, "Selector warpgroup")
+    # -----------------------------------------------------------------------------------------
+    @staticmethod
+    def ring_slot(j):
+        """The ring slot of key tile ``j``: ``j mod R`` (plain ints or DSL integers)."""
+        return j & (SelectSm90.RING_SLOTS - 1)
+
+    @staticmethod
+    def ring_full_parity(j):
+        """The parity the selector waits for on full[slot] at tile ``j``: the slot's use
+        ``j div R`` completes that barrier's phase ``j div R``."""
+        return (j >> SelectSm90.RING_SHIFT) & 1
+
+    @staticmethod
+    def ring_empty_parity(j):
+        """The parity the consumers wait for on empty[slot] at tile ``j``: the selector's read
+        of tile ``j - R`` completed empty's phase ``j div R - 1``; for ``j < R`` parity 1, which
+        a fresh barrier passes (the "previous" phase)."""
+        return ((j >> SelectSm90.RING_SHIFT) + 1) & 1
+
+    def ring_init(self, bars):
+        """Initialize the ring's mbarriers (in the elected thread of warp 0 that initializes
+        ``q_bar``, before the key pipeline's fence and CTA-wide sync publish them): full[s] =
+        ``bars + s``, one arrival per consumer warp (8); empty[s] = ``bars + R + s``, one per
+        selector warp (4)."""
+        R = self.RING_SLOTS
+        for s in range(R):
+            cute.arch.mbarrier_init(bars + s, self.CONSUMERS // 32)
+            cute.arch.mbarrier_init(bars + R + s, 4)
+
+    def ring_tensors(self, st):
+        """``(ring, bars)``: the ring of block maxima ``(TILE_M, slabs, R)`` fp32 in shared
+        memory (the tile's row fastest: a warp's 32 rows are 32 banks) and its mbarriers."""
+        slabs = self.TILE_N // self.block_size
+        ring = st.ring.get_tensor(cute.make_layout((self.TILE_M, slabs, self.RING_SLOTS)))
+        return ring, st.ring_mbar.data_ptr()
+
+    @cute.jit
+    def ring_put(self, ring, j, offers, r_tile, tidx):
+        """Consumer thread: put tile ``j``'s offers of its row (``offers[block]``, the lane's
+        row ``r_tile`` of the 128) into ring slot ``j % R``. Every lane waits for the slot to
+        be empty (the selector's read of tile ``j - R``: empty's phase ``j // R - 1``, parity
+        ``(j // R + 1) & 1``; for ``j < R`` parity 1 of a fresh barrier, which passes), one
+        lane of each pair writes (both hold the row's value), then the warp's lanes sync (the
+        other lanes' stores before the arrival) and one elected lane arrives on full[slot]."""
+        ring_t, bars = ring
+        R = self.RING_SLOTS
+        slot = self.ring_slot(j)
+        cute.arch.mbarrier_wait(bars + R + slot, self.ring_empty_parity(j))
+        if tidx % 2 == 0:
+            for sl in cutlass.range_constexpr(len(offers)):
+                ring_t[r_tile, sl, slot] = offers[sl]
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(bars + slot)
+
+    @cute.jit
+    def select_rows(
+        self, st, sel_regs, launch_regs, tidx, n_tiles, m_blk, mIdx, start, p, L, qm, qs, n_rows
+    ):
+        """Selector warpgroup: thread ``t`` keeps the top-k list of the tile's row ``t``
+        (values and block numbers in registers, the whole list: no split at any top_k).
+        Per key tile ``j``: wait for full[slot] (phase ``j // R``, parity ``(j // R) & 1``),
+        read the row's block maxima, sync the warp (the loads before the release) and
+        arrive once per warp on empty[slot]; then offer them in block order
+        (:meth:`offer_row`). At the end the row's list is written out (:meth:`write_row`)."""
+        if cutlass.const_expr(sel_regs < launch_regs):
+            cute.arch.setmaxregister_decrease(sel_regs)
+        elif cutlass.const_expr(sel_regs > launch_regs):
+            cute.arch.setmaxregister_increase(sel_regs)
+        R = self.RING_SLOTS
+        SLABS = self.TILE_N // self.block_size
+        ring_t, bars = self.ring_tensors(st)
+        t = tidx - self.SELECTOR_WG * 128  # the tile's row this thread keeps
+        topv = cute.make_rmem_tensor(self.top_k, Float32)
+        topi = cute.make_rmem_tensor(self.top_k, Int32)
+        topv.fill(-Float32.inf)
+        topi.fill(-1)
+        for j in cutlass.range(n_tiles, unroll=1):
+            slot = self.ring_slot(j)
+            cute.arch.mbarrier_wait(bars + slot, self.ring_full_parity(j))
+            offers = []
+            for sl in cutlass.range_constexpr(SLABS):
+                offers.append(ring_t[t, sl, slot])
+            cute.arch.sync_warp()
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(bars + R + slot)
+            for sl in cutlass.range_constexpr(SLABS):
+                self.offer_row(topv, topi, offers[sl], j * SLABS + sl)
+        row = m_blk * self.TILE_M + t
+        if cutlass.const_expr(self.qmap):  # the row's place in the group, its query row
+            qrow = qm[2][qs + cutlass.min(row, n_rows - 1)]
+            self.write_row(topi, mIdx, 0, qrow, p, row < n_rows)
+        else:
+            self.write_row(topi, mIdx, start, row, p, row < L)
+
+    @cute.jit
+    def offer_row(self, topv, topi, cv, ci):
+        """:meth:`offer_rank` for a list held whole by one thread (the selector's): the same
+        rule (``c`` enters at the first entry it beats strictly, later entries move down one,
+        the last drops out; ``v'[t] = v[t-1]`` if ``c > v[t-1]``, else ``c`` if ``c > v[t]``,
+        else ``v[t]``), skipped behind a vote of the warp (its 32 rows) when no candidate
+        enters. Written from the last entry up, so that only two comparisons are live at once
+        (a 64-entry list's would not fit as predicates)."""
+        H = cute.size(topv)
+        if cute.arch.vote_any_sync(cv > topv[H - 1]):
+            g = cv > topv[H - 1]
+            for t in cutlass.range_constexpr(H - 1, -1, -1):
+                v = Float32(cutlass.select_(g, cv, topv[t]))
+                x = Int32(cutlass.select_(g, ci, topi[t]))
+                if cutlass.const_expr(t > 0):
+                    gp = cv > topv[t - 1]  # (entry t - 1 is still the old one)
+                    v = Float32(cutlass.select_(gp, topv[t - 1], v))
+                    x = Int32(cutlass.select_(gp, topi[t - 1], x))
+                    g = gp
+                topv[t] = v
+                topi[t] = x
+
+    @cute.jit
+    def write_row(self, topi, mIdx, start, row, p, valid):
+        """Selector thread: sort its row's kept blocks ascending (-1 last) and write them to
+        row ``start + row`` of ``mIdx`` where ``valid`` (:meth:`write_out`'s order and
+        values, one thread per row)."""
+        TOPK = self.top_k
+        big = Int32(2147483647)  # -1 read as +inf by the sort
+        keys = []
+        for t in cutlass.range_constexpr(TOPK):
+            keys.append(topi[t])
+        for t in cutlass.range_constexpr(TOPK):
+            keys[t] = big if keys[t] < 0 else keys[t]
+        P2 = 1 << (TOPK - 1).bit_length()  # the network needs a power of two
+        keys = _sort_ascending(keys + [big] * (P2 - TOPK))
+        if valid:
+            for t in cutlass.range_constexpr(TOPK):
+                k = keys[t]
+                mIdx[Int64(start + row), p, t] = -1 if k == big else k  # 64-bit offset
+
     @cute.jit
     def write_out(self, topi, mIdx, start, row, p, L, tidx, valid=None):
         """Sort the row's kept blocks ascending (-1 last) and write them (lanes 4q and 4q+2,
@@ -746,14 +1072,16 @@ class SelectSm90:
 # host: torch tensors in, indices out
 # ---------------------------------------------------------------------------------------------
 def select_into(
-    indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages, q_map=None
-):
+    indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages, q_map=None,
+    selector: bool = SelectSm90.selector,
+):  # fmt: skip
     """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written):
     ascending sequence-local block numbers, -1 in unused slots. Returns ``indices``.
 
     ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` contiguous bf16/fp16 CUDA tensors,
     ``cu_seqlens (N+1,)`` int32; ``cfg.max_seqlen`` bounds the grid (no host synchronization).
-    ``stages``: the kernel's pipeline depth (A/B runs; the default is the shipped one).
+    ``stages``, ``selector``: the kernel's pipeline depth and selector warpgroup
+    (``SelectSm90``'s fields; A/B runs: the defaults are the shipped kernel).
     ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map): ``q_proxy`` and
     ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of a mapped row is
     written, those of padding rows (``-1``) are left as they are (:func:`select` fills them
@@ -769,7 +1097,8 @@ def select_into(
     Hpk = k_proxy.shape[1]
     K = cfg.top_k
     kernel = SelectSm90(
-        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages, q_map is not None
+        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages, q_map is not None,
+        selector=selector,
     )  # fmt: skip
     _check_indices(indices, T, Hp, K)
     if T == 0:
@@ -790,7 +1119,10 @@ def select_into(
     return indices
 
 
-def select_fp8_into(indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_STAGES):
+def select_fp8_into(
+    indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_STAGES,
+    selector: bool = SelectSm90.selector,
+):  # fmt: skip
     """The fp8 selection (``selection_precision="fp8"``) of quantized operands into
     ``indices`` ``(T, Hp, top_k)`` int32 (every entry written, as :func:`select_into`).
     Returns ``indices``.
@@ -799,7 +1131,8 @@ def select_fp8_into(indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_ST
     with ``cfg.block_size`` (its block scales are per selection block): e4m3 ``q (T, Hp, Dp)``
     and ``k (T, Hpk, Dp)``, fp32 ``k_scale (T, Hpk)`` on one CUDA device, per block or per token
     (``key_scale``, compiled in); ``q_scale`` is not read (a positive row constant). No query
-    map. ``stages``: the key-pipeline depth (A/B runs; the default is the shipped one).
+    map. ``stages``, ``selector``: the key-pipeline depth and the selector warpgroup (A/B
+    runs; the defaults are the shipped kernel).
     """
     qz = quantized
     for name, x in (("q", qz.q), ("k", qz.k)):  # before their shapes are read
@@ -823,8 +1156,9 @@ def select_fp8_into(indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_ST
             f"{qz.k_scale.dtype} {tuple(qz.k_scale.shape)}"
         )
     kernel = SelectSm90(
-        cutlass.Float8E4M3FN, Dp, Hp, Hpk, K, cfg.block_size, stages, key_scale=qz.key_scale
-    )
+        cutlass.Float8E4M3FN, Dp, Hp, Hpk, K, cfg.block_size, stages, key_scale=qz.key_scale,
+        selector=selector,
+    )  # fmt: skip
     _check_indices(indices, T, Hp, K)
     if T == 0:
         return indices
@@ -955,13 +1289,15 @@ def specimen_tensors(kernel: SelectSm90, tokens: int = 4) -> tuple:
 
 def compile_select(
     dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
-    key_scale: str | None = None, stages: int | None = None, *, dump=None, name: str = "",
+    key_scale: str | None = None, stages: int | None = None, selector: bool = False, *,
+    dump=None, name: str = "",
 ) -> dict:  # fmt: skip
     """Compile :class:`SelectSm90` for sm_90a on the launch arguments :func:`_launch` passes
     (:func:`launch_arguments` of :func:`specimen_tensors`; the configurations:
     ``compile_check.configurations``): ``dtype`` "bf16" / "fp16" / "e4m3" (with ``key_scale``,
     the FP8 mode: the wgmma instructions reported as ``mma``), ``qmap`` the query-map kernel,
-    ``stages`` the pipeline depth (default the mode's). Returns
+    ``stages`` the pipeline depth (default the mode's), ``selector`` the selector warpgroup
+    variant. Returns
     ``compile_check.compile_kernel``'s report (``dump``: a folder for ``<name>.ptx`` /
     ``.cubin``)."""
     from cutlass.cute.runtime import make_fake_stream
@@ -971,6 +1307,8 @@ def compile_select(
     dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN}[dtype]
     if stages is None:
         stages = SelectSm90.stages if key_scale is None else FP8_STAGES
-    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale)
+    kernel = SelectSm90(
+        dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale, selector=selector
+    )
     kernel, args = launch_arguments(kernel, specimen_tensors(kernel), 1, make_fake_stream())
     return compile_kernel(kernel, *args, mma=key_scale is not None, dump=dump, name=name)

@@ -1,0 +1,288 @@
+"""The selection's selector warpgroup (``SelectSm90(selector=True)``, issue 15, Option C of
+docs/reviews/2026-12-01-fp8-selection-epilogue.md) without a GPU.
+
+The variant moves the top-k lists out of the two consumer warpgroups into a fourth warpgroup
+(one row per thread), fed the block maxima through a shared-memory ring of
+``SelectSm90.RING_SLOTS`` slots with a full and an empty mbarrier per slot (the accounting:
+``select_sm90``'s module docstring, "Selector warpgroup"). Checked here:
+
+- the ring's phase accounting replayed on a model of the hardware mbarrier (arrival count,
+  phase, ``try_wait.parity``) over random interleavings of the 8 consumer warps and the 4
+  selector warps, with the kernel's own slot and parity functions: no deadlock, every tile's
+  values read by the selector exactly once and in order (a slot overwritten before it was
+  read would show a later tile's value), nothing pending at the end; and the model fails
+  each of three mutated parities (so it can catch an error);
+- the register split (``setmaxnreg``) sums to the register file at every top_k and leaves the
+  selector its list; ``can_implement``'s refusals (shared memory with the ring, a non-bool
+  field) and the shared-memory arithmetic;
+- compiled for sm_90a: spill-free, ``setmaxnreg`` kept with the split's counts, wgmmas not
+  serialized, 512 threads, and the PTX's ``mbarrier.init`` counts: 1 (query tile), per key
+  stage 1 (full: the producer's arrive with its byte count) and 8 (empty: one per consumer
+  warp), per ring slot 8 (full: consumer warps) and 4 (empty: selector warps), at the ring's
+  offsets in the shared storage;
+- the default kernel untouched by the field: its name and ``repr`` do not mention it, its PTX
+  is that of ``selector=False`` given explicitly, with 384 threads, 24 / 240 registers and no
+  ring barrier (``compile_check select --dump`` compared every default configuration's PTX
+  and cubin with the tree before the field: byte-identical).
+
+The GPU tests (bitwise equal to the default's indices) are tests/test_gpu_cute_select_selector.py.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+import cutlass  # noqa: E402
+
+from flash_msa.cute import select_sm90  # noqa: E402
+from flash_msa.cute.select_sm90 import SelectSm90  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# the ring's accounting on a model of the mbarrier
+# ---------------------------------------------------------------------------------------------
+CONSUMER_WARPS = 8
+SELECTOR_WARPS = 4
+
+
+class Mbarrier:
+    """``mbarrier.init(count)``, ``arrive`` (one arrival) and ``try_wait.parity``: a phase
+    completes when ``count`` arrivals have come, and a wait on parity ``P`` passes once the
+    current phase's parity differs from ``P`` (the phase of that parity has completed; a fresh
+    barrier passes parity 1, the "previous" phase)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.phase = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        assert self.pending >= 0
+        if self.pending == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def passes(self, parity):
+        return (self.phase & 1) != parity
+
+
+def replay(n_tiles, seed, slot=SelectSm90.ring_slot, full_parity=SelectSm90.ring_full_parity,
+           empty_parity=SelectSm90.ring_empty_parity):  # fmt: skip
+    """Run the ring's protocol for ``n_tiles`` key tiles under a random interleaving; returns
+    ``(ok, why)``. A consumer warp per tile: wait empty[slot] (``empty_parity``), write its
+    rows' values (the tile number), arrive on full[slot]; a selector warp per tile: wait
+    full[slot] (``full_parity``), read every row of the slot, arrive on empty[slot]."""
+    R = SelectSm90.RING_SLOTS
+    rng = random.Random(seed)
+    full = [Mbarrier(CONSUMER_WARPS) for _ in range(R)]
+    empty = [Mbarrier(SELECTOR_WARPS) for _ in range(R)]
+    data = [[None] * CONSUMER_WARPS for _ in range(R)]  # slot -> each consumer warp's rows
+    # per agent: (kind, warp, next tile, step within the tile)
+    agents = [["c", w, 0, 0] for w in range(CONSUMER_WARPS)]
+    agents += [["s", w, 0, 0] for w in range(SELECTOR_WARPS)]
+    while True:
+        live = [a for a in agents if a[2] < n_tiles]
+        if not live:
+            break
+        runnable = []
+        for a in live:
+            kind, _, j, step = a
+            s = slot(j)
+            if step == 0:  # the wait
+                bar, par = (empty[s], empty_parity(j)) if kind == "c" else (full[s], full_parity(j))
+                if bar.passes(par):
+                    runnable.append(a)
+            else:
+                runnable.append(a)
+        if not runnable:
+            return False, f"deadlock at tiles {[(a[0], a[1], a[2]) for a in live]}"
+        a = rng.choice(runnable)
+        kind, w, j, step = a
+        s = slot(j)
+        if step == 0:
+            a[3] = 1
+        elif kind == "c":  # write, then arrive
+            data[s][w] = j
+            full[s].arrive()
+            a[2], a[3] = j + 1, 0
+        else:  # read every row, then arrive
+            if data[s] != [j] * CONSUMER_WARPS:
+                return False, f"selector warp {w} read {data[s]} for tile {j}"
+            empty[s].arrive()
+            a[2], a[3] = j + 1, 0
+    if any(b.pending != b.count for b in full + empty):
+        return False, "arrivals pending at the end"
+    return True, ""
+
+
+@pytest.mark.parametrize("n_tiles", [1, 2, 3, 4, 5, 8, 9, 13])
+def test_ring_accounting_has_no_deadlock_and_no_overwrite(n_tiles):
+    """The kernel's slot and parity functions over 30 random interleavings per tile count
+    (fewer tiles than slots, exactly R, several wraps)."""
+    for seed in range(30):
+        ok, why = replay(n_tiles, seed)
+        assert ok, (seed, why)
+
+
+def test_ring_model_catches_wrong_parities():
+    """Mutants the model must fail: the consumers' empty wait without the "previous phase"
+    offset (deadlock on the first tile), the selector's full wait offset by one (it reads a slot
+    before it is written: a stale value), and a single-slot ring's parity used with R slots
+    (a phase skipped: a slot overwritten before it was read, or a deadlock)."""
+    R = SelectSm90.RING_SLOTS
+    mutants = {
+        "empty without offset": dict(empty_parity=lambda j: (j // R) & 1),
+        "full offset": dict(full_parity=lambda j: ((j // R) + 1) & 1),
+        "parity of j": dict(full_parity=lambda j: j & 1, empty_parity=lambda j: (j + 1) & 1),
+    }
+    for name, mutant in mutants.items():
+        results = [replay(9, seed, **mutant)[0] for seed in range(30)]
+        assert not all(results), name
+
+
+def test_ring_slot_and_parities_are_the_kernels_formulas():
+    """Slot ``j mod R``, the full barrier's phase ``j div R`` and the empty barrier's the one
+    before it (R = 4: a shift and a mask in the kernel)."""
+    R = SelectSm90.RING_SLOTS
+    assert R == 1 << SelectSm90.RING_SHIFT
+    for j in range(40):
+        assert SelectSm90.ring_slot(j) == j % R
+        assert SelectSm90.ring_full_parity(j) == (j // R) % 2
+        assert SelectSm90.ring_empty_parity(j) == (j // R - 1) % 2
+
+
+# ---------------------------------------------------------------------------------------------
+# registers, shared memory, refusals
+# ---------------------------------------------------------------------------------------------
+def test_register_split_fills_the_file_and_holds_the_list():
+    for top_k in range(1, 65):
+        r = SelectSm90.register_split(top_k, True)
+        assert r["threads"] == 512 and r["launch"] == 128
+        counts = (r["producer"], r["consumer"], r["selector"])
+        assert all(c % 8 == 0 and 24 <= c <= 256 for c in counts), (top_k, r)
+        used = 128 * (r["producer"] + 2 * r["consumer"] + r["selector"])
+        assert 65536 - 2048 < used <= 65536, (top_k, r)  # within 8 registers of the consumers
+        assert r["selector"] >= 2 * top_k + 24, (top_k, r)  # the list and its temporaries
+        assert r["consumer"] >= 160, (top_k, r)  # the accumulator (64) and ~50 more
+    assert SelectSm90.register_split(16, True)["consumer"] == 216
+    assert SelectSm90.register_split(16, True)["selector"] == 56
+    assert SelectSm90.register_split(64, True)["consumer"] == 168
+    assert SelectSm90.register_split(64, True)["selector"] == 152
+    d = SelectSm90.register_split(16, False)
+    assert (d["threads"], d["producer"], d["consumer"], d["selector"]) == (384, 24, 240, None)
+    assert 128 * d["producer"] + 256 * d["consumer"] == 168 * 384
+
+
+def test_shared_memory_with_the_ring_and_refusals():
+    bf16, e4m3 = cutlass.BFloat16, cutlass.Float8E4M3FN
+    sb = SelectSm90.shared_bytes
+    assert sb(1, 128, 8)["total"] == 148480  # the default's (unchanged by the parameter)
+    assert sb(1, 128, 8, 1)["total"] == 151552  # + 64 + 2048, rounded up to 1024
+    assert sb(1, 128, 8, 2)["total"] == 153600  # + 64 + 4096
+    assert sb(1, 128, 8, 2)["ring"] == 4 * 4 * 2 * 128
+    ci = SelectSm90.can_implement
+    assert ci(e4m3, 128, 4, 1, 64, 64, 12, "block", selector=True) is None
+    why = ci(e4m3, 128, 4, 1, 16, 128, 13, "block", selector=True)
+    assert why is not None and "shared memory" in why and "233472" in why
+    assert ci(e4m3, 128, 4, 1, 16, 128, 13, "block") is None  # the default fits 13
+    assert ci(bf16, 128, 4, 1, 16, 128, 5, selector=True) is None
+    why = ci(bf16, 128, 4, 1, 16, 64, 6, selector=True)
+    assert why is not None and "shared memory" in why
+    assert ci(bf16, 128, 4, 1, 16, 64, 6) is None
+    assert "bool" in ci(bf16, 128, 4, 1, 16, 128, selector=1)
+    with pytest.raises(ValueError, match="shared memory"):
+        SelectSm90(bf16, 128, 4, 1, 16, 128, 6, selector=True)
+    with pytest.raises(ValueError, match="bool"):
+        SelectSm90(bf16, 128, 4, 1, 16, 128, selector="yes")
+    # the field supports every mode: the query map, both key scales, top_k 1..64
+    SelectSm90(bf16, 64, 4, 1, 64, 64, qmap=True, selector=True)
+    SelectSm90(e4m3, 128, 4, 1, 1, 128, 8, key_scale="token", selector=True)
+
+
+def test_field_is_hidden_from_the_default_name_only():
+    a = SelectSm90(cutlass.BFloat16, 128, 4, 1, 16, 128)
+    b = SelectSm90(cutlass.BFloat16, 128, 4, 1, 16, 128, selector=False)
+    c = SelectSm90(cutlass.BFloat16, 128, 4, 1, 16, 128, selector=True)
+    assert a == b and hash(a) == hash(b) and repr(a) == repr(b)
+    assert "selector" not in repr(a) and "selector=True" in repr(c)
+    assert a != c and repr(a) == repr(c).replace(", selector=True", "")
+    from flash_msa.cute import disk_cache
+
+    assert disk_cache.stable_text(a) != disk_cache.stable_text(c)
+
+
+# ---------------------------------------------------------------------------------------------
+# compiled (sm_90a, no GPU)
+# ---------------------------------------------------------------------------------------------
+def _compile(tmp_path, name, *cfg, **kw):
+    res = select_sm90.compile_select(*cfg, dump=str(tmp_path), name=name, **kw)
+    return res, (tmp_path / f"{name}.ptx").read_text()
+
+
+def _inits(ptx):
+    """``(offset, count)`` of every ``mbarrier.init`` in the PTX: the shared storage's byte
+    offset of the barrier (0 without one) and its count (an immediate, or the value a ``mov``
+    put into the register)."""
+    movs = dict(re.findall(r"mov\.(?:u|b|s)32\s+(%r\d+), (\d+);", ptx))
+    out = []
+    init = r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[([^\]]+)\],\s*([^;]+);"
+    for addr, cnt in re.findall(init, ptx):
+        m = re.search(r"\+(\d+)$", addr.strip())
+        cnt = cnt.strip()
+        out.append((int(m.group(1)) if m else 0, int(movs.get(cnt, cnt))))
+    return sorted(out)
+
+
+CONFIGS = [  # (name, dtype, Dp, Hp, Hpk, top_k, block, qmap, key_scale)
+    ("e4m3_k16_b128", "e4m3", 128, 4, 1, 16, 128, False, "block"),
+    ("bf16_k64_b64", "bf16", 128, 4, 1, 64, 64, False, None),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c[0])
+def test_selector_compiles_spill_free_with_its_barriers(cfg, tmp_path):
+    name, dt, Dp, Hp, Hpk, K, block, qmap, scale = cfg
+    res, ptx = _compile(tmp_path, name, dt, Dp, Hp, Hpk, K, block, qmap, scale, selector=True)
+    assert res["stack"] == 0 and res["local"] == 0, res
+    assert res["setmaxnreg_kept"] and not res["wgmma_serialized"], res
+    assert res["reg"] == 128, res  # the launch's: 65536 / 512
+    split = SelectSm90.register_split(K, True)
+    assert ".reqntid 512, 1, 1" in ptx
+    dec = sorted(int(x) for x in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+);", ptx))
+    inc = sorted(int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", ptx))
+    want_dec = sorted([split["producer"]] + [split["selector"]] * (split["selector"] < 128))
+    want_inc = sorted([split["consumer"]] + [split["selector"]] * (split["selector"] > 128))
+    assert (dec, inc) == (want_dec, want_inc), ptx.count("setmaxnreg")
+    stages = select_sm90.FP8_STAGES if scale else SelectSm90.stages
+    sizes = SelectSm90.shared_bytes(1 if scale else 2, Dp, stages, 128 // block)
+    R = SelectSm90.RING_SLOTS
+    ring = sizes["k_mbar"] + sizes["q_mbar"]  # the ring's barriers: after the tiles
+    ring = -(-ring // 1024) * 1024 + sizes["sQ"]
+    ring = -(-ring // 1024) * 1024 + sizes["sK"]
+    inits = _inits(ptx)
+    want = [(8 * s, 1) for s in range(stages)] + [(8 * (stages + s), 8) for s in range(stages)]
+    want += [(16 * stages, 1)]  # the query tile's
+    want += [(ring + 8 * s, 8) for s in range(R)] + [(ring + 8 * (R + s), 4) for s in range(R)]
+    assert sorted(c for _, c in inits) == sorted(c for _, c in want), inits
+    ring_inits = [x for x in inits if x[0] >= ring]
+    assert ring_inits == sorted(want[-2 * R :]), (ring, ring_inits)
+
+
+def test_default_ptx_does_not_see_the_field(tmp_path):
+    """The default kernel (field omitted) compiles to the PTX of ``selector=False``: its
+    entry named without the field, 384 threads, 24 / 240 registers, no ring barrier, no
+    selector role. (Byte-identity to the tree before the field: compile_check ``--dump``.)"""
+    cfg = ("e4m3", 128, 4, 1, 16, 128, False, "block")
+    _, omitted = _compile(tmp_path, "omitted", *cfg)
+    _, explicit = _compile(tmp_path, "explicit", *cfg, selector=False)
+    assert omitted == explicit
+    assert "selector" not in omitted
+    assert ".reqntid 384, 1, 1" in omitted
+    assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", omitted) == [
+        ("dec", "24"), ("inc", "240"),
+    ]  # fmt: skip
+    assert sorted(c for _, c in _inits(omitted)) == sorted([1] * 9 + [8] * 8)
+    assert "bar.warp.sync" not in omitted
