@@ -218,3 +218,38 @@ def test_cute_pointer_launch_layouts_make_different_kernels():
             launch(kernel, (moved,) + tensors[1:])
         with pytest.raises(ValueError, match="expected"):
             launch(kernel, tensors[:-1])
+
+
+def test_run_typed_builds_typed_arguments_for_the_compile_only(monkeypatch):
+    """``common.run_typed`` with the call's values (``ffi``) and a function making the typed
+    arguments: the function runs once, for the compile (its stream as a ``cuda.CUstream``),
+    every launch gets the values as given; a function without the values is refused."""
+    pytest.importorskip("cutlass")
+    import cuda.bindings.driver as cuda
+    import torch
+
+    from flash_msa.cute import common, disk_cache, worklist_sm90
+
+    compiled, calls, built = [], [], []
+    monkeypatch.setattr(
+        disk_cache, "compiled",
+        lambda kernel, args, sig, target, options: compiled.append((args, options))
+        or (lambda *a: calls.append(a)),
+    )  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(common, "_compiled", {})
+    kernel, dev = worklist_sm90.ListBoundsSm90(threads=128), torch.device("cuda", 0)
+    values = (1 << 20, 2 << 20, 5, 3, common.RawStream(7))
+
+    def typed():
+        built.append(1)
+        return worklist_sm90.launch_arguments(kernel, *values)
+
+    for _ in range(3):
+        common.run_typed(kernel, dev, typed, "sig", values)
+    assert len(built) == 1 and len(compiled) == 1 and calls == [values] * 3
+    args, options = compiled[0]
+    assert options == common.FFI_OPTIONS and isinstance(args[-1], cuda.CUstream)
+    assert common.ffi_args(worklist_sm90.launch_arguments(kernel, *values)) == values
+    with pytest.raises(TypeError, match="ffi"):
+        common.run_typed(kernel, dev, typed, "sig")

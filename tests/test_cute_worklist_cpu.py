@@ -257,6 +257,7 @@ def replayed(monkeypatch):
         from flash_msa.cute import common
 
         # the TVM-FFI call's values the launch hands over are the typed arguments' conversion
+        args = args()  # (the typed arguments, built for the compile only)
         assert ffi == common.ffi_args(args), (type(kernel).__name__, ffi)
         launches.append(type(kernel).__name__)
         _replay(kernel, device, args, signature)

@@ -22,8 +22,9 @@ import dataclasses
 import pytest
 import torch
 
-from flash_msa import backends, quant, reference, testing
+from flash_msa import quant, reference, testing
 from harness import config, packed_inputs
+from test_gpu_cute_fp8 import _select_sm90  # (the cute backend loaded, its selection module)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,15 +33,6 @@ pytestmark = [
         reason="needs an sm_90 GPU",
     ),
 ]
-
-
-def _select_sm90():
-    pytest.importorskip("cutlass")
-    module, why = backends.load("cute")
-    assert module is not None, why
-    from flash_msa.cute import select_sm90
-
-    return select_sm90
 
 
 def _inputs(lengths, Hp, Hpk, Dp, dtype, seed=0, kind="random"):

@@ -96,7 +96,7 @@ def problem_of(
     cuda = device.type == "cuda"
     return Problem(
         device_type=device.type,
-        capability=_capability(device) if cuda else None,
+        capability=capability(device) if cuda else None,
         dtype=dtype,
         num_heads=H,
         num_kv_heads=Hkv,
@@ -111,7 +111,7 @@ def problem_of(
     )
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
+def capability(device: torch.device) -> tuple[int, int]:
     """``torch.cuda.get_device_capability(device)``, asked once per device index (a CUDA
     device's capability does not change; ``problem_of`` runs for every op of every call:
     docs/reviews/2026-12-01-step-glue.md, P8). ``cuda`` without an index is the current

@@ -56,8 +56,8 @@ builds as before.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 

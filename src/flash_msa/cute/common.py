@@ -333,15 +333,21 @@ def run_typed(kernel, device: torch.device, args: tuple, signature: str, ffi=Non
     call is one C function call instead of the DSL executor's Python argument packing. The
     H200 host (benchmarks/host_breakdown.py --launch-ab, the row-delta kernel, 5 arguments):
     10.9 us a launch through the executor, 4.1 through TVM-FFI; inside the anchor-16K eager
-    step the five launches' ``run_typed`` took 410 us in all (stage13/c1). ``ffi``: the call's
-    values when the caller has them already (``ffi_args(args)``, e.g. the ints it built ``args``
-    from: cute/worklist_sm90.py), so the per-launch conversion is skipped."""
+    step the five launches' ``run_typed`` took 410 us in all (stage13/c1).
+
+    ``ffi``: the call's values when the caller has them already (``ffi_args(args)``, e.g. the
+    ints it would build ``args`` from: cute/worklist_sm90.py); ``args`` may then be a function
+    returning the typed tuple, called only when the kernel is compiled (its types are all the
+    compile reads), so a launch builds no typed argument at all."""
+    if ffi is None and callable(args):
+        raise TypeError("run_typed: a function for args needs the call's values (ffi)")
     key = (type(kernel), kernel, signature, device.index)
     fn = _compiled.get(key)
     if fn is None:
         major, minor = torch.cuda.get_device_capability(device)
+        typed = args() if callable(args) else args
         fn = disk_cache.compiled(
-            kernel, compile_arguments(args), signature, f"sm_{major}{minor}", FFI_OPTIONS
+            kernel, compile_arguments(typed), signature, f"sm_{major}{minor}", FFI_OPTIONS
         )
         _compiled[key] = fn
     fn(*(ffi_args(args) if ffi is None else ffi))
@@ -349,7 +355,7 @@ def run_typed(kernel, device: torch.device, args: tuple, signature: str, ffi=Non
 
 # TVM-FFI launches (apache-tvm-ffi, a dependency): the compiled function takes ints for typed
 # pointers, Python numbers for DSL scalars, nested tuples for tuple arguments, an int stream
-FFI_OPTIONS = "--enable-tvm-ffi"
+FFI_OPTIONS = disk_cache.TVM_FFI
 
 
 def compile_arguments(args: tuple) -> tuple:

@@ -252,10 +252,13 @@ def _runtime_loaded() -> None:
         log.warning("flash_msa: cannot load the CuTe DSL runtime library globally: %s", e)
 
 
+TVM_FFI = "--enable-tvm-ffi"  # the compile option of TVM-FFI functions (common.FFI_OPTIONS)
+
+
 def _tvm_ffi(options: str) -> bool:
-    """Whether ``options`` compile a TVM-FFI function (``common.FFI_OPTIONS``): stored by its
-    own export, loaded as a TVM-FFI module."""
-    return "--enable-tvm-ffi" in options
+    """Whether ``options`` compile a TVM-FFI function: stored by its own export, loaded as a
+    TVM-FFI module."""
+    return TVM_FFI in options.split()
 
 
 def load(path: Path, options: str = ""):

@@ -10,12 +10,14 @@ ms of CUDA-event time against 4.75 ms of kernels), and before the forward's part
 host time goes mostly to ``worklist``'s torch glue: ``blocks()`` 360 us (17 ops), ``lists()``
 241 us, ``items()`` ~309 us per call (14 ops; once in the forward, once in the backward with TW
 128). A torch op costs ~20 us of host time inside the step, a CuTe launch through
-``common.run_typed`` ~10-12 us (~4 us once launches move to TVM-FFI). The values are the same
+``common.run_typed`` (TVM-FFI) ~4 us on its own. The values are the same
 bit for bit, so each function here is a drop-in: the kernel where :func:`can_implement_blocks`
 (``..._items``, ``..._lists``) allows the call, else the torch function (the reason is
 returned, not raised). benchmarks/worklist_ab.py measures both sides.
 
-Measured (H200, this helper's run: benchmarks/worklist_ab.py, one sequence, Hs 4, K 16, block
+Measured (H200, the helper's run that wrote this module, before the launches moved to TVM-FFI;
+its log did not come back to the repository, the numbers are its report:
+benchmarks/worklist_ab.py, one sequence, Hs 4, K 16, block
 128; every CuTe result first checked bitwise equal to torch's; host us = median perf_counter of
 one call started on an idle GPU, torch -> CuTe): anchor 16K ``blocks`` 203 -> 21, ``lists``
 (key blocks given) 174 -> 108 (the torch sort stays), ``items`` TW 256 196 -> 41, TW 128 365 ->
@@ -72,9 +74,8 @@ gather fails with a device-side assert (docs/reviews/2026-12-01-worklist-kernels
 changed yet: a device-side refusal needs an H200 run).
 
 Host: raw device addresses (``cute.runtime.make_ptr``) and Int32 counts (:func:`launch_arguments`:
-the kernel object fixes every argument's type, so ``common.run_typed`` keys on it alone), the
-argument objects kept per exact launch (:func:`_launch`: building them cost more than the rest
-of the host path on this CPU); the outputs in one ``torch.empty`` for ``blocks``, two for
+the kernel object fixes every argument's type, so ``common.run_typed`` keys on it alone), built for the compile only: the
+launch passes the ints themselves (:func:`_launch`); the outputs in one ``torch.empty`` for ``blocks``, two for
 ``items`` and ``lists`` (with the sort's), written in full by the kernels (the padding columns
 of ``blocks`` aside); no host synchronization, the current stream (CUDA-graph capturable).
 """
@@ -92,6 +93,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.memory import SmemAllocator
 
 from .. import worklist
+from ..problem import capability
 from .common import run_typed, stream
 
 MAX_SIZE = 2**30  # every count and index of a launch (sequences, blocks, lists, items, entries)
@@ -427,16 +429,11 @@ def _validate_blocks(cu_seqlens, block_size, total_tokens) -> None:
     _int("total_tokens", total_tokens, 0)
 
 
-_MAJOR: dict = {}  # device index -> compute capability major (kept: one query per device)
-
-
 def _device_reason(device: torch.device) -> str | None:
     """Why the kernels cannot run on ``device`` (``None``: an sm_90 GPU)."""
     if device.type != "cuda":
         return f"the CuTe work-list kernels need a CUDA tensor, got one on {device}"
-    major = _MAJOR.get(device.index)
-    if major is None:
-        major = _MAJOR[device.index] = torch.cuda.get_device_capability(device)[0]
+    major = capability(device)[0]
     if major != 9:
         return f"the CuTe work-list kernels are for sm_90 (this GPU: sm_{major}x)"
     return None
@@ -679,27 +676,14 @@ LAUNCH_SIGNATURE = "worklist_sm90.launch_arguments"
 
 def _launch(kernel, device: torch.device, *values) -> None:
     """Launch ``kernel`` on ``device``'s current stream with ``values`` (its addresses and
-    counts, :func:`launch_arguments`' order) through ``common.run_typed``. The argument
-    objects are kept per exact launch (kernel, stream, values: :data:`ARGS_CACHE_SIZE` of them,
-    the oldest dropped first): ``Int32(v)`` took ~2.8 us and ``make_ptr`` ~2.1 us on this CPU
-    (blocks' seven arguments 11.4 us, more than the rest of its host path), and a steady-state
-    step gets the same addresses from the caching allocator. As in ``common.pointer_arguments``:
-    the objects hold no tensor and a launch only reads them, so sharing them is safe."""
+    counts, :func:`launch_arguments`' order) through ``common.run_typed``. The TVM-FFI call
+    takes these ints as they are (tests/test_cute_worklist_cpu.py checks that they equal
+    ``ffi_args`` of the typed arguments), so the typed arguments (``Int32(v)`` ~2.8 us and
+    ``make_ptr`` ~2.1 us each on this CPU: 11.4 us for blocks' seven) are built only for the
+    compile: no per-launch conversion and no cache of them (review F3)."""
     strm = stream(device)
-    key = (kernel, strm, *values)
-    args = _ARGS.get(key)
-    if args is None:
-        args = launch_arguments(kernel, *values, strm)
-        if len(_ARGS) >= ARGS_CACHE_SIZE:
-            _ARGS.clear()  # (rare: a bound, not an LRU; refilled by the next launches)
-        _ARGS[key] = args
-    # the TVM-FFI call's values are the ints the arguments were made of (test_cute_worklist_cpu
-    # checks ffi_args(args) == key[1:]): no per-launch conversion (review F3, ~6 us a launch)
-    run_typed(kernel, device, args, LAUNCH_SIGNATURE, (*values, strm))
-
-
-ARGS_CACHE_SIZE = 1024
-_ARGS: dict = {}
+    typed = lambda: launch_arguments(kernel, *values, strm)  # noqa: E731
+    run_typed(kernel, device, typed, LAUNCH_SIGNATURE, (*values, strm))
 
 
 # ---------------------------------------------------------------------------------------------
