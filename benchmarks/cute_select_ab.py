@@ -3,20 +3,11 @@
 
     PYTHONPATH=src python3 benchmarks/cute_select_ab.py          # every line below
     PYTHONPATH=src python3 benchmarks/cute_select_ab.py --fp8    # the bf16 / fp8 A/B only
-    PYTHONPATH=src python3 benchmarks/cute_select_ab.py --variants  # default vs selector=True
+    PYTHONPATH=src python3 benchmarks/cute_select_ab.py --fp8 --op-only  # its op lines, k=16
 
 Times the CuTe and the Triton selection on the same inputs (paper shape at 128K, anchor shape
 at 32K; random and local inputs; top_k 16 and 64), and the CuTe kernel with other key-pipeline
 depths (``SelectSm90(stages=)``, the constructor argument; 4 is the default) at top_k 16.
-
-Selector warpgroup (``--variants``; ``SelectSm90(selector=True)``, Option C of
-docs/reviews/2026-12-01-fp8-selection-epilogue.md: the top-k lists in a fourth warpgroup fed
-through a shared-memory ring): the default kernel and the variant on the same input, side by
-side: the bf16 kernel (not with ``--fp8``) and the fp8 kernel alone on the torch quantize
-pass's operands, each line verified as the others and the variant's indices also equal to the
-default's, bit for bit (``identical`` in the line: the same offers in the same order, so any
-difference fails it and the line is not timed), at top_k 16 and 64 (16 only at 1M), on the
-``--fp8-cases`` and ``--kinds``; nothing else is timed.
 
 FP8 selection (``selection_precision="fp8"``, issue 15), at paper 128K and on the anchor's heads
 at 1M (``bench.SHAPES["long"]``), random and local inputs, against the bf16 CuTe line of the
@@ -34,6 +25,11 @@ same input:
   (since the ninth session's A/B the shipped one alone, w8 u1), checked bitwise equal to the
   torch pass's bytes and scales first, with the HBM rate its bytes would take (inputs read
   once, e4m3 and scales written).
+
+``--op-only``: the fp8 A/B times three lines per input and nothing else, at top_k 16: ``cute
+k=16`` (the bf16 op), ``cute-fp8 cute-quantize k=16`` (the fp8 op as the backend ships it, the
+CuTe quantize pass included) and ``cute-fp8 kernel k=16``; no pipeline-depth, Triton,
+torch-quantize op or quantize-pass lines. Each line is verified as without the flag.
 
 Verification, per line and before it is timed, on that line's own output (a NaN-like poisoned
 index buffer, ``testing.POISON_INT``): every slot written, and every (token, head) row's block
@@ -60,8 +56,11 @@ from flash_msa.cute import quantize_sm90, select_sm90
 from flash_msa.triton_ref import selection as triton_sel
 from flash_msa.triton_ref import selection_fp8 as triton_fp8
 
-STAGES = (2, 6)  # key-pipeline depths timed besides the default (SelectSm90.stages), top_k 16
-FP8_STAGES = (4, 12)  # the fp8 kernel's, besides select_sm90.FP8_STAGES
+# key-pipeline depths timed besides the default (SelectSm90.stages), top_k 16: 5 is the
+# deepest bf16 one at Dp 128 beside the ring of block maxima (6 needs 233,472 bytes of shared
+# memory, SelectSm90.can_implement)
+STAGES = (2, 5)
+FP8_STAGES = (4, 12)  # the fp8 kernel's, besides select_sm90.FP8_STAGES (12: its deepest)
 FULL_CASES = [("paper", 131072), ("anchor", 32768)]
 FP8_CASES = [("paper", 131072), ("long", 1048576)]
 REFERENCE_MAX_S = 131072  # beyond this, lines are checked against the Triton kernel
@@ -135,10 +134,9 @@ def cute_quantize_lines(head, qz, qp, kp, cu, cfg):
         print(f"{line}; {ms:.3f} ms, {nbytes / ms / 1e6:.0f} GB/s", flush=True)
 
 
-def fp8_kernel_into(qz, stages, out, qp, kp, cu, cfg, selector=False):
-    """The CuTe fp8 kernel alone on the quantized operands ``qz`` (``selector``:
-    ``SelectSm90.selector``)."""
-    return select_sm90.select_fp8_into(out, qz, cu, cfg, stages=stages, selector=selector)
+def fp8_kernel_into(qz, stages, out, qp, kp, cu, cfg):
+    """The CuTe fp8 kernel alone on the quantized operands ``qz``."""
+    return select_sm90.select_fp8_into(out, qz, cu, cfg, stages=stages)
 
 
 def triton_fp8_into(qz, out, qp, kp, cu, cfg):
@@ -193,28 +191,32 @@ def bf16_ab(shape, S, kind):
     run_lines(f"{shape} S={S} {kind}", lines, qp, kp, cu, S, Dp, Hp, check)
 
 
-def fp8_ab(shape, S, kind, top_ks):
+def fp8_ab(shape, S, kind, top_ks, op_only=False):
     """bf16 CuTe against the fp8 CuTe op (quantize included), its kernel alone (and other
-    pipeline depths) and the Triton fp8 oracle, on one input."""
+    pipeline depths) and the Triton fp8 oracle, on one input; ``op_only``: the bf16 op, the
+    fp8 op with the CuTe quantize pass and the fp8 kernel alone, at ``bench.TOP_K`` only."""
     qp, kp, cu, D, Dp, Hp = inputs(shape, S, kind)
     head = f"{shape} S={S} {kind}"
     cfg = bench.step_config(S, D, Dp)
     qz = quant.quantize(qp, kp, cu, cfg.block_size)
-    ms = median_ms(functools.partial(quant.quantize, qp, kp, cu, cfg.block_size))
-    print(f"{head} quantize (rotation, e4m3, block scales): {ms:.3f} ms", flush=True)
-    cute_quantize_lines(head, qz, qp, kp, cu, cfg)
+    if not op_only:
+        ms = median_ms(functools.partial(quant.quantize, qp, kp, cu, cfg.block_size))
+        print(f"{head} quantize (rotation, e4m3, block scales): {ms:.3f} ms", flush=True)
+        cute_quantize_lines(head, qz, qp, kp, cu, cfg)
     lines = []  # (name, cfg, into)
-    for top_k in top_ks:
+    for top_k in (bench.TOP_K,) if op_only else top_ks:
         c = dataclasses.replace(cfg, top_k=top_k)
         c8 = dataclasses.replace(c, selection_precision="fp8")
         lines.append((f"cute k={top_k}", c, select_sm90.select_into))
-        lines.append((f"cute-fp8 k={top_k}", c8, fp8_op_into))
+        if not op_only:
+            lines.append((f"cute-fp8 k={top_k}", c8, fp8_op_into))
         lines.append((f"cute-fp8 cute-quantize k={top_k}", c8, fp8_op_cute_quantize_into))
         kernel = functools.partial(fp8_kernel_into, qz, select_sm90.FP8_STAGES)
         lines.append((f"cute-fp8 kernel k={top_k}", c8, kernel))
-        lines.append((f"triton-fp8 k={top_k}", c8, functools.partial(triton_fp8_into, qz)))
+        if not op_only:
+            lines.append((f"triton-fp8 k={top_k}", c8, functools.partial(triton_fp8_into, qz)))
     c8 = dataclasses.replace(cfg, selection_precision="fp8")
-    for stages in FP8_STAGES:
+    for stages in () if op_only else FP8_STAGES:
         kernel = functools.partial(fp8_kernel_into, qz, stages)
         lines.append((f"cute-fp8 kernel k={bench.TOP_K} stages={stages}", c8, kernel))
     refs = {}  # (precision, top_k) -> the reference's (or at 1M Triton's) indices
@@ -248,54 +250,14 @@ def reference_indices(refs, c, qp, kp, cu, qz):
     return refs[key]
 
 
-def variants_ab(shape, S, kind, top_ks, bf16=True):
-    """The default kernel against ``selector=True`` on one input: the fp8 kernel alone on the
-    torch quantize pass's operands and, with ``bf16``, the exact (bf16) kernel. A variant line
-    also says whether its indices are the default's, bit for bit (not timed if not)."""
-    qp, kp, cu, D, Dp, Hp = inputs(shape, S, kind)
-    cfg = bench.step_config(S, D, Dp)
-    qz = quant.quantize(qp, kp, cu, cfg.block_size)
-    lines = []  # (name, cfg, into)
-    for top_k in top_ks:
-        c = dataclasses.replace(cfg, top_k=top_k)
-        c8 = dataclasses.replace(c, selection_precision="fp8")
-        for sel in (False, True):
-            if bf16:
-                exact = functools.partial(select_sm90.select_into, selector=sel)
-                lines.append((f"cute k={top_k} selector={sel}", c, exact))
-            kernel = functools.partial(fp8_kernel_into, qz, select_sm90.FP8_STAGES, selector=sel)
-            lines.append((f"cute-fp8 kernel k={top_k} selector={sel}", c8, kernel))
-    refs = {}  # (precision, top_k) -> the reference's (or at 1M Triton's) indices
-    defaults = {}  # (precision, top_k) -> the default kernel's indices
-    qd, kd = quant.dequantize(qz) if S <= REFERENCE_MAX_S else (None, None)
-
-    def check(out, c, name):
-        fp8 = c.selection_precision == "fp8"
-        key = (c.selection_precision, c.top_k)
-        ref = reference_indices(refs, c, qp, kp, cu, qz)
-        if S > REFERENCE_MAX_S:
-            ok, text = verify_against(out, ref)
-        else:
-            ok, text = verify(out, ref, qd if fp8 else qp, kd if fp8 else kp, cu, c)
-        if name.endswith("selector=False"):
-            defaults[key] = out.clone()
-        else:  # (the default's line runs first; a failing one leaves no indices to compare)
-            same = key in defaults and torch.equal(out, defaults[key])
-            ok = ok and same
-            text += f", {'identical' if same else 'NOT IDENTICAL'} to selector=False"
-        return ok, text
-
-    run_lines(f"{shape} S={S} {kind}", lines, qp, kp, cu, S, Dp, Hp, check)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fp8", action="store_true", help="only the bf16 / fp8 A/B")
     parser.add_argument(
-        "--variants",
+        "--op-only",
         action="store_true",
-        help="only the selector warpgroup's A/B (default vs selector=True), bf16 and fp8 "
-        "kernels (with --fp8: the fp8 kernel only)",
+        help="the fp8 A/B's op lines only, top_k 16: cute (bf16 op), cute-fp8 cute-quantize "
+        "(the shipped fp8 op), cute-fp8 kernel",
     )
     parser.add_argument("--kinds", nargs="+", default=["random", "local"])
     parser.add_argument(
@@ -306,12 +268,6 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.fp8_cases]
-    if args.variants:
-        for shape, S in cases:
-            for kind in args.kinds:
-                top_ks = (bench.TOP_K,) if S > REFERENCE_MAX_S else (bench.TOP_K, 64)
-                variants_ab(shape, S, kind, top_ks, bf16=not args.fp8)
-        return
     if not args.fp8:
         for shape, S in FULL_CASES:
             for kind in args.kinds:
@@ -319,7 +275,8 @@ def main(argv=None):
     for shape, S in cases:
         for kind in args.kinds:
             # top_k 64 at 1M: a 1M-token line takes ~1 s per call; 16 is the issue's setting
-            fp8_ab(shape, S, kind, (bench.TOP_K,) if S > REFERENCE_MAX_S else (bench.TOP_K, 64))
+            top_ks = (bench.TOP_K,) if S > REFERENCE_MAX_S else (bench.TOP_K, 64)
+            fp8_ab(shape, S, kind, top_ks, args.op_only)
 
 
 if __name__ == "__main__":

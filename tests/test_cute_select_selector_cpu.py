@@ -1,10 +1,10 @@
-"""The selection's selector warpgroup (``SelectSm90(selector=True)``, issue 15, Option C of
+"""The selection kernel's selector warpgroup (``SelectSm90``, issue 15, Option C of
 docs/reviews/2026-12-01-fp8-selection-epilogue.md) without a GPU.
 
-The variant moves the top-k lists out of the two consumer warpgroups into a fourth warpgroup
-(one row per thread), fed the block maxima through a shared-memory ring of
-``SelectSm90.RING_SLOTS`` slots with a full and an empty mbarrier per slot (the accounting:
-``select_sm90``'s module docstring, "Selector warpgroup"). Checked here:
+The kernel keeps the top-k lists in a fourth warpgroup (one row per thread), fed the block
+maxima by the two consumer warpgroups through a shared-memory ring of ``SelectSm90.RING_SLOTS``
+slots with a full and an empty mbarrier per slot (the accounting: ``select_sm90``'s module
+docstring, "Selector warpgroup"). Checked here:
 
 - the ring's phase accounting replayed on a model of the hardware mbarrier (arrival count,
   phase, ``try_wait.parity``) over random interleavings of the 8 consumer warps and the 4
@@ -13,19 +13,16 @@ The variant moves the top-k lists out of the two consumer warpgroups into a four
   read would show a later tile's value), nothing pending at the end; and the model fails
   each of three mutated parities (so it can catch an error);
 - the register split (``setmaxnreg``) sums to the register file at every top_k and leaves the
-  selector its list; ``can_implement``'s refusals (shared memory with the ring, a non-bool
-  field) and the shared-memory arithmetic;
+  selector its list; ``can_implement``'s shared-memory refusals (the ring beside the key
+  stages) and the shared-memory arithmetic;
 - compiled for sm_90a: spill-free, ``setmaxnreg`` kept with the split's counts, wgmmas not
   serialized, 512 threads, and the PTX's ``mbarrier.init`` counts: 1 (query tile), per key
   stage 1 (full: the producer's arrive with its byte count) and 8 (empty: one per consumer
   warp), per ring slot 8 (full: consumer warps) and 4 (empty: selector warps), at the ring's
-  offsets in the shared storage;
-- the default kernel untouched by the field: its name and ``repr`` do not mention it, its PTX
-  is that of ``selector=False`` given explicitly, with 384 threads, 24 / 240 registers and no
-  ring barrier (``compile_check select --dump`` compared every default configuration's PTX
-  and cubin with the tree before the field: byte-identical).
+  offsets in the shared storage.
 
-The GPU tests (bitwise equal to the default's indices) are tests/test_gpu_cute_select_selector.py.
+The GPU tests (against the reference and the Triton fp8 oracle, where the ring is stressed)
+are tests/test_gpu_cute_select_selector.py.
 """
 
 from __future__ import annotations
@@ -158,8 +155,9 @@ def test_ring_slot_and_parities_are_the_kernels_formulas():
 # registers, shared memory, refusals
 # ---------------------------------------------------------------------------------------------
 def test_register_split_fills_the_file_and_holds_the_list():
+    assert SelectSm90.THREADS == 512
     for top_k in range(1, 65):
-        r = SelectSm90.register_split(top_k, True)
+        r = SelectSm90.register_split(top_k)
         assert r["threads"] == 512 and r["launch"] == 128
         counts = (r["producer"], r["consumer"], r["selector"])
         assert all(c % 8 == 0 and 24 <= c <= 256 for c in counts), (top_k, r)
@@ -167,51 +165,36 @@ def test_register_split_fills_the_file_and_holds_the_list():
         assert 65536 - 2048 < used <= 65536, (top_k, r)  # within 8 registers of the consumers
         assert r["selector"] >= 2 * top_k + 24, (top_k, r)  # the list and its temporaries
         assert r["consumer"] >= 160, (top_k, r)  # the accumulator (64) and ~50 more
-    assert SelectSm90.register_split(16, True)["consumer"] == 216
-    assert SelectSm90.register_split(16, True)["selector"] == 56
-    assert SelectSm90.register_split(64, True)["consumer"] == 168
-    assert SelectSm90.register_split(64, True)["selector"] == 152
-    d = SelectSm90.register_split(16, False)
-    assert (d["threads"], d["producer"], d["consumer"], d["selector"]) == (384, 24, 240, None)
-    assert 128 * d["producer"] + 256 * d["consumer"] == 168 * 384
+    assert SelectSm90.register_split(16)["consumer"] == 216
+    assert SelectSm90.register_split(16)["selector"] == 56
+    assert SelectSm90.register_split(64)["consumer"] == 168
+    assert SelectSm90.register_split(64)["selector"] == 152
 
 
 def test_shared_memory_with_the_ring_and_refusals():
+    """The ring's bytes after the key stages (the struct rounded up to 1024) and the deepest
+    pipelines that fit beside it at Dp 128: bf16 5 stages, fp8 12 (the numbers of
+    ``can_implement``'s docstring)."""
     bf16, e4m3 = cutlass.BFloat16, cutlass.Float8E4M3FN
     sb = SelectSm90.shared_bytes
-    assert sb(1, 128, 8)["total"] == 148480  # the default's (unchanged by the parameter)
-    assert sb(1, 128, 8, 1)["total"] == 151552  # + 64 + 2048, rounded up to 1024
-    assert sb(1, 128, 8, 2)["total"] == 153600  # + 64 + 4096
-    assert sb(1, 128, 8, 2)["ring"] == 4 * 4 * 2 * 128
+    assert sb(1, 128, 8, 128)["total"] == 151552  # 148,480 + 64 + 2048, rounded up to 1024
+    assert sb(1, 128, 8, 64)["total"] == 153600  # + 64 + 4096
+    assert sb(1, 128, 8, 64)["ring"] == 4 * 4 * 2 * 128
+    assert sb(1, 128, 8, 128)["ring"] == 4 * 4 * 1 * 128
+    assert sb(2, 128, 4, 128)["total"] == 167936
+    assert sb(2, 128, 4, 64)["total"] == 169984
     ci = SelectSm90.can_implement
-    assert ci(e4m3, 128, 4, 1, 64, 64, 12, "block", selector=True) is None
-    why = ci(e4m3, 128, 4, 1, 16, 128, 13, "block", selector=True)
+    assert ci(e4m3, 128, 4, 1, 64, 64, 12, "block") is None  # 219,136 bytes
+    why = ci(e4m3, 128, 4, 1, 16, 128, 13, "block")
     assert why is not None and "shared memory" in why and "233472" in why
-    assert ci(e4m3, 128, 4, 1, 16, 128, 13, "block") is None  # the default fits 13
-    assert ci(bf16, 128, 4, 1, 16, 128, 5, selector=True) is None
-    why = ci(bf16, 128, 4, 1, 16, 64, 6, selector=True)
-    assert why is not None and "shared memory" in why
-    assert ci(bf16, 128, 4, 1, 16, 64, 6) is None
-    assert "bool" in ci(bf16, 128, 4, 1, 16, 128, selector=1)
+    assert ci(bf16, 128, 4, 1, 16, 64, 5) is None  # 202,752 bytes
+    why = ci(bf16, 128, 4, 1, 16, 128, 6)
+    assert why is not None and "shared memory" in why and "233472" in why
     with pytest.raises(ValueError, match="shared memory"):
-        SelectSm90(bf16, 128, 4, 1, 16, 128, 6, selector=True)
-    with pytest.raises(ValueError, match="bool"):
-        SelectSm90(bf16, 128, 4, 1, 16, 128, selector="yes")
-    # the field supports every mode: the query map, both key scales, top_k 1..64
-    SelectSm90(bf16, 64, 4, 1, 64, 64, qmap=True, selector=True)
-    SelectSm90(e4m3, 128, 4, 1, 1, 128, 8, key_scale="token", selector=True)
-
-
-def test_field_is_hidden_from_the_default_name_only():
-    a = SelectSm90(cutlass.BFloat16, 128, 4, 1, 16, 128)
-    b = SelectSm90(cutlass.BFloat16, 128, 4, 1, 16, 128, selector=False)
-    c = SelectSm90(cutlass.BFloat16, 128, 4, 1, 16, 128, selector=True)
-    assert a == b and hash(a) == hash(b) and repr(a) == repr(b)
-    assert "selector" not in repr(a) and "selector=True" in repr(c)
-    assert a != c and repr(a) == repr(c).replace(", selector=True", "")
-    from flash_msa.cute import disk_cache
-
-    assert disk_cache.stable_text(a) != disk_cache.stable_text(c)
+        SelectSm90(bf16, 128, 4, 1, 16, 128, 6)
+    # every mode has the ring: the query map, both key scales, top_k 1..64
+    SelectSm90(bf16, 64, 4, 1, 64, 64, qmap=True)
+    SelectSm90(e4m3, 128, 4, 1, 1, 128, 8, key_scale="token")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,11 +228,11 @@ CONFIGS = [  # (name, dtype, Dp, Hp, Hpk, top_k, block, qmap, key_scale)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c[0])
 def test_selector_compiles_spill_free_with_its_barriers(cfg, tmp_path):
     name, dt, Dp, Hp, Hpk, K, block, qmap, scale = cfg
-    res, ptx = _compile(tmp_path, name, dt, Dp, Hp, Hpk, K, block, qmap, scale, selector=True)
+    res, ptx = _compile(tmp_path, name, dt, Dp, Hp, Hpk, K, block, qmap, scale)
     assert res["stack"] == 0 and res["local"] == 0, res
     assert res["setmaxnreg_kept"] and not res["wgmma_serialized"], res
     assert res["reg"] == 128, res  # the launch's: 65536 / 512
-    split = SelectSm90.register_split(K, True)
+    split = SelectSm90.register_split(K)
     assert ".reqntid 512, 1, 1" in ptx
     dec = sorted(int(x) for x in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+);", ptx))
     inc = sorted(int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", ptx))
@@ -257,7 +240,7 @@ def test_selector_compiles_spill_free_with_its_barriers(cfg, tmp_path):
     want_inc = sorted([split["consumer"]] + [split["selector"]] * (split["selector"] > 128))
     assert (dec, inc) == (want_dec, want_inc), ptx.count("setmaxnreg")
     stages = select_sm90.FP8_STAGES if scale else SelectSm90.stages
-    sizes = SelectSm90.shared_bytes(1 if scale else 2, Dp, stages, 128 // block)
+    sizes = SelectSm90.shared_bytes(1 if scale else 2, Dp, stages, block)
     R = SelectSm90.RING_SLOTS
     ring = sizes["k_mbar"] + sizes["q_mbar"]  # the ring's barriers: after the tiles
     ring = -(-ring // 1024) * 1024 + sizes["sQ"]
@@ -269,20 +252,3 @@ def test_selector_compiles_spill_free_with_its_barriers(cfg, tmp_path):
     assert sorted(c for _, c in inits) == sorted(c for _, c in want), inits
     ring_inits = [x for x in inits if x[0] >= ring]
     assert ring_inits == sorted(want[-2 * R :]), (ring, ring_inits)
-
-
-def test_default_ptx_does_not_see_the_field(tmp_path):
-    """The default kernel (field omitted) compiles to the PTX of ``selector=False``: its
-    entry named without the field, 384 threads, 24 / 240 registers, no ring barrier, no
-    selector role. (Byte-identity to the tree before the field: compile_check ``--dump``.)"""
-    cfg = ("e4m3", 128, 4, 1, 16, 128, False, "block")
-    _, omitted = _compile(tmp_path, "omitted", *cfg)
-    _, explicit = _compile(tmp_path, "explicit", *cfg, selector=False)
-    assert omitted == explicit
-    assert "selector" not in omitted
-    assert ".reqntid 384, 1, 1" in omitted
-    assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", omitted) == [
-        ("dec", "24"), ("inc", "240"),
-    ]  # fmt: skip
-    assert sorted(c for _, c in _inits(omitted)) == sorted([1] * 9 + [8] * 8)
-    assert "bar.warp.sync" not in omitted

@@ -125,9 +125,11 @@ def test_cute_select_matches_reference_and_triton(case, kind):
         assert bad == 0
 
 
-@pytest.mark.parametrize("stages", [2, 3, 6])
+@pytest.mark.parametrize("stages", [2, 3, 5])
 def test_cute_select_pipeline_depth_does_not_change_the_result(stages):
-    """``SelectSm90(stages=...)``: the same scores in the same order, so the same indices."""
+    """``SelectSm90(stages=...)``: the same scores in the same order, so the same indices. 5 is
+    the deepest bf16 Dp=128 pipeline beside the selector's ring (6 at block 64: 235,520 bytes
+    of shared memory, past sm_90's 232,448; ``can_implement``)."""
     _cute()
     qp, kp, cu, cfg = _select_case((3000, 1, 2100), 4, 1, 128, 64, 24, torch.bfloat16, seed=2)
     default = _select_into_poisoned(qp, kp, cu, cfg)

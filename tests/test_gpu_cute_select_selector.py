@@ -1,19 +1,21 @@
-"""GPU tests of the selection's selector warpgroup (``SelectSm90(selector=True)``, issue 15,
-Option C of docs/reviews/2026-12-01-fp8-selection-epilogue.md; ``pytest -m gpu`` on Hopper with
-nvidia-cutlass-dsl).
+"""GPU tests of the selection kernel where its selector warpgroup's ring is stressed
+(``SelectSm90``: the top-k lists in a fourth warpgroup fed block maxima through a ring of
+shared memory, issue 15, Option C of docs/reviews/2026-12-01-fp8-selection-epilogue.md;
+``pytest -m gpu`` on Hopper with nvidia-cutlass-dsl).
 
-The variant makes the same offers in the same order as the default kernel (the consumers
-compute every block maximum as before, the selector runs the same insertion rule on one whole
-list per thread), so its indices must be the default kernel's bit for bit: compared with
-``torch.equal`` on both kernels' outputs, each written into a poisoned buffer
-(``testing.POISON_INT``: a slot the selector forgot differs). The default kernel itself is
-checked against the reference and the Triton kernels by tests/test_gpu_cute.py and
-tests/test_gpu_cute_fp8.py. Cases: bf16/fp16 and fp8 (block and per-token key scales), top_k
-1, 8, 16, 17, 64, block 64 and 128, Dp 64 and 128, varlen (sequences of 1 and 129 tokens:
-one key tile, fewer tiles than ring slots), random and local inputs, long sequences (70 key
-tiles: the ring wraps 17 times), the shallowest and deepest key pipelines beside the ring,
-identical key blocks (every score ties: block order decides), and the query map. A hang here
-is the ring's barrier accounting (``select_sm90``'s module docstring, "Selector warpgroup";
+Every case is checked against independent oracles, each kernel output written into a poisoned
+buffer (``testing.POISON_INT``: a slot the selector forgot fails the index format): the exact
+(bf16/fp16) kernel against ``reference.select`` with the near-tie rule of tests/test_gpu_cute.py
+(``testing.selection_mismatch``, its ``_check_format``), the fp8 kernel against the Triton fp8
+oracle and ``reference.select(..., quantized=)`` on the same quantized operands with the rule
+of tests/test_gpu_cute_fp8.py (its ``_mismatch`` on the dequantized operands). Where every
+score ties (identical key blocks) the block order alone decides: there the kernel must equal
+the reference and the closed form exactly. Cases: bf16/fp16 and fp8 (block and per-token key
+scales), top_k 1, 8, 16, 17, 64, block 64 and 128, Dp 64 and 128, varlen (sequences of 1 and
+129 tokens: one key tile, fewer tiles than ring slots), random and local inputs, long sequences
+(64 to 70 key tiles: the ring of 4 slots wraps 16 to 17 times), the shallowest and deepest key
+pipelines that fit beside the ring, identical key blocks, and the query map. A hang here is
+the ring's barrier accounting (``select_sm90``'s module docstring, "Selector warpgroup";
 replayed on the CPU by tests/test_cute_select_selector_cpu.py).
 """
 
@@ -22,9 +24,18 @@ import dataclasses
 import pytest
 import torch
 
-from flash_msa import quant, reference, testing
-from harness import config, packed_inputs
-from test_gpu_cute_fp8 import _select_sm90  # (the cute backend loaded, its selection module)
+from flash_msa import reference, testing
+from harness import config
+from test_gpu_cute import (  # the exact selection's helpers: index format, inputs, query maps
+    _check_format,
+    _check_mapped_format,
+    _local_rows,
+    _on_tokens,
+    _q_map,
+    _select_case,
+    _select_into_poisoned,
+)
+from test_gpu_cute_fp8 import _case, _cute_fp8, _mismatch, _oracle_and_reference, _select_sm90
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,24 +46,30 @@ pytestmark = [
 ]
 
 
-def _inputs(lengths, Hp, Hpk, Dp, dtype, seed=0, kind="random"):
-    (qp, kp, *_), cu = packed_inputs(
-        lengths, 1, 1, Hp, Hpk, 1, Dp, dtype=dtype, device="cuda", seed=seed, kind=kind
-    )
-    return qp, kp, cu
-
-
 def _exact(qp, kp, cu, cfg, **variant):
-    """The exact (bf16/fp16) kernel into a poisoned index buffer."""
-    out = testing.poisoned((qp.shape[0], qp.shape[1], cfg.top_k), torch.int32, "cuda")
-    return _select_sm90().select_into(out, qp, kp, cu, cfg, **variant)
+    """The exact kernel into a poisoned index buffer (cutlass present, the backend loaded)."""
+    _select_sm90()
+    return _select_into_poisoned(qp, kp, cu, cfg, **variant)
 
 
-def _fp8(qz, cu, cfg, **variant):
-    """The fp8 kernel alone on quantized operands into a poisoned index buffer."""
-    T, Hp, _ = qz.q.shape
-    out = testing.poisoned((T, Hp, cfg.top_k), torch.int32, "cuda")
-    return _select_sm90().select_fp8_into(out, qz, cu, cfg, **variant)
+def _check_exact(idx, qp, kp, cu, cfg):
+    """The exact kernel's ``idx``: the index format (every slot written) and the reference's
+    block sets, near-ties accepted (tests/test_gpu_cute.py's rule)."""
+    _check_format(idx, cu, cfg.block_size)
+    ref = reference.select(qp, kp, cu, cfg)
+    bad = testing.selection_mismatch(
+        idx.cpu(), ref.cpu(), qp.cpu(), kp.cpu(), cfg.block_size, cfg.proxy_scale, cu.cpu()
+    )
+    assert bad == 0
+
+
+def _check_fp8(idx, qp, kp, cu, cfg, qz):
+    """The fp8 kernel's ``idx``: the index format and the block sets of the Triton fp8 oracle
+    and the reference on the same quantized operands ``qz``, near-ties accepted
+    (tests/test_gpu_cute_fp8.py's rule)."""
+    _check_format(idx, cu, cfg.block_size)
+    for other in _oracle_and_reference(qp, kp, cu, cfg, qz):
+        assert _mismatch(idx, other, qz, cu, cfg) == 0
 
 
 EXACT_CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype
@@ -70,12 +87,9 @@ EXACT_CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype
     "case", EXACT_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-b{c[4]}-k{c[5]}"
 )
 @pytest.mark.parametrize("kind", ["random", "local"])
-def test_selector_exact_is_bitwise_the_default(case, kind):
-    lengths, Hp, Hpk, Dp, b, top_k, dtype = case
-    qp, kp, cu = _inputs(lengths, Hp, Hpk, Dp, dtype, kind=kind)
-    cfg = config(max(lengths), 16, Dp, b, top_k)
-    default = _exact(qp, kp, cu, cfg)
-    assert torch.equal(_exact(qp, kp, cu, cfg, selector=True), default)
+def test_selector_exact_matches_reference(case, kind):
+    qp, kp, cu, cfg = _select_case(*case, kind=kind)
+    _check_exact(_exact(qp, kp, cu, cfg), qp, kp, cu, cfg)
 
 
 FP8_CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype, key scale
@@ -96,67 +110,88 @@ def _fp8_id(c):
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=_fp8_id)
 @pytest.mark.parametrize("kind", ["random", "local"])
-def test_selector_fp8_is_bitwise_the_default(case, kind):
-    lengths, Hp, Hpk, Dp, b, top_k, dtype, key_scale = case
-    qp, kp, cu = _inputs(lengths, Hp, Hpk, Dp, torch.float32, kind=kind)
-    qp, kp = qp.to(dtype).contiguous(), kp.to(dtype).contiguous()
-    cfg = dataclasses.replace(config(max(lengths), 16, Dp, b, top_k), selection_precision="fp8")
-    qz = quant.quantize(qp, kp, cu, b, key_scale=key_scale)
-    assert torch.equal(_fp8(qz, cu, cfg, selector=True), _fp8(qz, cu, cfg))
+def test_selector_fp8_matches_oracle_and_reference(case, kind):
+    *shape, key_scale = case
+    qp, kp, cu, cfg, qz = _case(*shape, kind=kind, key_scale=key_scale)
+    _check_fp8(_cute_fp8(qz, cu, cfg), qp, kp, cu, cfg, qz)
 
 
 @pytest.mark.parametrize("stages", [2, 5])
 def test_selector_beside_the_shallowest_and_deepest_key_pipelines(stages):
     """The ring beside 2 key stages (the consumers wait on the producer more often) and 5 (the
-    most bf16 Dp=128 stages that fit with the ring): the default's indices."""
-    qp, kp, cu = _inputs((3000, 1, 2100), 4, 1, 128, torch.bfloat16, seed=2)
-    cfg = config(3000, 16, 128, 64, 24)
-    default = _exact(qp, kp, cu, cfg)
-    assert torch.equal(_exact(qp, kp, cu, cfg, stages=stages, selector=True), default)
+    most bf16 Dp=128 stages that fit with the ring, ``can_implement``): the reference's
+    selection, and the default depth's indices (the same scores in the same order)."""
+    qp, kp, cu, cfg = _select_case((3000, 1, 2100), 4, 1, 128, 64, 24, torch.bfloat16, seed=2)
+    got = _exact(qp, kp, cu, cfg, stages=stages)
+    _check_exact(got, qp, kp, cu, cfg)
+    assert torch.equal(got, _exact(qp, kp, cu, cfg))
 
 
 def test_selector_fp8_at_the_deepest_pipeline_that_fits():
-    """12 fp8 stages (13 do not fit with the ring: ``can_implement``)."""
-    qp, kp, cu = _inputs((3000, 1, 2100), 4, 1, 128, torch.bfloat16, seed=2)
-    cfg = dataclasses.replace(config(3000, 16, 128, 64, 24), selection_precision="fp8")
-    qz = quant.quantize(qp, kp, cu, 64)
-    assert torch.equal(_fp8(qz, cu, cfg, stages=12, selector=True), _fp8(qz, cu, cfg))
+    """12 fp8 stages (13 do not fit with the ring: ``can_implement``): the oracle's and the
+    reference's selection, and the default depth's indices."""
+    qp, kp, cu, cfg, qz = _case((3000, 1, 2100), 4, 1, 128, 64, 24, torch.bfloat16, seed=2)
+    got = _cute_fp8(qz, cu, cfg, stages=12)
+    _check_fp8(got, qp, kp, cu, cfg, qz)
+    assert torch.equal(got, _cute_fp8(qz, cu, cfg))
+
+
+def _ties_expected(S, block, top_k):
+    """The selection when every key block scores the same for a query: the own block and the
+    lowest ``top_k - 1`` blocks before it, ascending, -1 padded (``(S, top_k)`` int32)."""
+    out = torch.full((S, top_k), -1, dtype=torch.int32)
+    for i in range(S // block):
+        kept = [*range(min(top_k - 1, i)), i]
+        out[i * block : (i + 1) * block, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
+    return out
 
 
 def test_selector_keeps_ties_in_block_order():
-    """Identical key blocks: every score ties, the lower blocks win (equal to the reference
-    and to the default, across list evictions at top_k 24 and with a whole 64-entry list)."""
+    """Identical key blocks: every score ties, the lower blocks win, across list evictions
+    (top_k 5, 24) and with a whole 64-entry list: the kernels and the references equal the
+    closed form exactly (no near-tie allowance). Integer-valued operands, so that the exact
+    scores are exact in the kernel and the reference alike (no rounding can break a tie); the
+    fp8 operands of identical blocks are identical (the same rotation, e4m3 bytes and block
+    scale), and both fp8 implementations score identical key columns identically (as in
+    tests/test_gpu_cute_fp8.py's tie test)."""
+    from flash_msa import quant
+
     g = torch.Generator().manual_seed(1)
-    S, Dp = 128 * 40, 128
-    kp = torch.randn(128, 1, Dp, generator=g).repeat(40, 1, 1).to("cuda", torch.bfloat16)
-    qp = torch.randn(S, 2, Dp, generator=g).to("cuda", torch.bfloat16)
+    S, Dp, b = 128 * 40, 128, 128
+    kp = torch.randint(-3, 4, (b, 1, Dp), generator=g).float().repeat(S // b, 1, 1)
+    qp = torch.randint(-3, 4, (S, 2, Dp), generator=g).float()
+    kp, qp = kp.to("cuda", torch.bfloat16), qp.to("cuda", torch.bfloat16)
     cu = testing.cu([S], "cuda")
-    qz = quant.quantize(qp, kp, cu, 128)
+    qz = quant.quantize(qp, kp, cu, b)
     for top_k in (5, 24, 64):
-        cfg = dataclasses.replace(config(S, 16, Dp, 128, top_k), selection_precision="fp8")
-        got = _fp8(qz, cu, cfg, selector=True)
-        assert torch.equal(got, _fp8(qz, cu, cfg)), top_k
-        assert torch.equal(got, reference.select(qp, kp, cu, cfg, quantized=qz)), top_k
-        exact = dataclasses.replace(cfg, selection_precision="bf16")
-        assert torch.equal(_exact(qp, kp, cu, exact, selector=True), _exact(qp, kp, cu, exact))
+        want = _ties_expected(S, b, top_k)[:, None].expand(S, 2, top_k).cuda()
+        exact = config(S, 16, Dp, b, top_k)
+        assert torch.equal(reference.select(qp, kp, cu, exact), want), top_k  # the closed form
+        assert torch.equal(_exact(qp, kp, cu, exact), want), top_k
+        cfg = dataclasses.replace(exact, selection_precision="fp8")
+        assert torch.equal(reference.select(qp, kp, cu, cfg, quantized=qz), want), top_k
+        assert torch.equal(_cute_fp8(qz, cu, cfg), want), top_k
 
 
 @pytest.mark.parametrize("kind", ["zigzag", "random"])
-@pytest.mark.parametrize("case", [0, 1], ids=["8192-k16", "9000x300-k64"])
-def test_selector_query_map_is_bitwise_the_default(case, kind):
-    """The query-map kernel with the selector (each selector thread writes its row's query
-    row; padding rows left alone): the default's indices bit for bit."""
-    from test_gpu_cute import _local_rows, _q_map  # the query maps of the q_map tests
-
-    lengths, Hp, Hpk, Dp, b, top_k, dtype = (EXACT_CASES[0], EXACT_CASES[2])[case]
-    qp, kp, cu = _inputs(lengths, Hp, Hpk, Dp, dtype)
-    cfg = config(max(lengths), 16, Dp, b, top_k)
-    q_map = _q_map(kind, lengths, b)
+@pytest.mark.parametrize("case", [0, 2], ids=["8192-k16", "9000x300-k64"])
+def test_selector_query_map_matches_reference(case, kind):
+    """The query-map kernel (each selector thread writes its row's query row; padding rows
+    left alone, still poisoned): the index format at the rows' positions and the reference's
+    selection with the same map, near-ties accepted (tests/test_gpu_cute.py's rule on the
+    tokens' rows)."""
+    qp, kp, cu, cfg = _select_case(*EXACT_CASES[case])
+    q_map = _q_map(kind, EXACT_CASES[case][0], cfg.block_size)
     qp_l = _local_rows(qp, q_map)
-    outs = []
-    for selector in (False, True):
-        into = testing.poisoned((qp_l.shape[0], Hp, top_k), torch.int32, "cuda")
-        outs.append(
-            _select_sm90().select_into(into, qp_l, kp, cu, cfg, q_map=q_map, selector=selector)
-        )
-    assert torch.equal(outs[1], outs[0])
+    real = q_map >= 0
+    into = testing.poisoned((qp_l.shape[0], qp.shape[1], cfg.top_k), torch.int32, "cuda")
+    _select_sm90().select_into(into, qp_l, kp, cu, cfg, q_map=q_map)
+    assert (into[~real] == testing.POISON_INT).all(), "a padding row was written"
+    _check_mapped_format(into, q_map, cu, cfg.block_size)
+    want = reference.select(qp_l, kp, cu, cfg, q_map=q_map)
+    base = reference.select(qp, kp, cu, cfg)  # every token's (rows the map leaves out)
+    bad = testing.selection_mismatch(
+        _on_tokens(into, q_map, base), _on_tokens(want, q_map, base), qp.cpu(), kp.cpu(),
+        cfg.block_size, cfg.proxy_scale, cu.cpu(),
+    )  # fmt: skip
+    assert bad == 0

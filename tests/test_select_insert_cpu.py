@@ -1,18 +1,20 @@
-"""The selection's top-k insertion (``SelectSm90.offer_rank``, issue 15) replayed on the CPU.
+"""The selection's top-k insertion (``SelectSm90.offer_row``, issue 15) replayed on the CPU.
 
-The kernel inserts a block's maximum into a lane's descending top-k list by a rank update,
+The kernel inserts a block's maximum into its selector thread's descending top-k list (one
+row's whole list per thread) by a rank update,
 ``v'[t] = v[t-1] if gt[t-1] else (c if gt[t] else v[t])`` with ``gt[t] = shift | (c > v[t])``,
 behind a warp vote, and reduces the quad's block maxima by exchanging rows
 (``quad_exchange_max``). It replaced a sequential insertion (a swap carried through the list)
 after the session-11 H200 A/B (``select_sm90``'s module docstring); that chain lives on here
 only, as the oracle (:func:`offer_chain`): the rule stated step by step. Both are pure
 arithmetic on float32 values, so these tests replay them in torch, batched over many
-independent rows, exactly as the kernel executes them per lane (the split lists' lower lane
-reading the upper lane's last entry *before* either lane updates, as the shuffle does), and
-require the same lists after every offer, ties included: random values on a few levels (many
-ties), ``-inf`` blocks (never entering), the own block's ``+inf`` anywhere (first included),
-``top_k`` 1..64 with the two-lane split beyond 16 entries (lists of ``ceil(top_k / 2)`` per
-lane, 17 odd). The kernel's PTX is checked by ``python -m flash_msa.cute.compile_check select``.
+independent rows, exactly as the kernel executes them per thread, and require the same
+lists after every offer, ties included: random values on a few levels (many ties), ``-inf``
+blocks (never entering), the own block's ``+inf`` anywhere (first included), ``top_k`` 1..64.
+(Until the fourteenth session the consumer lanes held the lists, split over two lanes beyond
+16 entries; the selector warpgroup that replaced them holds a row's list in one thread, so the
+replay has one lane per list.) The kernel's PTX is checked by
+``python -m flash_msa.cute.compile_check select``.
 CPU time ~7 s on this 2-core machine (``--durations``: 40 tests, the slowest 0.65 s).
 """
 
@@ -25,14 +27,14 @@ INF = float("inf")
 
 
 def layout(top_k):
-    """``(lanes, half)``: lanes per list and entries per lane (``SelectSm90.kernel``)."""
-    lanes = 1 if top_k <= 16 else 2
-    return lanes, (top_k + lanes - 1) // lanes
+    """``(lanes, half)``: threads per list and entries per thread: one selector thread holds
+    its row's whole list (``SelectSm90.offer_row``)."""
+    return 1, top_k
 
 
 def empty(rows, lanes, half):
-    """Per lane a list of ``half`` entries: ``(values, indices)`` of ``(rows, lanes, half)``
-    (lane 0 the upper half, lane 1 the lower), filled as the kernel fills them."""
+    """Per lane a list of ``half`` entries: ``(values, indices)`` of ``(rows, lanes, half)``,
+    filled as the kernel fills them."""
     return (
         torch.full((rows, lanes, half), -INF, dtype=torch.float32),
         torch.full((rows, lanes, half), -1, dtype=torch.int32),
@@ -40,19 +42,11 @@ def empty(rows, lanes, half):
 
 
 def lane_candidates(v, i, cv, ci):
-    """Each lane's ``(c, index, shift)``: the offered block, or for the lower lane of a split
-    list whose block enters the upper half, the upper half's last entry (read before the
-    update: the kernel's butterfly shuffle) with ``shift`` set."""
+    """Each lane's ``(c, index, shift)``: the offered block, no shift (one lane per list)."""
     rows, lanes, half = v.shape
     c = cv[:, None].expand(rows, lanes).clone()
     x = torch.full((rows, lanes), ci, dtype=torch.int32)
-    shift = torch.zeros((rows, lanes), dtype=torch.bool)
-    if lanes == 2:
-        up_v, up_i = v[:, 0, half - 1], i[:, 0, half - 1]
-        shift[:, 1] = cv > up_v
-        c[:, 1] = torch.where(shift[:, 1], up_v, cv)
-        x[:, 1] = torch.where(shift[:, 1], up_i, x[:, 1])
-    return c, x, shift
+    return c, x, torch.zeros((rows, lanes), dtype=torch.bool)
 
 
 def offer_chain(v, i, cv, ci):
@@ -73,7 +67,7 @@ def offer_chain(v, i, cv, ci):
 
 
 def offer_rank(v, i, cv, ci, *, vote=True):
-    """``SelectSm90.offer_rank``: every entry from its own comparison, last entry first, in
+    """``SelectSm90.offer_row``: every entry from its own comparison, last entry first, in
     place. ``vote``: as the kernel, skip when no row's lane enters (the replay's rows stand in
     for one warp's); False: every lane runs the update (what a lane does when another lane
     of its warp enters); the result must not depend on it."""
@@ -92,8 +86,8 @@ def offer_rank(v, i, cv, ci, *, vote=True):
 
 
 def kept(i, top_k):
-    """``SelectSm90.write_out``: the upper lane's entries then the lower's, the first
-    ``top_k``, ascending with -1 last (as a set of rows of ``top_k`` int64)."""
+    """``SelectSm90.write_row``: the list's first ``top_k`` entries, ascending with -1 last
+    (as a set of rows of ``top_k`` int64)."""
     keys = i.reshape(i.shape[0], -1)[:, :top_k].long()
     big = torch.iinfo(torch.int64).max
     keys = torch.where(keys < 0, big, keys).sort(dim=1).values
@@ -128,7 +122,7 @@ def scores_with_ties(rows, blocks, seed, levels=4, p_neg_inf=0.15):
 @pytest.mark.parametrize("top_k", [1, 2, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64])
 @pytest.mark.parametrize("levels", [2, 5, 1000])
 def test_rank_insertion_keeps_the_chains_lists(top_k, levels):
-    """After every offer the rank insertion's lists (both lanes, values and indices) equal
+    """After every offer the rank insertion's lists (values and indices) equal
     the sequential insertion's, with the vote and without; the written indices equal the
     rule computed from scratch."""
     lanes, half = layout(top_k)
@@ -141,7 +135,7 @@ def test_rank_insertion_keeps_the_chains_lists(top_k, levels):
         offer_rank(*always, s[:, b], b, vote=False)
         for got in (rank, always):
             assert torch.equal(got[0], chain[0]) and torch.equal(got[1], chain[1]), b
-    # the lists are descending over both lanes (the invariant the rank formula rests on)
+    # the lists are descending (the invariant the rank formula rests on)
     flat = chain[0].reshape(rows, -1)
     assert bool((flat[:, :-1] >= flat[:, 1:]).all())
     assert torch.equal(kept(rank[1], top_k), stable_top(s, top_k))
@@ -149,9 +143,9 @@ def test_rank_insertion_keeps_the_chains_lists(top_k, levels):
 
 @pytest.mark.parametrize("top_k", [16, 17, 64])
 def test_vote_skip_is_a_no_op_for_lanes_that_do_not_enter(top_k):
-    """A lane whose candidate does not enter (not strictly above its last entry; for a split
-    list's lower lane, not above the upper half's last either) keeps its list bit for bit when
-    it runs the update because another lane of its warp entered: ``gt`` is all false."""
+    """A thread whose candidate does not enter (not strictly above its last entry) keeps its
+    list bit for bit when it runs the update because another thread of its warp entered:
+    ``gt`` is all false."""
     lanes, half = layout(top_k)
     rows = 256
     v, i = empty(rows, lanes, half)

@@ -73,20 +73,17 @@ def report(configurations, compile_one) -> int:
 
 
 def configurations():
-    """(name, dtype, Dp, Hp, Hpk, top_k, block[, qmap[, key_scale[, stages[, selector]]]]) of the
-    selection
-    kernels checked (all with the rank top-k insertion, ``SelectSm90.offer_rank``: k=1, 16, 17,
-    64 and split lists among them); the ``qmap`` ones (``SelectSm90(qmap=True)``, context
-    parallelism's query map): anchor / paper (their selections have the same shape), both dims
-    and blocks, top_k 64 (the most registers), a split list, fp16, several key heads; the
-    ``e4m3`` ones (the FP8 mode, ``key_scale`` "block" or "token"): anchor / paper, Dp 64,
-    blocks 64 and 128, top_k 1, 16 and 64, both key scales, several key heads, and the deepest
-    pipeline the A/B times (12 stages; the default is ``select_sm90.FP8_STAGES``); the
-    ``selector`` ones (``SelectSm90(selector=True)``, the lists in a fourth warpgroup, the
-    variant the A/B times against the default): e4m3 and bf16 at top_k 16 and 64 with blocks
-    128 and 64 (one and two slabs in the ring, the smallest and largest selector lists), e4m3
-    with per-token scales (the consumers' most registers), top_k 1 and 17, Dp 64, and the query
-    map at k=16 and k=64."""
+    """(name, dtype, Dp, Hp, Hpk, top_k, block[, qmap[, key_scale[, stages]]]) of the selection
+    kernels checked (the lists in the selector warpgroup, fed through the ring: block 128 and
+    64 are one and two slabs in it; top_k 1, 8, 16, 17, 32 and 64: the smallest and largest
+    selector lists); the ``qmap`` ones (``SelectSm90(qmap=True)``, context parallelism's query
+    map): anchor / paper (their selections have the same shape), both dims and blocks, top_k 64
+    (the most registers), fp16, several key heads; the ``e4m3`` ones (the FP8 mode,
+    ``key_scale`` "block" or "token"): anchor / paper, Dp 64, blocks 64 and 128, top_k 1, 16 and
+    64, both key scales (per token: the consumers' most registers), several key heads; and the
+    deepest pipelines the A/B times beside the ring (bf16 5 stages at block 64, the most shared
+    memory of bf16 at Dp 128; fp8 12 stages; the defaults are ``SelectSm90.stages`` and
+    ``select_sm90.FP8_STAGES``)."""
     for Dp in (64, 128):
         for block in (64, 128):
             yield f"select bf16 Dp={Dp} b={block} k=16 Hp=4 Hpk=1", "bf16", Dp, 4, 1, 16, block
@@ -106,25 +103,15 @@ def configurations():
         ("block", 128, 4, 1, 64, 64), ("block", 64, 4, 1, 16, 128),
         ("block", 128, 2, 2, 1, 128), ("block", 64, 8, 2, 8, 64),
         ("token", 128, 4, 1, 16, 128), ("token", 128, 4, 1, 64, 64),
-        ("token", 64, 4, 1, 16, 64),
+        ("token", 64, 4, 1, 16, 64), ("block", 128, 4, 1, 16, 64),
+        ("block", 64, 8, 2, 1, 128),
     ):  # fmt: skip
         name = f"select e4m3 scale={scale} Dp={Dp} b={block} k={K} Hp={Hp} Hpk={Hpk}"
         yield name, "e4m3", Dp, Hp, Hpk, K, block, False, scale
     name = "select e4m3 scale=block Dp=128 b=128 k=16 Hp=4 Hpk=1 stages=12"
     yield name, "e4m3", 128, 4, 1, 16, 128, False, "block", 12
-    for dt, scale, Dp, Hp, Hpk, K, block, qmap in (
-        ("e4m3", "block", 128, 4, 1, 16, 128, False), ("e4m3", "block", 128, 4, 1, 16, 64, False),
-        ("e4m3", "block", 128, 4, 1, 64, 128, False), ("e4m3", "block", 128, 4, 1, 64, 64, False),
-        ("bf16", None, 128, 4, 1, 16, 128, False), ("bf16", None, 128, 4, 1, 16, 64, False),
-        ("bf16", None, 128, 4, 1, 64, 128, False), ("bf16", None, 128, 4, 1, 64, 64, False),
-        ("e4m3", "token", 128, 4, 1, 16, 128, False), ("e4m3", "token", 128, 4, 1, 64, 64, False),
-        ("e4m3", "block", 64, 8, 2, 1, 128, False), ("bf16", None, 64, 4, 1, 17, 64, False),
-        ("bf16", None, 128, 4, 1, 16, 128, True), ("bf16", None, 128, 4, 1, 64, 64, True),
-    ):  # fmt: skip
-        mode = f"scale={scale}" if scale else ("qmap" if qmap else "")
-        name = " ".join(f"select {dt} {mode}".split())
-        name = f"{name} Dp={Dp} b={block} k={K} Hp={Hp} Hpk={Hpk} selector"
-        yield name, dt, Dp, Hp, Hpk, K, block, qmap, scale, None, True
+    name = "select bf16 Dp=128 b=64 k=16 Hp=4 Hpk=1 stages=5"
+    yield name, "bf16", 128, 4, 1, 16, 64, False, None, 5
 
 
 def fwd_configurations():
@@ -293,15 +280,14 @@ def compile_kl(
 
 def compile_select(
     dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
-    key_scale: str | None = None, stages: int | None = None, selector: bool = False, **dump,
+    key_scale: str | None = None, stages: int | None = None, **dump,
 ) -> dict:  # fmt: skip
     """:func:`flash_msa.cute.select_sm90.compile_select`: the kernel compiled on the pointer
     launch's arguments (``qmap``: the query-map kernel; ``key_scale``: the FP8 mode, ``dtype``
-    "e4m3"; ``stages``: the pipeline depth, default the mode's; ``selector``: the lists in a
-    selector warpgroup, ``SelectSm90.selector``)."""
+    "e4m3"; ``stages``: the pipeline depth, default the mode's)."""
     from .select_sm90 import compile_select as compile_one
 
-    return compile_one(dtype, Dp, Hp, Hpk, K, block, qmap, key_scale, stages, selector, **dump)
+    return compile_one(dtype, Dp, Hp, Hpk, K, block, qmap, key_scale, stages, **dump)
 
 
 def main(argv: list[str]) -> int:

@@ -1,21 +1,24 @@
 """Proxy block selection on Hopper (sm_90a) in CuTe DSL: wgmma scores, TMA pipeline, top-k epilogue.
 
-One CTA of :class:`SelectSm90` owns (proxy head p, sequence s, query tile of 128 tokens). Its 384
+One CTA of :class:`SelectSm90` owns (proxy head p, sequence s, query tile of 128 tokens). Its 512
 threads split into a producer warpgroup (one warp issues TMA copies: the query tile once, then the
-sequence's key tiles 0..m through a ``stages``-deep mbarrier pipeline) and two consumer
-warpgroups (64 query rows each). Per key tile the consumers compute the 128 x 128 score tile with
-warpgroup MMAs (``m64n128k16``, operands in swizzled shared memory), max-pool each row over every
-key block (one block per tile for block size 128, two for 64), and offer the block maxima to a
-descending top-k list kept in registers. Only the diagonal tile is masked (causal, and keys past
-the sequence end). The MMA of tile j+1 is issued after tile j's row maxima and runs under its
-top-k insertion (two alternating accumulators, so that it also runs under the row maxima,
-measured 11-22% slower on the H200: docs/perf-notes.md).
+sequence's key tiles 0..m through a ``stages``-deep mbarrier pipeline), two consumer warpgroups
+(64 query rows each) and a selector warpgroup (one query row per thread; "Selector warpgroup"
+below). Per key tile the consumers compute the 128 x 128 score tile with warpgroup MMAs
+(``m64n128k16``, operands in swizzled shared memory), max-pool each row over every key block
+(one block per tile for block size 128, two for 64) and put the block maxima into a ring in
+shared memory; the selector offers them to each row's descending top-k list, kept in its
+registers. Only the diagonal tile is masked (causal, and keys past the sequence end). The MMA of
+tile j+1 is issued after tile j's row maxima and runs under their quad reduction and ring store
+(two alternating accumulators, so that it also runs under the row maxima, measured 11-22%
+slower on the H200 when the consumers kept the lists: docs/perf-notes.md).
 
 Selection rule (identical to the reference and the Triton kernel): the own block enters with
 rank +inf; a block enters the list only if its maximum is strictly greater than the list's last
 (smallest) entry, so ties keep the lower block (tiles arrive in ascending order); a block with no
 visible key never enters. At the end each row's kept blocks are sorted ascending, unused slots
-are -1, and one lane per row writes them: the only output is ``indices (T, Hp, K)`` int32.
+are -1, and the row's selector thread writes them: the only output is ``indices (T, Hp, K)``
+int32.
 
 The scale is not applied: ``proxy_scale > 0`` (validated by the API) does not change the order.
 Layouts: ``q_proxy (T, Hp, Dp)`` and ``k_proxy (T, Hpk, Dp)`` are seen as ``(T, Dp, heads)``
@@ -32,9 +35,8 @@ rows need not be contiguous, so no TMA box fits them); each row's position (caus
 block) is ``q_map[row] - start``; the CTA walks the key tiles up to its last (largest) row's
 and masks every tile from its first row's on (a tile's rows may span several key tiles); the
 lists are written to the rows themselves. Padding rows (``-1``) belong to no sequence: no CTA
-visits them and :func:`select` fills them with -1. Without the map the kernel's code is the one
-before the map existed (the map's parts are compile-time branches; its PTX is identical up to
-the kernel's name, compile_check ``--dump``).
+visits them and :func:`select` fills them with -1. The map's parts are compile-time branches:
+without the map none of them is traced.
 
 FP8 mode (``SelectSm90(dtype=Float8E4M3FN, key_scale="block" | "token")``,
 ``selection_precision="fp8"``, issue 15; docs/algorithm.md, "FP8 selection"): the operands are
@@ -48,23 +50,22 @@ per token, one multiply per score before the max (the thread's 32 columns, loade
 The query scale is not applied (a positive row constant). Everything else is the bf16
 kernel's code: the same 128 x 128 score tile (two consumer warpgroups x 64 rows) and top-k
 epilogue; an e4m3 tile of 128 keys takes half the bytes, so the default pipeline is twice as
-deep (:data:`FP8_STAGES`, the same bytes in flight). The bf16/fp16 kernel's PTX is identical to
-the one before this mode existed (its parts are compile-time branches; compile_check
-``--dump``). No query map in this mode.
+deep (:data:`FP8_STAGES`, the same bytes in flight). The mode's parts are compile-time
+branches. No query map in this mode.
 
-Top-k insertion (issue 15, Option A of docs/reviews/2026-12-01-fp8-selection-epilogue.md):
-:meth:`SelectSm90.offer_rank` updates every list entry from its own comparison behind a warp
-vote, and the quad's block maxima are reduced by exchanging rows
-(:meth:`SelectSm90.quad_exchange_max`). It replaced a sequential insertion, a swap carried
-through the list (at k=16 a 16-deep dependent chain, 151 register moves and a divergent
-BSSY/BSYNC region in the SASS; the insertion's instructions, paper fp8: k=16 172 -> 79, k=64
-347 -> 158), after the session-11 H200 A/B (paper S=131072, kernel ms chain -> rank, every
-line verified and the rank indices identical to the chain's on every line;
-benchmarks/results/stage11/ab/select_ab.log): random bf16 k=16 14.59 -> 13.01, fp8 k=16
-11.83 -> 9.60, bf16 k=64 20.38 -> 15.53, fp8 k=64 19.48 -> 12.68; local bf16 k=16 11.20 ->
-11.21, fp8 k=16 8.19 -> 7.98 (docs/perf-notes.md). It keeps the sequential insertion's lists
-after every offer, ties included; that chain survives only as the CPU oracle of
-tests/test_select_insert_cpu.py, which replays both.
+Top-k insertion (issue 15, Option A of docs/reviews/2026-12-01-fp8-selection-epilogue.md): a
+rank update (:meth:`SelectSm90.offer_row`) computes every list entry from its own comparison
+behind a warp vote, and the quad's block maxima are reduced by exchanging rows
+(:meth:`SelectSm90.quad_exchange_max`). The rank update replaced a sequential insertion, a
+swap carried through the list (at k=16 a 16-deep dependent chain, 151 register moves and a
+divergent BSSY/BSYNC region in the SASS; the insertion's instructions, paper fp8: k=16 172 ->
+79, k=64 347 -> 158), after the session-11 H200 A/B, measured while the consumers still kept
+the lists (paper S=131072, kernel ms chain -> rank, every line verified and the rank indices
+identical to the chain's on every line; benchmarks/results/stage11/ab/select_ab.log): random
+bf16 k=16 14.59 -> 13.01, fp8 k=16 11.83 -> 9.60, bf16 k=64 20.38 -> 15.53, fp8 k=64 19.48 ->
+12.68; local bf16 k=16 11.20 -> 11.21, fp8 k=16 8.19 -> 7.98 (docs/perf-notes.md). It keeps
+the sequential insertion's lists after every offer, ties included; that chain survives only as
+the CPU oracle of tests/test_select_insert_cpu.py, which replays both.
 
 An MMA ping-pong (Option B of that review: the consumer warpgroups taking turns to issue a
 tile's MMA on two named barriers) was tried in the twelfth session and lost its H200 A/B (paper
@@ -72,18 +73,21 @@ S=131072 random, kernel ms default -> ping-pong, identical indices): bf16 k=16 1
 13.528, fp8 k=16 9.697 -> 9.876, bf16 k=64 15.829 -> 16.014, fp8 k=64 12.379 -> 13.770; it left
 the code (docs/perf-notes.md, "Twelfth session").
 
-Selector warpgroup (``SelectSm90(selector=True)``, an A/B variant, off; issue 15, Option C of
-docs/reviews/2026-12-01-fp8-selection-epilogue.md): a fourth warpgroup (``SELECTOR_WG`` = 3,
-512 threads) keeps the 128 rows' top-k lists, thread ``t`` the whole list of the tile's row
-``t`` (no split at any top_k, no pair of lanes per row, no divergence between them), so the
-consumers' per-tile work loses the insertion: they compute the block maxima exactly as the
-default (scale, own block's ``+inf``, ``-inf`` for masked blocks) and put them into a ring in
-shared memory, ``ring[row, slab, slot]`` fp32 (``RING_SLOTS`` = R = 4 tiles, 1 slab at block
-128, 2 at 64), instead of offering them. The selector offers them in the same block order
-(:meth:`SelectSm90.offer_row`: :meth:`~SelectSm90.offer_rank`'s rule on a whole list, behind a
-vote of its warp), so the lists and the indices are the default's bit for bit, ties included;
-it writes them out (:meth:`SelectSm90.write_row`, one row per thread). Supports every mode:
-bf16/fp16, e4m3 with either key scale, block 64 and 128, top_k 1..64, the query map.
+Selector warpgroup (issue 15, Option C of docs/reviews/2026-12-01-fp8-selection-epilogue.md):
+a fourth warpgroup (``SELECTOR_WG`` = 3) keeps the 128 rows' top-k lists, thread ``t`` the
+whole list of the tile's row ``t`` (no split at any top_k, no pair of lanes per row, no
+divergence between them), so the consumers' per-tile work has no insertion: they compute the
+block maxima (scale, own block's ``+inf``, ``-inf`` for masked blocks) and put them into a ring
+in shared memory, ``ring[row, slab, slot]`` fp32 (``RING_SLOTS`` = R = 4 tiles, 1 slab at block
+128, 2 at 64). The selector offers them in block order (:meth:`SelectSm90.offer_row`, behind a
+vote of its warp) and writes the lists out (:meth:`SelectSm90.write_row`, one row per thread).
+Every mode has it: bf16/fp16, e4m3 with either key scale, block 64 and 128, top_k 1..64, the
+query map. It replaced the lists in the consumer warpgroups (two lanes per row, each list split
+over both beyond 16 entries), which lost the fourteenth session's H200 A/B (kernels alone, same
+run, the indices bitwise equal on every line and on all 38 GPU test cases;
+benchmarks/results/stage14/c3/variants.log: paper 128K random fp8 k=16 9.829 -> 8.898 ms, bf16
+k=16 13.642 -> 12.973, 1M random fp8 k=16 571.8 -> 556.9, the k=64 and local lines faster or
+within 0.5%).
 
 Barrier accounting (per CTA, N = ``n_tiles`` key tiles, CTA-uniform; slot ``s = j mod R``, use
 ``u = j div R``; :meth:`~SelectSm90.ring_slot`, ``ring_full_parity``, ``ring_empty_parity``):
@@ -112,32 +116,27 @@ Registers (:meth:`SelectSm90.register_split`): 512 threads launch with 65,536 / 
 ``setmaxnreg`` producer 24, selector ``max(56, 2 top_k + 24)`` rounded up to 8, consumers
 the rest, half each, rounded down to 8: top_k 16: 24 / 216 / 56, top_k 64: 24 / 168 / 152
 (128 x (24 + 56 + 2 x 216) = 128 x (24 + 152 + 2 x 168) = 65,536). Highest register named in
-the SASS (compile_check ``select ... selector``, sm_90a), consumers default -> selector
-variant, and the selector's: e4m3 k=16 b=128 145 -> 113, selector 39 (of 56); e4m3 k=64
-b=128 175 -> 113, 139 (of 152); bf16 k=16 b=128 133 -> 100, 39; bf16 k=64 b=64 159 -> 97,
-139; e4m3 per-token k=16 229 -> 201 (of 216), k=64 b=64 236 -> 164 (of 168): no spills,
-``setmaxnreg`` kept, the wgmmas not serialized (waits 2/8 e4m3, 2/16 bf16: the default's).
-One ``wgmma.wait_group 0`` after the consumers' loop (a no-op at run time) keeps the MMA
-pipeline inside their region: without it ptxas saw the loop-skipping path reach the kernel's
-common exit with the first MMA in flight and serialized every wgmma (C7511, waits 8/8).
+the SASS (compile_check ``select``, sm_90a), the consumers' (when they kept the lists -> now)
+and the selector's: e4m3 k=16 b=128 145 -> 113, selector 39 (of 56); e4m3 k=64 b=128 175 -> 113,
+139 (of 152); bf16 k=16 b=128 133 -> 100, 39; bf16 k=64 b=64 159 -> 97, 139; e4m3 per-token
+k=16 229 -> 201 (of 216), k=64 b=64 236 -> 164 (of 168): no spills, ``setmaxnreg`` kept, the
+wgmmas not serialized (waits 2/8 e4m3, 2/16 bf16). One ``wgmma.wait_group 0`` after the
+consumers' loop (a no-op at run time) keeps the MMA pipeline inside their region: without it
+ptxas saw the loop-skipping path reach the kernel's common exit with the first MMA in flight
+and serialized every wgmma (C7511, waits 8/8).
 Shared memory: the ring and its 8 mbarriers after the key stages, 2,112 / 4,160 bytes
-(block 128 / 64), the struct rounded up to 1,024 (:meth:`SelectSm90.shared_bytes`); fp8 Dp
-128 8 stages 148,480 -> 151,552 / 153,600 bytes.
-
-The default kernel's PTX and cubin are byte-identical to the ones before the field existed
-(``__repr__`` hides it; its parts are compile-time branches; compile_check ``--dump``, all 27
-selection configurations). Prediction (the review's, section 2.C): the consumers' tile at
-~T0 + 20 cycles, the insertion off the critical path whatever the inputs (k = 64 and random
-inputs gain most); not measured yet: ``benchmarks/cute_select_ab.py --variants``.
+(block 128 / 64), the struct rounded up to 1,024 (:meth:`SelectSm90.shared_bytes`): bf16 Dp
+128 4 stages 167,936 / 169,984 bytes, fp8 Dp 128 8 stages 151,552 / 153,600.
 
 Limits (:meth:`SelectSm90.can_implement`): Dp in {64, 128}, block size in {64, 128},
-top_k <= 64 (the lists live in registers: a lane keeps one row's list, or half of it beyond 16
-entries), bf16 or fp16 (e4m3 in the FP8 mode).
+top_k <= 64 (a selector thread keeps its row's list in registers: 2 x 64 + 24 = 152 of them
+at top_k 64), bf16 or fp16 (e4m3 in the FP8 mode), the pipeline depth as shared memory allows
+(Dp 128: bf16 5 stages, fp8 12).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -146,7 +145,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import Boolean, Constexpr, Float32, Int32, Int64
+from cutlass import Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
@@ -169,11 +168,11 @@ from .common import (
 )
 
 TILE_M = 128  # query tokens per CTA (two consumer warpgroups x 64 rows); the grid's y
-MAX_TOPK = 64  # the top-k lists live in registers (two lanes per row beyond 16 entries)
+MAX_TOPK = 64  # a selector thread keeps its row's list in registers (152 of them at 64)
 # key-pipeline depth of the FP8 mode: an e4m3 key tile is half a bf16 one (16 KB at Dp 128), so
 # 8 stages keep the bf16 default's bytes (128 KB) in flight and cover the same latency when the
-# tile's MMA takes half the time; 16 + 8 x 16 KB = 144 KB of shared memory (not measured yet:
-# benchmarks/cute_select_ab.py times 4 and 12 beside it)
+# tile's MMA takes half the time; 16 + 8 x 16 KB = 144 KB of shared memory, 148 or 150 KB with
+# the ring (not measured yet: benchmarks/cute_select_ab.py times 4 and 12 beside it)
 FP8_STAGES = 8
 
 
@@ -243,13 +242,6 @@ class SelectSm90:
     # FP8 mode (module docstring): the key scales' granularity, "block" or "token"
     # (quant.KEY_SCALES), with e4m3 operands; None: the exact bf16/fp16 selection
     key_scale: str | None = None
-    # the selector warpgroup (module docstring, "Selector warpgroup"; Option C of
-    # docs/reviews/2026-12-01-fp8-selection-epilogue.md): a fourth warpgroup keeps the top-k
-    # lists, one row per thread, fed the block maxima through a shared-memory ring; the same
-    # offers in the same order, so the same indices. False: the kernel's PTX is byte-identical
-    # to the one before the field existed (``__repr__``); off until its H200 A/B
-    # (benchmarks/cute_select_ab.py --variants)
-    selector: bool = False
     # the launch's tensors as their CuTe views had them (``common.view_layout``: element type,
     # static sizes and strides, in the order of :func:`launch_tensor_names`), set by
     # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
@@ -259,14 +251,12 @@ class SelectSm90:
 
     TILE_M: ClassVar[int] = TILE_M
     TILE_N: ClassVar[int] = 128  # keys per pipeline stage (one or two key blocks)
-    THREADS: ClassVar[int] = 384  # producer warpgroup + two consumer warpgroups
+    THREADS: ClassVar[int] = 512  # producer, two consumer and the selector warpgroups
     CONSUMERS: ClassVar[int] = 256  # the consumer warpgroups' threads
     QUERY_BAR: ClassVar[int] = 1  # named barrier of the consumers: the gathered query tile
-    PRODUCER_REGS: ClassVar[int] = 24  # 128 * 24 + 256 * 240 = 168 * 384: the register file
-    CONSUMER_REGS: ClassVar[int] = 240
-    # the selector variant (``selector``): warpgroup 3 keeps the lists; its ring of block
-    # maxima has RING_SLOTS slots (tiles the consumers may run ahead of it); the register
-    # split is :meth:`register_split`
+    PRODUCER_REGS: ClassVar[int] = 24  # the rest of the file: :meth:`register_split`
+    # warpgroup 3 keeps the lists (module docstring, "Selector warpgroup"); its ring of block
+    # maxima has RING_SLOTS slots (tiles the consumers may run ahead of it)
     SELECTOR_WG: ClassVar[int] = 3
     RING_SHIFT: ClassVar[int] = 2  # log2(RING_SLOTS): slot j & (R - 1), phase j >> RING_SHIFT
     RING_SLOTS: ClassVar[int] = 1 << RING_SHIFT
@@ -276,73 +266,66 @@ class SelectSm90:
     # static limits
     # -----------------------------------------------------------------------------------------
     @staticmethod
-    def shared_bytes(
-        elem_bytes: int, proxy_head_dim: int, stages: int, ring_slabs: int = 0
-    ) -> dict:
+    def shared_bytes(elem_bytes: int, proxy_head_dim: int, stages: int, block_size: int) -> dict:
         """Bytes of each shared-memory buffer, in the order of the ``Storage`` struct (the
-        operand tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum.
-        ``ring_slabs``: the selector variant's key blocks per tile (``TILE_N / block_size``),
-        its ring of block maxima (fp32, ``RING_SLOTS x ring_slabs x TILE_M``) and the ring's
-        full and empty mbarriers per slot; 0: no selector (the default's buffers alone)."""
+        operand tiles aligned to 1024 bytes, the 128B swizzle's period), and their sum: the
+        key pipeline's and the query tile's mbarriers, the query tile, the key stages, the
+        ring's full and empty mbarriers per slot and the ring of block maxima (fp32,
+        ``RING_SLOTS x (TILE_N / block_size) x TILE_M``), the struct rounded up to its
+        alignment (1024, the tiles')."""
+        slabs = SelectSm90.TILE_N // block_size  # key blocks per tile: the ring's per slot
         sizes = {
             "k_mbar": 8 * 2 * stages,  # full and empty mbarrier per stage
             "q_mbar": 8,
             "sQ": SelectSm90.TILE_M * proxy_head_dim * elem_bytes,
             "sK": SelectSm90.TILE_N * proxy_head_dim * elem_bytes * stages,
+            "ring_mbar": 8 * 2 * SelectSm90.RING_SLOTS,  # full and empty per slot
+            "ring": 4 * SelectSm90.RING_SLOTS * slabs * SelectSm90.TILE_M,
         }
-        if ring_slabs:
-            sizes["ring_mbar"] = 8 * 2 * SelectSm90.RING_SLOTS  # full and empty per slot
-            sizes["ring"] = 4 * SelectSm90.RING_SLOTS * ring_slabs * SelectSm90.TILE_M
         end = 0
         for name, size in sizes.items():
             if name in ("sQ", "sK"):
                 end = -(-end // 1024) * 1024
             end += size
-        if ring_slabs:  # the struct's size is a multiple of its alignment (1024, the tiles')
-            end = -(-end // 1024) * 1024
+        end = -(-end // 1024) * 1024  # the struct's size is a multiple of its alignment
         return {**sizes, "total": end}
 
     @classmethod
-    def register_split(cls, top_k: int, selector: bool) -> dict:
+    def register_split(cls, top_k: int) -> dict:
         """The launch's threads and registers per thread (``launch``: the file over the
-        threads, rounded down to 8), and the ``setmaxnreg`` counts of the producer, consumer
-        and (``selector``) selector warpgroups; their sum over the threads is the file.
+        threads), and the ``setmaxnreg`` counts of the producer, consumer and selector
+        warpgroups; their sum over the threads is the file.
 
-        Default: 384 threads, 128 x 24 + 256 x 240 = 168 x 384. Selector: 512 threads, 128 at
-        launch; the selector's lists take 2 x top_k registers (values and block numbers, one
-        row per thread) and ~24 more (the ring's addresses and phase, the candidates, the
-        rank update's temporaries, the write-out's sort network beside the block numbers),
-        rounded up to 8 and at least 56; the consumers get the rest, half each, rounded down
-        to 8: top_k 16: 24 / 216 / 56, top_k 64: 24 / 168 / 152 (the review's 160 / 176 for
-        k = 64 is 128 x (24 + 160) + 256 x 176 = 68,608, past the file). The consumers hold no
-        list there: the accumulator (64) and ~30 more (compile_check: no spills)."""
-        if not selector:
-            return dict(threads=cls.THREADS, launch=168, producer=cls.PRODUCER_REGS,
-                        consumer=cls.CONSUMER_REGS, selector=None)  # fmt: skip
+        512 threads, 128 at launch; the selector's lists take 2 x top_k registers (values and
+        block numbers, one row per thread) and ~24 more (the ring's addresses and phase, the
+        candidates, the rank update's temporaries, the write-out's sort network beside the
+        block numbers), rounded up to 8 and at least 56; the consumers get the rest, half
+        each, rounded down to 8: top_k 16: 24 / 216 / 56, top_k 64: 24 / 168 / 152 (the
+        review's 160 / 176 for k = 64 is 128 x (24 + 160) + 256 x 176 = 68,608, past the
+        file). The consumers hold no list: the accumulator (64) and ~30 more (compile_check:
+        no spills)."""
         per_row = cls.REGISTER_FILE // 128  # one thread of each of the 4 warpgroups
         sel = max(56, -(-(2 * top_k + 24) // 8) * 8)
         cons = (per_row - cls.PRODUCER_REGS - sel) // 2 // 8 * 8
-        return dict(threads=cls.THREADS + 128, launch=cls.REGISTER_FILE // 512,
+        return dict(threads=cls.THREADS, launch=cls.REGISTER_FILE // cls.THREADS,
                     producer=cls.PRODUCER_REGS, consumer=cons, selector=sel)  # fmt: skip
 
     @classmethod
     def can_implement(
-        cls, dtype, proxy_head_dim, heads, k_heads, top_k, block_size, stages=4, key_scale=None,
-        selector=False,
+        cls, dtype, proxy_head_dim, heads, k_heads, top_k, block_size, stages=4, key_scale=None
     ) -> str | None:  # fmt: skip
         """Why this configuration cannot be compiled or run (``None``: it can).
 
         Shared memory (:meth:`shared_bytes`) at Dp = 128, bf16, 4 stages: the query tile
-        128 x 128 x 2 = 32 KB + 4 key tiles of 32 KB (128 KB) + 9 mbarriers, aligned: 164,864
-        bytes of the sm_90 capacity of 232,448 (SHARED_LIMIT; 6 stages fit, 7 do not).
-        Registers: 24 per producer and 240 per consumer thread (``setmaxnreg``), the whole
-        file of 168 x 384; top_k > 64 would not fit there (compile_check asserts no spills).
-        FP8 mode (``key_scale``): e4m3 tiles, 16 KB + 8 stages of 16 KB at Dp = 128
-        (:data:`FP8_STAGES`): 148,480 bytes; 13 stages fit (230,400), 14 do not.
-        ``selector``: the ring adds 2,112 bytes at block 128 (4 slots x 128 rows x 4 bytes +
-        8 mbarriers), 4,160 at block 64 (two slabs), the struct rounded up to 1,024: 3,072 /
-        5,120 more (fp8 Dp = 128: 151,552 / 153,600 bytes); 12 fp8 stages fit at Dp = 128,
-        bf16 5 (6 stages: 233,472 bytes)."""
+        128 x 128 x 2 = 32 KB + 4 key tiles of 32 KB (128 KB) + 9 mbarriers, aligned, then the
+        ring: 2,112 bytes at block 128 (4 slots x 128 rows x 4 bytes + 8 mbarriers), 4,160 at
+        block 64 (two slabs), the struct rounded up to 1,024: 167,936 / 169,984 bytes of the
+        sm_90 capacity of 232,448 (SHARED_LIMIT; 5 stages fit, 202,752 at block 64; 6 do not,
+        233,472 at block 128). FP8 mode (``key_scale``): e4m3 tiles, 16 KB + 8 stages of 16 KB
+        at Dp = 128 (:data:`FP8_STAGES`): 151,552 / 153,600 bytes; 12 stages fit (219,136 at
+        block 64), 13 do not (233,472 at block 128). Registers (:meth:`register_split`): a
+        selector thread keeps its row's list, 2 x top_k + 24; top_k > 64 would not fit beside
+        the consumers' (compile_check asserts no spills)."""
         if key_scale is not None:
             if key_scale not in quant.KEY_SCALES:
                 return f"key_scale must be one of {quant.KEY_SCALES}, not {key_scale!r}"
@@ -362,10 +345,7 @@ class SelectSm90:
             )
         if stages < 2:
             return f"the key pipeline needs 2 or more stages, not {stages}"
-        if not isinstance(selector, bool):
-            return f"selector must be a bool, not {selector!r}"
-        slabs = cls.TILE_N // block_size if selector else 0
-        smem = cls.shared_bytes(dtype.width // 8, proxy_head_dim, stages, slabs)["total"]
+        smem = cls.shared_bytes(dtype.width // 8, proxy_head_dim, stages, block_size)["total"]
         if smem > SHARED_LIMIT:
             return f"{smem} bytes of shared memory exceed the sm_90 capacity ({SHARED_LIMIT})"
         return None
@@ -373,21 +353,12 @@ class SelectSm90:
     def __post_init__(self):
         why = self.can_implement(
             self.dtype, self.proxy_head_dim, self.heads, self.k_heads, self.top_k,
-            self.block_size, self.stages, self.key_scale, self.selector,
+            self.block_size, self.stages, self.key_scale,
         )  # fmt: skip
         if why is None and self.qmap and self.key_scale is not None:
             why = "the fp8 selection has no query map"
         if why is not None:
             raise ValueError(f"CuTe selection: {why}")
-
-    def __repr__(self) -> str:
-        """The dataclass's text without ``selector`` where it is False: the DSL names the
-        compiled kernel after this text, so the default kernel's PTX stays byte-identical to
-        the one before the field existed (entry name included); a variant's name says
-        ``selectorTrue``. Equality, hashing and the disk cache's key read every field."""
-        shown = [f for f in fields(self) if f.repr and (f.name != "selector" or self.selector)]
-        text = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
-        return f"{type(self).__qualname__}({text})"
 
     # -----------------------------------------------------------------------------------------
     # host: MMAs, layouts, TMA atoms, shared storage, launch
@@ -433,19 +404,8 @@ class SelectSm90:
             (TILE_N, DP),
         )  # fmt: skip
 
-        @cute.struct
-        class Storage:  # sizes: shared_bytes
-            k_mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            q_mbar: cute.struct.MemRange[cutlass.Int64, 1]
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-
-        ring_slabs = 0  # the selector's key blocks per tile in its ring (0: no selector)
-        if cutlass.const_expr(self.selector):
-            ring_slabs = TILE_N // self.block_size
-            Storage = self.selector_storage(sQ_layout, sK_layout, ring_slabs)
-        smem = self.shared_bytes(dtype.width // 8, DP, self.stages, ring_slabs)["total"]
-        threads = self.register_split(self.top_k, self.selector)["threads"]
+        Storage = self.storage(sQ_layout, sK_layout)
+        smem = self.shared_bytes(dtype.width // 8, DP, self.stages, self.block_size)["total"]
         assert Storage.__sizeof__() == smem <= SHARED_LIMIT, (Storage.__sizeof__(), smem)
         grid = (self.heads * (mCu.shape[0] - 1), n_mblk, 1)
         qm = ()  # the query map's kernel arguments (none without it)
@@ -464,13 +424,15 @@ class SelectSm90:
         self.kernel(
             tma_q, tma_mQ, tma_k, tma_mK, mCu, mIdx, mma_first, mma_rest, sQ_layout, sK_layout,
             Storage, qm, ks,
-        ).launch(grid=grid, block=(threads, 1, 1), stream=stream)  # fmt: skip
+        ).launch(grid=grid, block=(self.THREADS, 1, 1), stream=stream)  # fmt: skip
 
-    def selector_storage(self, sQ_layout, sK_layout, ring_slabs: int):
-        """The selector variant's shared storage: the default's buffers, in their order,
-        followed by the ring's mbarriers (full ``0..R-1``, empty ``R..2R-1``) and the ring
-        ``(TILE_M, ring_slabs, R)`` fp32 (R = ``RING_SLOTS``; sizes: :meth:`shared_bytes`)."""
+    def storage(self, sQ_layout, sK_layout):
+        """The shared storage (sizes: :meth:`shared_bytes`): the key stages' and the query
+        tile's mbarriers, the query tile, the key stages, the ring's mbarriers (full
+        ``0..R-1``, empty ``R..2R-1``) and the ring ``(TILE_M, slabs, R)`` fp32 (R =
+        ``RING_SLOTS``, slabs the key blocks per tile)."""
         R, dtype, S = self.RING_SLOTS, self.dtype, cute.struct
+        ring_slabs = self.TILE_N // self.block_size
         fields_ = {  # (evaluated here: this module's annotations are strings, PEP 563)
             "k_mbar": S.MemRange[cutlass.Int64, 2 * self.stages],
             "q_mbar": S.MemRange[cutlass.Int64, 1],
@@ -479,7 +441,7 @@ class SelectSm90:
             "ring_mbar": S.MemRange[cutlass.Int64, 2 * R],
             "ring": S.MemRange[Float32, R * ring_slabs * self.TILE_M],
         }
-        return S(type("SelectorStorage", (), {"__annotations__": fields_}))
+        return S(type("Storage", (), {"__annotations__": fields_}))
 
     # -----------------------------------------------------------------------------------------
     # device
@@ -531,8 +493,7 @@ class SelectSm90:
             cpasync.prefetch_descriptor(tma_k)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_bar, 1)
-                if cutlass.const_expr(self.selector):
-                    self.ring_init(st.ring_mbar.data_ptr())
+                self.ring_init(st.ring_mbar.data_ptr())
         # create() initializes the stage barriers, then fences and syncs the CTA (q_bar included)
         k_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.k_mbar.data_ptr(),
@@ -550,34 +511,25 @@ class SelectSm90:
                 first, last = self.qmap_positions(qm, qs, n_rows, start, m_blk)
                 n_tiles = last // TILE_N + 1
                 mask_from = first // TILE_N
-            regs = self.register_split(TOPK, self.selector)
-            side = wg_idx == 0  # the producer's warpgroup (and the selector's, when it exists)
-            if cutlass.const_expr(self.selector):
-                side = side | (wg_idx == self.SELECTOR_WG)
+            regs = self.register_split(TOPK)
+            # the producer's and the selector's warpgroups: one test, then which (the branch
+            # structure the H200 A/B timed)
+            side = (wg_idx == 0) | (wg_idx == self.SELECTOR_WG)
             if side:
-                if cutlass.const_expr(self.selector):
-                    if wg_idx == self.SELECTOR_WG:  # the lists (module docstring, "Selector")
-                        self.select_rows(
-                            st, regs["selector"], regs["launch"], tidx, n_tiles, m_blk, mIdx,
-                            start, p, L, qm, qs if cutlass.const_expr(self.qmap) else None,
-                            n_rows,
-                        )  # fmt: skip
-                    else:
-                        cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
-                        if warp_idx == 0:
-                            self.load(
-                                tma_q, mQ, tma_k, mK, sQ, sK, q_bar, k_pipe, start, p, m_blk,
-                                n_tiles,
-                            )  # fmt: skip
+                if wg_idx == self.SELECTOR_WG:  # the lists (module docstring, "Selector")
+                    self.select_rows(
+                        st, regs["selector"], regs["launch"], tidx, n_tiles, m_blk, mIdx,
+                        start, p, L, qm, qs if cutlass.const_expr(self.qmap) else None, n_rows,
+                    )  # fmt: skip
                 else:
                     cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
                     if warp_idx == 0:
                         self.load(
                             tma_q, mQ, tma_k, mK, sQ, sK, q_bar, k_pipe, start, p, m_blk, n_tiles
                         )  # fmt: skip
-                # (with the map the consumers gather the query tile: this warpgroup runs at
-                # 24 registers, the consumers' are free before their key loop)
-            else:  # consumer warpgroups: scores, block maxima, top-k lists, sorted write-out
+                # (with the map the consumers gather the query tile: the producer warpgroup
+                # runs at 24 registers, the consumers' are free before their key loop)
+            else:  # consumer warpgroups: scores, block maxima into the ring
                 cute.arch.setmaxregister_increase(regs["consumer"])
                 wg_mma = mma_first.get_slice((wg_idx - 1) * 128)
                 thr_mma = mma_first.get_slice(tidx - 128)
@@ -590,24 +542,10 @@ class SelectSm90:
                 )
                 SLABS = TILE_N // BLOCK  # key blocks per tile
 
-                # a quad's four lanes hold the same two rows: lanes 4q, 4q+1 keep row 0's top-k
-                # list and 4q+2, 4q+3 row 1's; up to 16 entries both lanes of a pair keep the
-                # whole list, beyond that lane 4q(+2) keeps its upper half and 4q+1(+3) its
-                # lower half (offer_rank)
-                LANES = 1 if TOPK <= 16 else 2  # lanes per list
-                HALF = (TOPK + LANES - 1) // LANES  # entries per lane
-                my_row = (tidx % 4) // 2  # which of the thread's two rows this lane's list is for
-                lower = tidx % 2 == 1  # the lower half's lane (LANES == 2)
-                topv = None  # (the selector variant: no lists here, a ring into the selector)
-                topi = None
-                ring = None
-                if cutlass.const_expr(self.selector):
-                    ring = self.ring_tensors(st)
-                else:
-                    topv = cute.make_rmem_tensor(HALF, Float32)
-                    topi = cute.make_rmem_tensor(HALF, Int32)
-                    topv.fill(-Float32.inf)
-                    topi.fill(-1)
+                # a quad's four lanes hold the same two rows: lanes 4q, 4q+1 reduce and store
+                # row 0's block maxima, 4q+2, 4q+3 row 1's (quad_exchange_max, ring_put)
+                my_row = (tidx % 4) // 2  # which of the thread's two rows this lane stores
+                ring = self.ring_tensors(st)
                 q0 = m_blk * TILE_M  # sequence-local position of the tile's first query
                 pos = None  # with the map: the positions of the thread's two rows
                 if cutlass.const_expr(self.qmap):
@@ -629,7 +567,7 @@ class SelectSm90:
                     cand = self.block_maxima(
                         acc_rc, crd, j, n_tiles, q0, L, pos, mask_from, col_scale
                     )
-                    if j + 1 < n_tiles:  # the next tile's MMA runs during this tile's insertion
+                    if j + 1 < n_tiles:  # the next tile's MMA runs under the ring's store
                         k_pipe.consumer_wait(cons)
                         self.scores(mma_first, mma_rest, acc, tSrQ, tSrK, cons.index)
                     # the quad's maximum of this lane's row, per block (the quad shares a row)
@@ -638,8 +576,7 @@ class SelectSm90:
                     if cutlass.const_expr(self.qmap):
                         row = pos[0] if my_row == 0 else pos[1]
                     own = row // BLOCK
-                    if cutlass.const_expr(self.selector):
-                        offers = []  # this lane's row's offers of the tile, to the ring
+                    offers = []  # this lane's row's offers of the tile, to the ring
                     for sl in cutlass.range_constexpr(SLABS):
                         cv = kept[sl]
                         if cutlass.const_expr(self.key_scale == "block"):
@@ -647,29 +584,18 @@ class SelectSm90:
                         blk = j * SLABS + sl
                         if blk == own:
                             cv = Float32.inf  # the own block is always kept
-                        if cutlass.const_expr(self.selector):
-                            offers.append(cv)
-                        else:
-                            self.offer_rank(topv, topi, cv, blk, lower)
-                    if cutlass.const_expr(self.selector):
-                        r_tile = crd[0, 0][0] if my_row == 0 else crd[1, 0][0]
-                        self.ring_put(ring, j, offers, r_tile, tidx)
+                        offers.append(cv)
+                    r_tile = crd[0, 0][0] if my_row == 0 else crd[1, 0][0]
+                    self.ring_put(ring, j, offers, r_tile, tidx)
 
-                row = q0 + (crd[0, 0][0] if my_row == 0 else crd[1, 0][0])
-                if cutlass.const_expr(self.selector):
-                    # the selector writes the lists out. No MMA is in flight here (the last
-                    # tile's was waited for in the loop), but ptxas cannot see that n_tiles >=
-                    # 1: the path that skips the loop reached the kernel's exit (shared with
-                    # the producer's and the selector's warpgroups, of other register counts)
-                    # with the first MMA in flight, and ptxas serialized every wgmma for it
-                    # (C7511 "insufficient register resources", waits 8/8). This wait, a no-op
-                    # at run time, ends the pipeline inside the consumers' region (waits 2/8)
-                    warpgroup.wait_group(0)
-                elif cutlass.const_expr(self.qmap):  # the row's place in the group, its query row
-                    qrow = qm[2][qs + cutlass.min(row, n_rows - 1)]
-                    self.write_out(topi, mIdx, 0, qrow, p, L, tidx, row < n_rows)
-                else:
-                    self.write_out(topi, mIdx, start, row, p, L, tidx)
+                # the selector writes the lists out. No MMA is in flight here (the last tile's
+                # was waited for in the loop), but ptxas cannot see that n_tiles >= 1: the path
+                # that skips the loop reached the kernel's exit (shared with the producer's and
+                # the selector's warpgroups, of other register counts) with the first MMA in
+                # flight, and ptxas serialized every wgmma for it (C7511 "insufficient register
+                # resources", waits 8/8). This wait, a no-op at run time, ends the pipeline
+                # inside the consumers' region (waits 2/8)
+                warpgroup.wait_group(0)
 
     # -----------------------------------------------------------------------------------------
     # device roles (traced inline into the kernel)
@@ -852,54 +778,8 @@ class SelectSm90:
             kept.append(cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1)))
         return kept
 
-    @cute.jit
-    def offer_rank(self, topv, topi, cv, ci, lower):
-        """Offer block ``ci`` with maximum ``cv`` to this lane's descending top-k list.
-
-        Rule: the block enters at the first slot it beats strictly (ties keep the lower block:
-        blocks arrive in ascending order), every later entry moves down one slot and the last
-        one drops out. As a rank update: the list is descending, so ``gt[t] = c > v[t]`` is
-        false up to the insertion slot and true from it on; each entry takes its new value
-        from one comparison pair, independently of the others: ``v'[t] = v[t-1]`` if
-        ``gt[t-1]``, else ``c`` if ``gt[t]``, else ``v[t]``. Per entry one compare and four
-        selects, dependency depth ~3, where the sequential insertion it replaced (a swap
-        carried through the list) was a 16-deep chain that ptxas compiled to 151 register
-        moves (the review's section 1.2; the A/B: module docstring). Split lists (top_k > 16,
-        lane 4q(+2) the upper half, 4q+1(+3) the lower): when the block enters the upper
-        half, the lower lane's candidate is the upper half's last entry (read before either
-        lane updates) and ``gt`` is all true (it goes first in the lower half).
-
-        Skip: ``vote.any`` over the warp of "the candidate enters"; a lane whose candidate does
-        not enter has ``gt`` all false and keeps its list. The vote is warp-uniform (no
-        divergent branch) and needs the warp converged: it is called at the loop's top level.
-        The CPU replay (tests/test_select_insert_cpu.py) checks the rule against the
-        sequential insertion, ties, ``-inf`` and split lists included."""
-        HALF = cute.size(topv)
-        c = cv
-        i = ci
-        shift = Boolean(False)
-        if cutlass.const_expr(self.top_k > 16):
-            up_v = cute.arch.shuffle_sync_bfly(topv[HALF - 1], offset=1)
-            up_i = cute.arch.shuffle_sync_bfly(topi[HALF - 1], offset=1)
-            shift = lower & (cv > up_v)
-            c = Float32(cutlass.select_(shift, up_v, cv))
-            i = Int32(cutlass.select_(shift, up_i, ci))
-        if cute.arch.vote_any_sync(shift | (c > topv[HALF - 1])):
-            gt = []
-            for t in cutlass.range_constexpr(HALF):
-                gt.append(shift | (c > topv[t]))
-            # last entry first, in place: entry t reads the old t - 1, still unwritten
-            for t in cutlass.range_constexpr(HALF - 1, -1, -1):
-                v = Float32(cutlass.select_(gt[t], c, topv[t]))
-                x = Int32(cutlass.select_(gt[t], i, topi[t]))
-                if cutlass.const_expr(t > 0):
-                    v = Float32(cutlass.select_(gt[t - 1], topv[t - 1], v))
-                    x = Int32(cutlass.select_(gt[t - 1], topi[t - 1], x))
-                topv[t] = v
-                topi[t] = x
-
     # -----------------------------------------------------------------------------------------
-    # the selector variant (``selector``; module docstring, "Selector warpgroup")
+    # the ring and the selector warpgroup (module docstring, "Selector warpgroup")
     # -----------------------------------------------------------------------------------------
     @staticmethod
     def ring_slot(j):
@@ -997,12 +877,25 @@ class SelectSm90:
 
     @cute.jit
     def offer_row(self, topv, topi, cv, ci):
-        """:meth:`offer_rank` for a list held whole by one thread (the selector's): the same
-        rule (``c`` enters at the first entry it beats strictly, later entries move down one,
-        the last drops out; ``v'[t] = v[t-1]`` if ``c > v[t-1]``, else ``c`` if ``c > v[t]``,
-        else ``v[t]``), skipped behind a vote of the warp (its 32 rows) when no candidate
-        enters. Written from the last entry up, so that only two comparisons are live at once
-        (a 64-entry list's would not fit as predicates)."""
+        """Offer block ``ci`` with maximum ``cv`` to this selector thread's descending top-k
+        list (``topv``, ``topi``: its row's whole list).
+
+        Rule: the block enters at the first entry it beats strictly (ties keep the lower
+        block: blocks arrive in ascending order), every later entry moves down one and the
+        last one drops out. As a rank update: the list is descending, so ``c > v[t]`` is false
+        up to the insertion entry and true from it on; each entry takes its new value from one
+        comparison pair, independently of the others: ``v'[t] = v[t-1]`` if ``c > v[t-1]``,
+        else ``c`` if ``c > v[t]``, else ``v[t]`` (per entry one compare and four selects,
+        where the sequential insertion it replaced, a swap carried through the list, was a
+        16-deep chain at k=16 that ptxas compiled to 151 register moves: the review's section
+        1.2, the A/B in the module docstring). Written from the last entry up, so that only
+        two comparisons are live at once (a 64-entry list's would not fit as predicates).
+
+        Skip: ``vote.any`` over the warp (its 32 rows) of "the candidate enters"; a thread
+        whose candidate does not enter has every comparison false and keeps its list. The
+        vote is warp-uniform (no divergent branch) and needs the warp converged: it is called
+        at the loop's top level. The CPU replay (tests/test_select_insert_cpu.py) checks the
+        rule against the sequential insertion, ties and ``-inf`` included."""
         H = cute.size(topv)
         if cute.arch.vote_any_sync(cv > topv[H - 1]):
             g = cv > topv[H - 1]
@@ -1019,9 +912,8 @@ class SelectSm90:
 
     @cute.jit
     def write_row(self, topi, mIdx, start, row, p, valid):
-        """Selector thread: sort its row's kept blocks ascending (-1 last) and write them to
-        row ``start + row`` of ``mIdx`` where ``valid`` (:meth:`write_out`'s order and
-        values, one thread per row)."""
+        """Selector thread: sort its row's kept blocks ascending (-1 last; the list is held in
+        score order) and write them to row ``start + row`` of ``mIdx`` where ``valid``."""
         TOPK = self.top_k
         big = Int32(2147483647)  # -1 read as +inf by the sort
         keys = []
@@ -1036,52 +928,20 @@ class SelectSm90:
                 k = keys[t]
                 mIdx[Int64(start + row), p, t] = -1 if k == big else k  # 64-bit offset
 
-    @cute.jit
-    def write_out(self, topi, mIdx, start, row, p, L, tidx, valid=None):
-        """Sort the row's kept blocks ascending (-1 last) and write them (lanes 4q and 4q+2,
-        the upper lane gathering the lower half's entries first when the list is split) to
-        row ``start + row`` where ``row < L``; with the query map to query row ``row`` where
-        ``valid``."""
-        TOPK = self.top_k
-        HALF = cute.size(topi)
-        big = Int32(2147483647)  # -1 read as +inf by the sort
-        keys = []
-        for t in cutlass.range_constexpr(HALF):
-            keys.append(topi[t])
-        if cutlass.const_expr(TOPK > 16):  # the upper lane gathers the lower half
-            for t in cutlass.range_constexpr(HALF):
-                keys.append(cute.arch.shuffle_sync_bfly(topi[t], offset=1))
-        keys = keys[:TOPK]  # the list is sorted by score: its first TOPK entries are kept
-        for t in cutlass.range_constexpr(TOPK):
-            keys[t] = big if keys[t] < 0 else keys[t]
-        P2 = 1 << (TOPK - 1).bit_length()  # the network needs a power of two
-        keys = _sort_ascending(keys + [big] * (P2 - TOPK))
-        if cutlass.const_expr(self.qmap):
-            if tidx % 2 == 0 and valid:
-                for t in cutlass.range_constexpr(TOPK):
-                    k = keys[t]
-                    mIdx[Int64(row), p, t] = -1 if k == big else k
-        else:
-            if tidx % 2 == 0 and row < L:  # lanes 4q (row 0) and 4q+2 (row 1) write
-                for t in cutlass.range_constexpr(TOPK):
-                    k = keys[t]
-                    mIdx[Int64(start + row), p, t] = -1 if k == big else k  # 64-bit offset
-
 
 # ---------------------------------------------------------------------------------------------
 # host: torch tensors in, indices out
 # ---------------------------------------------------------------------------------------------
 def select_into(
-    indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages, q_map=None,
-    selector: bool = SelectSm90.selector,
-):  # fmt: skip
+    indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages, q_map=None
+):
     """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written):
     ascending sequence-local block numbers, -1 in unused slots. Returns ``indices``.
 
     ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` contiguous bf16/fp16 CUDA tensors,
     ``cu_seqlens (N+1,)`` int32; ``cfg.max_seqlen`` bounds the grid (no host synchronization).
-    ``stages``, ``selector``: the kernel's pipeline depth and selector warpgroup
-    (``SelectSm90``'s fields; A/B runs: the defaults are the shipped kernel).
+    ``stages``: the kernel's pipeline depth (``SelectSm90.stages``; A/B runs: the default is
+    the shipped kernel).
     ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map): ``q_proxy`` and
     ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of a mapped row is
     written, those of padding rows (``-1``) are left as they are (:func:`select` fills them
@@ -1097,9 +957,8 @@ def select_into(
     Hpk = k_proxy.shape[1]
     K = cfg.top_k
     kernel = SelectSm90(
-        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages, q_map is not None,
-        selector=selector,
-    )  # fmt: skip
+        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages, q_map is not None
+    )
     _check_indices(indices, T, Hp, K)
     if T == 0:
         return indices
@@ -1119,10 +978,7 @@ def select_into(
     return indices
 
 
-def select_fp8_into(
-    indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_STAGES,
-    selector: bool = SelectSm90.selector,
-):  # fmt: skip
+def select_fp8_into(indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_STAGES):
     """The fp8 selection (``selection_precision="fp8"``) of quantized operands into
     ``indices`` ``(T, Hp, top_k)`` int32 (every entry written, as :func:`select_into`).
     Returns ``indices``.
@@ -1131,8 +987,7 @@ def select_fp8_into(
     with ``cfg.block_size`` (its block scales are per selection block): e4m3 ``q (T, Hp, Dp)``
     and ``k (T, Hpk, Dp)``, fp32 ``k_scale (T, Hpk)`` on one CUDA device, per block or per token
     (``key_scale``, compiled in); ``q_scale`` is not read (a positive row constant). No query
-    map. ``stages``, ``selector``: the key-pipeline depth and the selector warpgroup (A/B
-    runs; the defaults are the shipped kernel).
+    map. ``stages``: the key-pipeline depth (A/B runs; the default is the shipped kernel).
     """
     qz = quantized
     for name, x in (("q", qz.q), ("k", qz.k)):  # before their shapes are read
@@ -1156,9 +1011,8 @@ def select_fp8_into(
             f"{qz.k_scale.dtype} {tuple(qz.k_scale.shape)}"
         )
     kernel = SelectSm90(
-        cutlass.Float8E4M3FN, Dp, Hp, Hpk, K, cfg.block_size, stages, key_scale=qz.key_scale,
-        selector=selector,
-    )  # fmt: skip
+        cutlass.Float8E4M3FN, Dp, Hp, Hpk, K, cfg.block_size, stages, key_scale=qz.key_scale
+    )
     _check_indices(indices, T, Hp, K)
     if T == 0:
         return indices
@@ -1289,15 +1143,13 @@ def specimen_tensors(kernel: SelectSm90, tokens: int = 4) -> tuple:
 
 def compile_select(
     dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
-    key_scale: str | None = None, stages: int | None = None, selector: bool = False, *,
-    dump=None, name: str = "",
+    key_scale: str | None = None, stages: int | None = None, *, dump=None, name: str = "",
 ) -> dict:  # fmt: skip
     """Compile :class:`SelectSm90` for sm_90a on the launch arguments :func:`_launch` passes
     (:func:`launch_arguments` of :func:`specimen_tensors`; the configurations:
     ``compile_check.configurations``): ``dtype`` "bf16" / "fp16" / "e4m3" (with ``key_scale``,
     the FP8 mode: the wgmma instructions reported as ``mma``), ``qmap`` the query-map kernel,
-    ``stages`` the pipeline depth (default the mode's), ``selector`` the selector warpgroup
-    variant. Returns
+    ``stages`` the pipeline depth (default the mode's). Returns
     ``compile_check.compile_kernel``'s report (``dump``: a folder for ``<name>.ptx`` /
     ``.cubin``)."""
     from cutlass.cute.runtime import make_fake_stream
@@ -1307,8 +1159,6 @@ def compile_select(
     dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN}[dtype]
     if stages is None:
         stages = SelectSm90.stages if key_scale is None else FP8_STAGES
-    kernel = SelectSm90(
-        dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale, selector=selector
-    )
+    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale)
     kernel, args = launch_arguments(kernel, specimen_tensors(kernel), 1, make_fake_stream())
     return compile_kernel(kernel, *args, mma=key_scale is not None, dump=dump, name=name)
