@@ -21,8 +21,10 @@ docstring, "Selector warpgroup"). Checked here:
   warp), per ring slot 8 (full: consumer warps) and 4 (empty: selector warps), at the ring's
   offsets in the shared storage.
 
-The GPU tests (against the reference and the Triton fp8 oracle, where the ring is stressed)
-are tests/test_gpu_cute_select_selector.py.
+On the GPU the kernel is checked by tests/test_gpu_cute.py and tests/test_gpu_cute_fp8.py
+(against the reference and the Triton kernels; their cases include the ring's: block 64's two
+slabs, top_k 64, sequences of 1 and 129 tokens, 70 key tiles, the shallowest and deepest
+pipelines that fit).
 """
 
 from __future__ import annotations
@@ -190,7 +192,8 @@ def test_shared_memory_with_the_ring_and_refusals():
     assert ci(bf16, 128, 4, 1, 16, 64, 5) is None  # 202,752 bytes
     why = ci(bf16, 128, 4, 1, 16, 128, 6)
     assert why is not None and "shared memory" in why and "233472" in why
-    with pytest.raises(ValueError, match="shared memory"):
+    assert why.startswith("stages=6:"), why  # the error names the argument to change
+    with pytest.raises(ValueError, match="stages=6: .* shared memory"):
         SelectSm90(bf16, 128, 4, 1, 16, 128, 6)
     # every mode has the ring: the query map, both key scales, top_k 1..64
     SelectSm90(bf16, 64, 4, 1, 64, 64, qmap=True)

@@ -104,9 +104,10 @@ SELECT_CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype
     ((1500,), 4, 2, 128, 128, 1, torch.float16),  # top_k 1, Hpk 2, fp16
     ((2000, 4000), 8, 2, 64, 128, 16, torch.float16),
     ((4100,), 4, 4, 128, 64, 12, torch.bfloat16),  # top_k not a power of two, block 64
-    ((9000, 300), 4, 1, 128, 128, 64, torch.bfloat16),  # top_k 64: lists over two lanes
+    ((9000, 300), 4, 1, 128, 128, 64, torch.bfloat16),  # top_k 64: the selector's longest list
     ((5000,), 2, 1, 64, 64, 17, torch.float16),  # odd top_k > 16, block 64
     ((6000,), 4, 2, 128, 128, 40, torch.bfloat16),
+    ((5000, 77), 4, 1, 128, 64, 64, torch.float16),  # block 64 (two ring slabs), top_k 64
 ]
 
 
@@ -156,7 +157,8 @@ def test_cute_select_hypothesis_runtime_sizes(data):
 
 
 def test_cute_select_keeps_ties_in_block_order():
-    """Equal block maxima: the lower block wins a tie, the list order survives evictions."""
+    """Equal block maxima: the lower block wins a tie, the list order survives evictions; a
+    64-entry list over 40 blocks keeps them all and pads with -1."""
     cute_be = _cute()
     S, Dp = 128 * 40, 128
     qp = torch.zeros(S, 1, Dp, dtype=torch.bfloat16, device="cuda")
@@ -164,7 +166,7 @@ def test_cute_select_keeps_ties_in_block_order():
     kp = torch.zeros(S, 1, Dp, dtype=torch.bfloat16, device="cuda")
     kp[::128, :, 0] = torch.tensor([1.0, 2.0, 2.0, 0.5] * 10, dtype=torch.bfloat16)[:, None]
     cu = testing.cu([S], "cuda")
-    for top_k in (5, 24):
+    for top_k in (5, 24, 64):
         cfg = config(S, 16, Dp, 128, top_k)
         got = cute_be.select(qp, kp, cu, cfg)
         assert torch.equal(got, reference.select(qp, kp, cu, cfg)), top_k
@@ -578,7 +580,7 @@ def _check_mapped_format(idx, q_map, cu, b):
 QMAP_SELECT_CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype
     ((8192,), 4, 1, 128, 128, 16, torch.bfloat16),  # anchor / paper proxy heads
     ((3000, 1, 700, 129), 2, 1, 64, 64, 8, torch.bfloat16),  # varlen, tiles across chunks
-    ((9000, 300), 4, 1, 128, 128, 64, torch.bfloat16),  # top_k 64: lists over two lanes
+    ((9000, 300), 4, 1, 128, 128, 64, torch.bfloat16),  # top_k 64: the selector's longest list
     ((2000, 4000), 8, 2, 64, 128, 16, torch.float16),  # Hpk 2, fp16
     ((5000,), 2, 1, 64, 64, 17, torch.float16),  # odd top_k > 16, block 64
 ]

@@ -106,9 +106,10 @@ CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype, key scale
     ((8192,), 4, 1, 128, 128, 16, torch.bfloat16, "block"),  # anchor / paper proxy heads
     ((3000, 1, 700, 129), 2, 1, 64, 64, 8, torch.bfloat16, "block"),  # varlen, Dp 64, block 64
     ((1500,), 4, 2, 128, 128, 1, torch.float16, "block"),  # top_k 1, Hpk 2, fp16 inputs
-    ((9000, 300), 4, 1, 128, 128, 64, torch.bfloat16, "block"),  # top_k 64: split lists
+    ((9000, 300), 4, 1, 128, 128, 64, torch.bfloat16, "block"),  # top_k 64: the longest list
     ((5000, 77), 4, 1, 128, 64, 64, torch.float16, "block"),  # two blocks per tile, top_k 64
     ((2000, 4000), 8, 2, 64, 128, 16, torch.float16, "block"),
+    ((8192,), 4, 1, 128, 64, 16, torch.bfloat16, "block"),  # 64 tiles of two ring slabs
     ((4100,), 4, 4, 128, 64, 16, torch.bfloat16, "token"),  # per-token key scales
     ((6000, 1, 333), 4, 1, 128, 128, 64, torch.float16, "token"),
     ((2500,), 2, 1, 64, 64, 1, torch.bfloat16, "token"),
@@ -172,14 +173,14 @@ def test_cute_fp8_select_op_quantizes_then_selects(dtype, monkeypatch):
 def test_cute_fp8_select_keeps_ties_in_block_order():
     """Key blocks with identical content quantize identically (the same block scale): every
     score ties and the lower blocks win, as in the reference (equal indices, no near-tie
-    allowance); also across list evictions at top_k 24."""
+    allowance); also across list evictions at top_k 24, and a whole 64-entry list."""
     g = torch.Generator().manual_seed(1)
     S, Dp = 128 * 40, 128
     kp = torch.randn(128, 1, Dp, generator=g).repeat(40, 1, 1).to("cuda", torch.bfloat16)
     qp = torch.randn(S, 2, Dp, generator=g).to("cuda", torch.bfloat16)
     cu = testing.cu([S], "cuda")
     qz = quant.quantize(qp, kp, cu, 128)
-    for top_k in (5, 24):
+    for top_k in (5, 24, 64):
         cfg = dataclasses.replace(config(S, 16, Dp, 128, top_k), selection_precision="fp8")
         got = _cute_fp8(qz, cu, cfg)
         assert torch.equal(got, reference.select(qp, kp, cu, cfg, quantized=qz)), top_k

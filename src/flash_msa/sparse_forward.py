@@ -313,7 +313,8 @@ ONE_SORT_BYTES = 4 << 30
 
 
 def one_sort(T: int, C: int, Hs: int, K: int, NB: int, q, k, v, cfg: Config, unit) -> bool:
-    """Whether :func:`fwd` sorts once for all its ``T // C`` chunks: a chunked call (``C < T``: one chunk sorts once anyway), the sort's transient memory
+    """Whether :func:`fwd` sorts once for all its ``T // C`` chunks: a chunked call (``C < T``:
+    one chunk sorts once anyway), the sort's transient memory
     (``worklist.SORT_BYTES_PER_ENTRY`` per entry) within :data:`ONE_SORT_BYTES`, and the lists it
     holds through the forward (``T * Hs * K * 8`` bytes of ``perm``, ``(NC + 1) (Hs NB + 1)
     * 8`` of the chunk table, ``NB * 8`` of blocks; paper 128K: 67 MB) within :func:`keeps`'

@@ -1,7 +1,7 @@
 """Persistent on-disk cache of compiled CuTe kernels, shared by the processes of one machine.
 
-:func:`flash_msa.cute.common.run_typed` compiles a kernel on its first call in a process; this module
-makes a second process (the other ranks of a training job, the next job) load that compiled
+:func:`flash_msa.cute.common.run_typed` compiles a kernel on its first call in a process; this
+module makes a second process (the other ranks of a training job, the next job) load that compiled
 kernel from disk instead: no Python tracing, no MLIR pipeline, no ptxas. nvidia-cutlass-dsl's
 own file cache (``CUTE_DSL_CACHE_DIR``) cannot do it: ``cute.compile`` turns it off
 (``compile_only`` implies ``no_cache``), and where it is on its key is the hash of the traced IR

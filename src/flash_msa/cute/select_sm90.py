@@ -347,7 +347,10 @@ class SelectSm90:
             return f"the key pipeline needs 2 or more stages, not {stages}"
         smem = cls.shared_bytes(dtype.width // 8, proxy_head_dim, stages, block_size)["total"]
         if smem > SHARED_LIMIT:
-            return f"{smem} bytes of shared memory exceed the sm_90 capacity ({SHARED_LIMIT})"
+            return (
+                f"stages={stages}: {smem} bytes of shared memory exceed the sm_90 capacity "
+                f"({SHARED_LIMIT})"
+            )
         return None
 
     def __post_init__(self):

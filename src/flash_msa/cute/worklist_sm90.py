@@ -73,9 +73,10 @@ taken as the last sequence's by :class:`ListKeysSm90`'s search, where ``worklist
 gather fails with a device-side assert (docs/reviews/2026-12-01-worklist-kernels.md, F1; not
 changed yet: a device-side refusal needs an H200 run).
 
-Host: raw device addresses (``cute.runtime.make_ptr``) and Int32 counts (:func:`launch_arguments`:
-the kernel object fixes every argument's type, so ``common.run_typed`` keys on it alone), built for the compile only: the
-launch passes the ints themselves (:func:`_launch`); the outputs in one ``torch.empty`` for ``blocks``, two for
+Host: raw device addresses (``cute.runtime.make_ptr``) and Int32 counts
+(:func:`launch_arguments`: the kernel object fixes every argument's type, so
+``common.run_typed`` keys on it alone), built for the compile only: the launch passes the ints
+themselves (:func:`_launch`); the outputs in one ``torch.empty`` for ``blocks``, two for
 ``items`` and ``lists`` (with the sort's), written in full by the kernels (the padding columns
 of ``blocks`` aside); no host synchronization, the current stream (CUDA-graph capturable).
 """
