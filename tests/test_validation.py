@@ -182,6 +182,10 @@ CASES = [
     *case(ALL, VE, r"max_seqlen \(39\) is smaller than the longest sequence .*\(40\)",
           varlen=True, max_seqlen=39),
     *case(ALL, VE, r"max_seqlen must be >= 1, got 0", varlen=True, max_seqlen=0),
+    *case(ALL, VE, r"max_seqlen \(71\) is larger than the total tokens \(70\)", varlen=True,
+          max_seqlen=71),
+    *case(MAIN, VE, r"softmax_scale must be in \[.*\].*got 1e\+39", softmax_scale=1e39),
+    *case(PROXY, VE, r"proxy_scale must be in \[.*\].*got 1e-46", proxy_scale=1e-46),
     *case(ALL, TE, r"max_seqlen must be an int, got float 40.0", varlen=True, max_seqlen=40.0),
     *case(ALL, TE, r"max_seqlen must be an int, got Tensor", varlen=True,
           max_seqlen=torch.tensor(70)),
@@ -358,7 +362,7 @@ VALID = [
     *case(MAIN, None, None, softmax_scale=1),
     *case(PROXY, None, None, proxy_scale=np.float64(0.5)),
     *case(MAIN, None, None, softmax_scale=np.float32(0.3)),
-    *case(ALL, None, None, varlen=True, max_seqlen=128),
+    *case(ALL, None, None, varlen=True, max_seqlen=70),  # above the longest, = the tokens
     *case("msa", None, None, warmup=True, compute_kl=False),
     *case("sparse", None, None, block_size=64, indices=idx(0, 1)),
     *case("sparse", None, None, indices=idx(-1, -1)),  # rows with no key: out = 0

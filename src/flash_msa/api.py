@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from . import backends, quant, worklist
+from . import backends, guard, quant, worklist
 
 try:  # the torch.compile path only; eager calls never touch it
     from . import ops as custom_ops
@@ -156,7 +156,17 @@ def _scale_arg(name, value, default):
         raise ValueError(f"{name} must be finite and > 0, got {value!r}") from None
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    # the kernels hold the scale (times log2(e), for exp2) in fp32: beyond this it is inf or 0
+    if not (_FP32_TINY <= value <= _FP32_MAX_SCALE):
+        raise ValueError(
+            f"{name} must be in [{_FP32_TINY:.3g}, {_FP32_MAX_SCALE:.3g}] (finite and nonzero "
+            f"in float32 after the kernels' factor log2(e)), got {value!r}"
+        )
     return value
+
+
+_FP32_MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
+_FP32_TINY = torch.finfo(torch.float32).tiny
 
 
 def _bool_arg(name, value):
@@ -229,8 +239,14 @@ def _sequences(ref, cu_seqlens, max_seqlen, total=None):
     if cu_seqlens.device != ref.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {ref.device}")
     cu_seqlens = cu_seqlens.contiguous()  # kernels read it with stride 1
+    total = ref.shape[0] if total is None else total
     if max_seqlen is not None:
         max_seqlen = _int_arg("max_seqlen", max_seqlen, 1)
+        if max_seqlen > max(total, 1):  # it sizes the kernels' grids: bound it by the tokens
+            raise ValueError(
+                f"max_seqlen ({max_seqlen}) is larger than the total tokens ({total}) that "
+                "cu_seqlens describes"
+            )
     if max_seqlen is None and torch.compiler.is_compiling():
         raise ValueError(
             "max_seqlen is required under torch.compile (computing it would read cu_seqlens: "
@@ -243,7 +259,6 @@ def _sequences(ref, cu_seqlens, max_seqlen, total=None):
         )
     if _value_checks(cu_seqlens.device):
         cu = cu_seqlens.tolist()
-        total = ref.shape[0] if total is None else total
         if cu[0] != 0:
             raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
         if any(b < a for a, b in zip(cu[:-1], cu[1:])):
@@ -266,6 +281,19 @@ def _check_finite(tensors: dict):
     for name, x in tensors.items():
         if _value_checks(x.device) and not torch.isfinite(x).all():
             raise ValueError(f"{name} contains non-finite values (NaN or inf)")
+
+
+def _guarded(cu, max_seqlen, total, trusted: bool) -> guard.Sequences | None:
+    """The device-side guard of ``cu`` (:mod:`flash_msa.guard`), or ``None`` when its values
+    are known good: built by the API (batch form) or read by the host checks
+    (:func:`_value_checks`). With ``FLASH_MSA_DEBUG=1`` (under ``torch.compile``, where the
+    host checks cannot run) bad offsets fail a device-side assertion instead."""
+    if trusted or _value_checks(cu.device):
+        return None
+    seqs = guard.sequences(cu, max_seqlen, total)
+    if _debug():
+        guard.assert_ok(seqs.ok, "cu_seqlens/max_seqlen are not well formed")
+    return seqs
 
 
 def _check_indices(indices, ref, cu, max_seqlen, block_size, varlen):
@@ -450,6 +478,15 @@ def _with_lists(saved: Saved, rest: worklist.Lists | None, tensors, q_map) -> Sa
 # ---------------------------------------------------------------------------------------------
 # autograd
 # ---------------------------------------------------------------------------------------------
+def _selected(indices, sel_ok):
+    """The selection's ``indices`` with the rows the metadata guard dropped (``sel_ok`` false,
+    e.g. rows past ``cu_seqlens[-1]``, which no selection program writes) emptied, so that the
+    forward and the work list never read an unwritten row."""
+    if indices is None or sel_ok is None:
+        return indices
+    return indices.masked_fill(~sel_ok[:, None, None], -1)
+
+
 class _MSAFunction(torch.autograd.Function):
     """select -> fwd (-> bwd): the fused MSA op on the packed layout.
 
@@ -459,7 +496,7 @@ class _MSAFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, cfg: Config, ops, q_map, keys):
+    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, cfg: Config, ops, q_map, keys, sel_ok):
         ctx.set_materialize_grads(False)
         select_be, fwd_be, bwd_be = ops
         if keys is not None:
@@ -467,6 +504,7 @@ class _MSAFunction(torch.autograd.Function):
         # the query map reaches only backends that declare it (limits.Limits.q_map)
         qm = {} if q_map is None else {"q_map": q_map}
         indices = None if cfg.warmup else select_be.select(q_proxy, k_proxy, cu_seqlens, cfg, **qm)
+        indices = _selected(indices, sel_ok)
         if keys is not None:  # the selection ran while k and v were in flight
             k, v = _finish_keys(keys, kv)
         # bwd_be is None under torch.no_grad(), where needs_input_grad still says True
@@ -522,7 +560,7 @@ class _MSAFunction(torch.autograd.Function):
         if not any(need[0:2]):
             dkl = None  # the proxy backward is skipped, not multiplied by zero
         if dout is None and dkl is None:
-            return (None,) * 10
+            return (None,) * 11
         unit = None if unit[0] is None else tuple(unit)
         saved = Saved(q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit)
         saved = _with_lists(saved, ctx.lists, kept, q_map)
@@ -533,7 +571,7 @@ class _MSAFunction(torch.autograd.Function):
         if ctx.keys is not None:  # global key gradients -> this rank's, summed over the ranks
             grads = [x if need[i] else None for x, i in zip((dk_proxy, dk, dv), (1, 3, 4))]
             dk_proxy, dk, dv = ctx.keys.scatter(tuple(grads), _KEY_GRAD_NAMES)
-        return g.dq_proxy, dk_proxy, g.dq, dk, dv, None, None, None, None, None
+        return g.dq_proxy, dk_proxy, g.dq, dk, dv, None, None, None, None, None, None
 
 
 class _SparseFunction(torch.autograd.Function):
@@ -615,7 +653,20 @@ class _MSAOpFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, q_map, args, wants_grad, det, keys, precision
+        ctx,
+        q_proxy,
+        k_proxy,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        q_map,
+        args,
+        wants_grad,
+        det,
+        keys,
+        precision,
+        sel_ok,
     ):
         warmup, compute_kl = args[5:7]
         kw = {"deterministic": det}
@@ -626,6 +677,7 @@ class _MSAOpFunction(torch.autograd.Function):
         if not warmup:
             sel = _precision_kw(precision)
             indices = custom_ops.select(q_proxy, k_proxy, cu_seqlens, *args, *qm, **kw, **sel)
+            indices = _selected(indices, sel_ok)
         if keys is not None:  # the selection ran while k and v were in flight
             k, v = _finish_keys(keys, kv)
         proxy_grad = wants_grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
@@ -669,7 +721,7 @@ class _MSAOpFunction(torch.autograd.Function):
         main = dout is not None and any(ctx.needs_input_grad[2:5])
         proxy = dkl is not None and ctx.proxy_grad
         if not (main or proxy):
-            return (None,) * 12
+            return (None,) * 13
         dq, dk, dv, dq_proxy, dk_proxy = custom_ops.bwd(
             dout.contiguous() if main else None,
             dkl if proxy else None,
@@ -697,7 +749,7 @@ class _MSAOpFunction(torch.autograd.Function):
             need = ctx.needs_input_grad
             grads = [x if need[i] else None for x, i in zip((dk_proxy, dk, dv), (1, 3, 4))]
             dk_proxy, dk, dv = ctx.keys.scatter(tuple(grads), _KEY_GRAD_NAMES)
-        return dq_proxy, dk_proxy, dq, dk, dv, None, None, None, None, None, None, None
+        return dq_proxy, dk_proxy, dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 class _SparseOpFunction(torch.autograd.Function):
@@ -851,6 +903,19 @@ def msa_attention(
     total = None if key_gather is None else key_gather.total_tokens
     cu, max_seqlen = _sequences(q if q_map is None else k, cu_seqlens, max_seqlen, total)
     _check_finite(tensors)
+    keys_total = k.shape[0] if total is None else total
+    seqs = _guarded(cu, max_seqlen, keys_total, trusted=not varlen)
+    out_ok = sel_ok = None  # rows bad metadata makes meaningless (guard.poison), None if none
+    if seqs is not None:
+        cu = seqs.cu
+        if q_map is None:
+            out_ok = sel_ok = seqs.row_ok
+        else:
+            q_map, out_ok = guard.query_map(q_map, seqs)  # bad rows become padding rows
+    elif q_map is not None and not _value_checks(q_map.device):
+        q_map, out_ok = guard.query_map(q_map, guard.sequences(cu, max_seqlen, keys_total))
+    if out_ok is not None and _debug():
+        guard.assert_ok(out_ok.all(), "q_map or cu_seqlens is not well formed")
     cfg = Config(
         block_size=block_size,
         softmax_scale=softmax_scale,
@@ -870,16 +935,24 @@ def msa_attention(
         args = _op_args(cfg, varlen, dims)
         wants = _wants_grad(*tensors.values())
         out, kl = _MSAOpFunction.apply(
-            *packed, cu, q_map, args, wants, deterministic, key_gather, selection_precision
+            *packed, cu, q_map, args, wants, deterministic, key_gather, selection_precision, sel_ok
         )
-        return out.view(q.shape), kl
+        return _poisoned(out, kl, out_ok, q.shape)
     problem = _problem(q, *dims, cu, varlen, cfg, q_map=q_map is not None)
     select_be = None if warmup else backends.resolve("select", problem)[1]
     fwd_be = backends.resolve("fwd", problem)[1]
     bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(*tensors.values()) else None
     ops = (select_be, fwd_be, bwd_be)
-    out, kl = _MSAFunction.apply(*packed, cu, cfg, ops, q_map, key_gather)
-    return out.view(q.shape), kl
+    out, kl = _MSAFunction.apply(*packed, cu, cfg, ops, q_map, key_gather, sel_ok)
+    return _poisoned(out, kl, out_ok, q.shape)
+
+
+def _poisoned(out, kl, out_ok, shape):
+    """``(out, kl)`` with NaN rows where ``out_ok`` (the guard's) is false, and a NaN ``kl``
+    when any row is (``kl`` averages over every row)."""
+    if out_ok is not None:
+        out, kl = guard.poison(out, out_ok), guard.poison_scalar(kl, out_ok.all())
+    return out.view(shape), kl
 
 
 def select_blocks(
@@ -920,6 +993,9 @@ def select_blocks(
     selection_precision = quant.check_precision(selection_precision)
     cu, max_seqlen = _sequences(q_proxy, cu_seqlens, max_seqlen)
     _check_finite(tensors)
+    seqs = _guarded(cu, max_seqlen, q_proxy.shape[0], trusted=not varlen)
+    if seqs is not None:
+        cu = seqs.cu
     cfg = Config(
         block_size=block_size,
         softmax_scale=1.0,
@@ -939,6 +1015,7 @@ def select_blocks(
             indices = custom_ops.select(*packed, *args, **_precision_kw(selection_precision))
         else:
             indices = select_be.select(*packed, cfg)
+        indices = _selected(indices, None if seqs is None else seqs.row_ok)
     if cfg.top_k < top_k:  # the clamped slots: -1 in every row (see the docstring)
         indices = torch.nn.functional.pad(indices, (0, top_k - cfg.top_k), value=-1)
     return indices.view(*q_proxy.shape[:-1], top_k)
@@ -984,6 +1061,13 @@ def sparse_attention(
     _check_indices(indices, q, cu, max_seqlen, block_size, varlen)
     _check_heads(q.shape[-2], k.shape[-2], indices.shape[-2], "indices")
     _check_finite(tensors)
+    packed_idx, head_ok = _packed(indices), None
+    if not _value_checks(q.device):  # the indices' (and cu_seqlens') values are unread
+        seqs = guard.sequences(cu, max_seqlen, packed_idx.shape[0])
+        cu = seqs.cu
+        packed_idx, head_ok = guard.indices(packed_idx, seqs, block_size)
+        if _debug():
+            guard.assert_ok(head_ok.all(), "indices or cu_seqlens are not well formed")
     cfg = Config(
         block_size=block_size,
         softmax_scale=softmax_scale,
@@ -991,7 +1075,7 @@ def sparse_attention(
         deterministic=deterministic,
     )
     dims = (q.shape[-2], k.shape[-2], q.shape[-1], indices.shape[-2], 0, 0)
-    packed = (_packed(q), _packed(k), _packed(v), _packed(indices), cu)
+    packed = (_packed(q), _packed(k), _packed(v), packed_idx, cu)
     if torch.compiler.is_compiling():  # custom ops (ops.py), as in msa_attention
         out, lse = _SparseOpFunction.apply(*packed, _op_args(cfg, varlen, dims), deterministic)
     else:
@@ -999,5 +1083,7 @@ def sparse_attention(
         fwd_be = backends.resolve("fwd", problem)[1]
         bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(q, k, v) else None
         out, lse = _SparseFunction.apply(*packed, cfg, (fwd_be, bwd_be))
+    if head_ok is not None:  # rows of bad metadata: NaN (guard.indices)
+        out, lse = guard.poison(out, head_ok), guard.poison(lse[..., None], head_ok)[..., 0]
     out = out.view(q.shape)
     return (out, lse.view(q.shape[:-1])) if return_lse else out

@@ -210,11 +210,15 @@ def select(
             z = scale * (qp @ kp.transpose(1, 2))  # [Hp, C, L]
             if fp8 and not per_block:
                 z = z * ks
-            z = z.masked_fill(~_kept_mask(None, rows, L, b), -math.inf)  # causal: j <= i
+            # causal: j <= i; a NaN score counts as -inf in its block's maximum (the GPU
+            # kernels' fmax)
+            z = z.masked_fill(~_kept_mask(None, rows, L, b) | z.isnan(), -math.inf)
             z = torch.nn.functional.pad(z, (0, nb * b - L), value=-math.inf)  # partial last block
             score = z.view(Hp, c1 - c0, nb, b).amax(-1)  # [Hp, C, nb]
             if fp8 and per_block:
                 score = score * ks  # s_b * max_j(acc_j) = max_j(s_b * acc_j), s_b > 0
+            # a non-finite block score (+inf by overflow, NaN from a scale) is never selected
+            score = torch.where(score < math.inf, score, -math.inf)
             own = (rows // b)[None, :, None].expand(Hp, -1, 1)
             score.scatter_(2, own, math.inf)  # the own block always wins
             kk = min(top_k, nb)
@@ -332,6 +336,8 @@ def fwd(
     for s0, L, qrows, pos in _queries(cu_seqlens, q_map):
         kh = _heads_first(k[s0 : s0 + L], cdt, H // Hkv)  # [H, L, D]
         vh = _heads_first(v[s0 : s0 + L], cdt, H // Hkv)
+        vbad = vh.isnan()
+        vbad = vbad if bool(vbad.any()) else None  # (the NaN rule: _attend)
         if proxy:
             kp = _heads_first(k_proxy[s0 : s0 + L], sdt, Hp // k_proxy.shape[1])  # [Hp, L, Dp]
         for c0, c1 in _row_chunks(L, H, len(pos)):
@@ -345,7 +351,7 @@ def fwd(
             s = s.masked_fill(~mask_h, -math.inf)
             row_lse = torch.logsumexp(s, dim=-1)  # [H, C]
             p = _probs(s, mask_h, row_lse)
-            o = p.to(cdt) @ vh  # [H, C, D]
+            o = _attend(p.to(cdt), mask_h, vh, vbad)  # [H, C, D]
             out[sl] = o.transpose(0, 1).to(q.dtype)
             lse[sl] = row_lse.transpose(0, 1)
             if not proxy:
@@ -365,6 +371,16 @@ def fwd(
     if proxy_lse is not None and sdt == torch.float32:
         proxy_lse = proxy_lse.float()
     return Forward(out, lse, proxy_lse, kl)
+
+
+def _attend(p, mask, vh, vbad):
+    """``p @ vh`` (``[H, C, L] @ [H, L, D]``) where a NaN value reaches only the rows that
+    attend its key (``mask``), not every row through ``0 * NaN``; ``vbad``: ``vh.isnan()``, or
+    ``None`` when ``vh`` has no NaN (the plain product)."""
+    if vbad is None:
+        return p @ vh
+    o = p @ vh.masked_fill(vbad, 0.0)
+    return o.masked_fill((mask.to(vh.dtype) @ vbad.to(vh.dtype)) > 0, math.nan)
 
 
 def _kl_terms(target, log_q, mask):

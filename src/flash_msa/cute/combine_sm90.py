@@ -427,9 +427,9 @@ class CombineSm90:
             w.append(wj)
             lsum += wj
         lsum = _warp_sum(lsum, 32)
-        lse = -Float32.inf
-        if lsum > 0.0:
-            lse = mx + cute.math.log2(lsum, fastmath=True) * LN2
+        # -inf when l = 0 (lg2.approx(0) = -inf), NaN when a partial's LSE is NaN (a NaN
+        # query, key or score: the NaN rule propagates it; an `l > 0` test would not)
+        lse = mx + cute.math.log2(lsum, fastmath=True) * LN2
         return w, lsum, lse
 
     @cute.jit

@@ -801,11 +801,9 @@ class FwdPartialsSm90:
     @cute.jit
     def store_lse(self, mL: cute.Tensor, part, mx, ssum, scale_log2):
         """Store the natural-log LSE of a row with max ``mx`` and exp2-sum ``ssum`` (``-inf``
-        for a row with no visible key) at partial index ``part``."""
-        lse = -Float32.inf
-        if ssum > 0.0:
-            lse = (mx * scale_log2 + cute.math.log2(ssum)) * LN2
-        mL[part] = lse
+        for a row with no visible key: ``log2(0) = -inf``; NaN for a row with a NaN score,
+        whose ``ssum`` is NaN) at partial index ``part``."""
+        mL[part] = (mx * scale_log2 + cute.math.log2(ssum)) * LN2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -584,6 +584,8 @@ class SelectSm90:
                         cv = kept[sl]
                         if cutlass.const_expr(self.key_scale == "block"):
                             cv = cv * scale[sl]  # one multiply per (row, block): s_b > 0
+                        if cv == Float32.inf:  # a non-finite block score is never kept
+                            cv = -Float32.inf  # (fmax already skips NaN scores)
                         blk = j * SLABS + sl
                         if blk == own:
                             cv = Float32.inf  # the own block is always kept

@@ -199,8 +199,9 @@ def row_exp(b_s):
 @triton.jit
 def finish_lse(b_m, b_l):
     """Natural-log LSE ``m + log l`` [M] of rows with max ``b_m`` and sum ``b_l`` of
-    ``exp(s - m)``; ``-inf`` for a row with no visible key (``l = 0``)."""
-    return tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+    ``exp(s - m)``; ``-inf`` for a row with no visible key (``l = 0``), NaN for a row with a
+    NaN score (``l`` is NaN: the ``l == 0`` tests let it through, ``l > 0`` would not)."""
+    return tl.where(b_l == 0, float("-inf"), b_m + tl.log(tl.where(b_l == 0, 1.0, b_l)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -157,7 +157,7 @@ def _dense_fwd_kernel(
             b_v = tl.load(V + kv, mask=(j < L)[:, None], other=0.0)
             b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)
         b_m = b_mn
-    b_safe = tl.where(b_l > 0, b_l, 1.0)
+    b_safe = tl.where(b_l == 0, 1.0, b_l)
     b_lse = finish_lse(b_m, b_l)
     tl.store(LSE + rows, b_lse, mask=m_i)
     if HAS_V:

@@ -106,8 +106,11 @@ def _select_kernel(
         p_k = KP + ((s0 + kpos).to(tl.int64) * Hpk + pk)[:, None] * Dp + o_d[None, :]
         b_k = tl.load(p_k, mask=(kpos < L)[:, None], other=0.0)  # [BLOCK, Dp]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BM, BLOCK] fp32
-        b_s = tl.where(kpos[None, :] <= tok[:, None], b_s, float("-inf"))  # causal (=> < L)
+        # causal (=> < L); a NaN score counts as -inf in its block's maximum, as fmax (CuTe)
+        b_s = tl.where((kpos[None, :] <= tok[:, None]) & (b_s == b_s), b_s, float("-inf"))
         b_score = tl.max(b_s, axis=1) * scale  # [BM]
+        # a non-finite block score never enters (NaN < inf is false); the own block always does
+        b_score = tl.where(b_score < float("inf"), b_score, float("-inf"))
         b_score = tl.where(own == n, float("inf"), b_score)
         # offer the block: replace the minimum slot (highest block among equal minima)
         b_min = tl.min(b_val, axis=1)  # [BM]

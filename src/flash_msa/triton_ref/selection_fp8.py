@@ -100,10 +100,13 @@ def _select_fp8_kernel(
         b_s = tl.dot(b_q, tl.trans(b_k))  # [BM, BLOCK] fp32: e4m3 products, fp32 sums
         if TOKEN_SCALE:
             b_s = b_s * tl.load(KS + krow, mask=m_k, other=1.0)[None, :]
-        b_s = tl.where(kpos[None, :] <= tok[:, None], b_s, float("-inf"))  # causal (=> < L)
+        # causal (=> < L); a NaN score counts as -inf in its block's maximum, as fmax (CuTe)
+        b_s = tl.where((kpos[None, :] <= tok[:, None]) & (b_s == b_s), b_s, float("-inf"))
         b_score = tl.max(b_s, axis=1)  # [BM]
         if not TOKEN_SCALE:  # s_b * max_j(acc_j) = max_j(s_b * acc_j), s_b > 0
             b_score = b_score * tl.load(KS + ((s0 + n * BLOCK).to(tl.int64) * Hpk + pk))
+        # a non-finite block score never enters (NaN < inf is false); the own block always does
+        b_score = tl.where(b_score < float("inf"), b_score, float("-inf"))
         b_score = tl.where(own == n, float("inf"), b_score)
         b_val, b_id = offer(b_val, b_id, b_score, n, slot, KP2)
 

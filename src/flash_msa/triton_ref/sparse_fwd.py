@@ -109,7 +109,7 @@ def _fwd_kernel(
                 b_lse = finish_lse(b_m, b_l)
                 part = ((qrow - tok0) * H + h0 + hj) * K + slot  # chunk-local partial row
                 b_pv = b_p.to(b_v.dtype)
-                b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
+                b_inv = 1.0 / tl.where(b_l == 0, 1.0, b_l)
                 if OUT_SPLIT == 1:
                     b_o = tl.dot(b_pv, b_v, input_precision=PREC) * b_inv[:, None]  # [BM, D]
                     p_o = O_PART + part[:, None] * D + o_d[None, :]
@@ -179,7 +179,7 @@ def _combine_kernel(
         )
         m_o = (valid & (b_w > 0))[:, :, None]
         b_o = tl.load(p_o, mask=m_o, other=0.0).to(tl.float32)  # [HB, KP2, D]
-        b_safe = tl.where(b_l > 0, b_l, 1.0)
+        b_safe = tl.where(b_l == 0, 1.0, b_l)
         b_out = tl.sum(b_w[:, :, None] * b_o, axis=1) / b_safe[:, None]  # [HB, D]
         p_out = OUT + (t * H + h[:, None]) * D + o_d[None, :]
         tl.store(p_out, b_out.to(OUT.dtype.element_ty), mask=m_h[:, None])
