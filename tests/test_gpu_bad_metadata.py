@@ -31,7 +31,7 @@ T, H, HKV, HP, HPK, D, DP, BLOCK, TOP_K = 1100, 16, 2, 4, 1, 128, 128, 128, 4
 CASES = {  # cu_seqlens, max_seqlen, the one well-formed sequence (or None)
     "past_the_tokens": ([0, 700, 1500], 800, (0, 700)),
     "longer_than_max_seqlen": ([0, 300, 1100], 500, (0, 300)),
-    "not_starting_at_0": ([100, 600, 1100], 500, (600, 1100)),
+    "not_starting_at_0": ([100, 600, 1100], 600, (600, 1100)),
     "decreasing": ([0, 700, 400, 1100], 700, (0, 700)),
     "garbage": ([0, -5, 2**31 - 1], 1100, None),
     "short_of_the_tokens": ([0, 900], 900, (0, 900)),
@@ -55,13 +55,13 @@ for case, (cu, ms, good) in CASES.items():
     (out.float().nan_to_num(0.0).sum() + kl.nan_to_num(0.0)).backward()
     torch.cuda.synchronize()
     bad = torch.ones(T, dtype=torch.bool, device="cuda")
-    err = 0.0
-    if good is not None:
+    err, grads_finite = 0.0, True
+    if good is not None:  # (a dropped row's gradients are NaN: its out is)
         s, e = good
         bad[s:e] = False
         alone = msa([x[s:e] for x in xs], [0, e - s], e - s)[0]
         err = (out[s:e].float() - alone.float()).abs().max().item()
-    grads_finite = all(bool(torch.isfinite(x.grad).all()) for x in inputs)
+        grads_finite = all(bool(torch.isfinite(x.grad[s:e]).all()) for x in inputs)
     report(case, out[bad].isnan().all() and math.isnan(kl.item()) and err <= 2e-2
            and grads_finite, err=err, grads_finite=grads_finite)
 
@@ -69,7 +69,8 @@ for case, (cu, ms, good) in CASES.items():
 cu = torch.tensor([0, 700, 1500], dtype=torch.int32, device="cuda")
 idx = flash_msa.select_blocks(xs[0], xs[1], TOP_K, block_size=BLOCK, cu_seqlens=cu,
                               max_seqlen=800)
-report("select_blocks", (idx[700:] == -1).all() and (idx[:700, :, 0] == 0).all())
+own = (torch.arange(700, device="cuda") // BLOCK)[:, None, None]
+report("select_blocks", (idx[700:] == -1).all() and (idx[:700] == own).any(-1).all())
 
 # sparse_attention: ill-formed index rows are NaN, the others exact
 q, k, v = (x[None].clone().requires_grad_() for x in xs[2:])
@@ -121,11 +122,13 @@ def test_bad_metadata_under_memcheck(backend):
     env = dict(os.environ, FLASH_MSA_BACKEND=backend, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
     run = subprocess.run(
-        [_tool(), "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", _CHILD],
+        # (API errors off: the DSL's driver probes return CUDA_ERROR_INVALID_VALUE by design)
+        [_tool(), "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "3",
+         sys.executable, "-c", _CHILD],
         capture_output=True, text=True, env=env, timeout=900, cwd=ROOT,
     )  # fmt: skip
     log = run.stdout + run.stderr
-    print(log[-6000:])
+    print(log)
     assert run.returncode == 0 and "sanitized run done" in log, log[-6000:]
     assert "ERROR SUMMARY: 0 errors" in log, log[-6000:]
     cases = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]

@@ -13,6 +13,7 @@ import math
 import numbers
 import operator
 import os
+import weakref
 from typing import Protocol
 
 import torch
@@ -283,6 +284,31 @@ def _check_finite(tensors: dict):
             raise ValueError(f"{name} contains non-finite values (NaN or inf)")
 
 
+# guard.sequences of a caller's cu_seqlens tensor, per tensor object: the layers of a step call
+# with the same tensor, and the guard's ~20 small launches would otherwise repeat per layer
+# (anchor 16K, 8 documents, on an H200: the guarded step 1.0375x the unguarded one without it).
+# The tensor's version counter (bumped by any in-place write) is part of the key.
+_SEQUENCES: dict[int, tuple] = {}
+
+
+def _guard_sequences(cu, max_seqlen, total) -> guard.Sequences:
+    """:func:`guard.sequences`, cached per ``cu`` object in eager calls; computed afresh while
+    a CUDA graph is captured (the graph must hold the ops: a replay may bring new values into
+    the same buffer) and under ``torch.compile`` (the graph holds them)."""
+    capturing = cu.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing or torch.compiler.is_compiling():
+        return guard.sequences(cu, max_seqlen, total)
+    key = (cu._version, max_seqlen, total)
+    hit = _SEQUENCES.get(id(cu))
+    if hit is not None and hit[0]() is cu and hit[1] == key:
+        return hit[2]
+    seqs = guard.sequences(cu, max_seqlen, total)
+    ident = id(cu)
+    ref = weakref.ref(cu, lambda _, ident=ident: _SEQUENCES.pop(ident, None))
+    _SEQUENCES[ident] = (ref, key, seqs)
+    return seqs
+
+
 def _guarded(cu, max_seqlen, total, trusted: bool) -> guard.Sequences | None:
     """The device-side guard of ``cu`` (:mod:`flash_msa.guard`), or ``None`` when its values
     are known good: built by the API (batch form) or read by the host checks
@@ -290,7 +316,7 @@ def _guarded(cu, max_seqlen, total, trusted: bool) -> guard.Sequences | None:
     host checks cannot run) bad offsets fail a device-side assertion instead."""
     if trusted or _value_checks(cu.device):
         return None
-    seqs = guard.sequences(cu, max_seqlen, total)
+    seqs = _guard_sequences(cu, max_seqlen, total)
     if _debug():
         guard.assert_ok(seqs.ok, "cu_seqlens/max_seqlen are not well formed")
     return seqs
@@ -478,13 +504,23 @@ def _with_lists(saved: Saved, rest: worklist.Lists | None, tensors, q_map) -> Sa
 # ---------------------------------------------------------------------------------------------
 # autograd
 # ---------------------------------------------------------------------------------------------
-def _selected(indices, sel_ok):
-    """The selection's ``indices`` with the rows the metadata guard dropped (``sel_ok`` false,
+def _selected(indices, rows_ok):
+    """The selection's ``indices`` with the rows the metadata guard dropped (``rows_ok`` false,
     e.g. rows past ``cu_seqlens[-1]``, which no selection program writes) emptied, so that the
     forward and the work list never read an unwritten row."""
-    if indices is None or sel_ok is None:
+    if indices is None or rows_ok is None:
         return indices
-    return indices.masked_fill(~sel_ok[:, None, None], -1)
+    return indices.masked_fill(~rows_ok[:, None, None], -1)
+
+
+def _poison(out, kl, rows_ok):
+    """The guard's rule on the forward's outputs: NaN on the rows ``rows_ok`` drops (in place,
+    before ``out`` is saved: the backward then gives those rows NaN gradients, and no pass over
+    ``dout`` is added), a NaN ``kl`` (a mean over every row) when any is dropped."""
+    if rows_ok is None:
+        return kl
+    guard.poison_(out, rows_ok)
+    return None if kl is None else guard.poison_scalar(kl, rows_ok.all())
 
 
 class _MSAFunction(torch.autograd.Function):
@@ -496,7 +532,7 @@ class _MSAFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, cfg: Config, ops, q_map, keys, sel_ok):
+    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, cfg: Config, ops, q_map, keys, rows_ok):
         ctx.set_materialize_grads(False)
         select_be, fwd_be, bwd_be = ops
         if keys is not None:
@@ -504,7 +540,7 @@ class _MSAFunction(torch.autograd.Function):
         # the query map reaches only backends that declare it (limits.Limits.q_map)
         qm = {} if q_map is None else {"q_map": q_map}
         indices = None if cfg.warmup else select_be.select(q_proxy, k_proxy, cu_seqlens, cfg, **qm)
-        indices = _selected(indices, sel_ok)
+        indices = _selected(indices, rows_ok)
         if keys is not None:  # the selection ran while k and v were in flight
             k, v = _finish_keys(keys, kv)
         # bwd_be is None under torch.no_grad(), where needs_input_grad still says True
@@ -530,6 +566,7 @@ class _MSAFunction(torch.autograd.Function):
         kept, ctx.lists = _kept_lists(f, bwd_be is not None and (main_grads or unit is None))
         if kl is None:  # compute_kl=False: the value is 0, the gradient stays exact
             kl = torch.zeros((), dtype=lse.dtype, device=q.device)
+        kl = _poison(out, kl, rows_ok)
         ctx.save_for_backward(
             q,
             k,
@@ -578,11 +615,12 @@ class _SparseFunction(torch.autograd.Function):
     """fwd (-> bwd) on given indices, no proxy."""
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, cu_seqlens, cfg: Config, ops):
+    def forward(ctx, q, k, v, indices, cu_seqlens, cfg: Config, ops, heads_ok):
         ctx.set_materialize_grads(False)
         fwd_be, bwd_be = ops
         f = fwd_be.fwd(q, k, v, indices, cu_seqlens, cfg)
         out, lse = f[:2]
+        _poison_heads(out, lse, heads_ok)
         kept, ctx.lists = _kept_lists(f, bwd_be is not None)
         ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens, *kept)
         ctx.cfg, ctx.bwd_be = cfg, bwd_be
@@ -592,12 +630,20 @@ class _SparseFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:
-            return (None,) * 7
+            return (None,) * 8
         q, k, v, out, lse, indices, cu, *kept = ctx.saved_tensors
         saved = Saved(q, k, v, out, lse, indices, None, None, None)
         saved = _with_lists(saved, ctx.lists, kept, None)
         g = ctx.bwd_be.bwd(dout.contiguous(), None, saved, cu, ctx.cfg)
-        return g.dq, g.dk, g.dv, None, None, None, None
+        return g.dq, g.dk, g.dv, None, None, None, None, None
+
+
+def _poison_heads(out, lse, heads_ok):
+    """NaN, in place, on the (row, index head) pairs ``heads_ok`` (``(T, Hs)``, the guard's)
+    drops: ``out`` ``(T, H, D)`` and ``lse`` ``(T, H)``; nothing for ``None``."""
+    if heads_ok is not None:
+        guard.poison_(out, heads_ok)
+        guard.poison_(lse, heads_ok)
 
 
 def _op_args(cfg: Config, varlen: bool, dims) -> tuple:
@@ -666,7 +712,7 @@ class _MSAOpFunction(torch.autograd.Function):
         det,
         keys,
         precision,
-        sel_ok,
+        rows_ok,
     ):
         warmup, compute_kl = args[5:7]
         kw = {"deterministic": det}
@@ -677,7 +723,7 @@ class _MSAOpFunction(torch.autograd.Function):
         if not warmup:
             sel = _precision_kw(precision)
             indices = custom_ops.select(q_proxy, k_proxy, cu_seqlens, *args, *qm, **kw, **sel)
-            indices = _selected(indices, sel_ok)
+            indices = _selected(indices, rows_ok)
         if keys is not None:  # the selection ran while k and v were in flight
             k, v = _finish_keys(keys, kv)
         proxy_grad = wants_grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
@@ -695,6 +741,7 @@ class _MSAOpFunction(torch.autograd.Function):
             *qm,
             **kw,
         )
+        kl = _poison(out, kl, rows_ok)
         ctx.save_for_backward(
             q,
             k,
@@ -756,9 +803,10 @@ class _SparseOpFunction(torch.autograd.Function):
     """:class:`_SparseFunction` under ``torch.compile`` (see :class:`_MSAOpFunction`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, cu_seqlens, args, det):
+    def forward(ctx, q, k, v, indices, cu_seqlens, args, det, heads_ok):
         kw = {"deterministic": det}
         out, lse = custom_ops.fwd(q, k, v, indices, cu_seqlens, None, None, False, *args, **kw)[:2]
+        _poison_heads(out, lse, heads_ok)
         ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens)
         ctx.args, ctx.det = args, det
         ctx.mark_non_differentiable(lse)
@@ -767,7 +815,7 @@ class _SparseOpFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None or not any(ctx.needs_input_grad[:3]):
-            return (None,) * 7
+            return (None,) * 8
         q, k, v, out, lse, indices, cu = ctx.saved_tensors
         dq, dk, dv = custom_ops.bwd(
             dout.contiguous(),
@@ -787,7 +835,7 @@ class _SparseOpFunction(torch.autograd.Function):
             *ctx.args,
             deterministic=ctx.det,
         )[:3]
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -835,8 +883,15 @@ def msa_attention(
         block_size: 64 or 128 tokens per key block.
         softmax_scale: main attention scale, default ``D ** -0.5``.
         proxy_scale: proxy score scale, default ``Dp ** -0.5``.
-        cu_seqlens: int32 ``(N+1,)`` cumulative sequence lengths (varlen form).
-        max_seqlen: longest sequence; required when ``cu_seqlens`` is on a GPU.
+        cu_seqlens: int32 ``(N+1,)`` cumulative sequence lengths (varlen form). Its values
+            are checked on CPU tensors and with ``FLASH_MSA_DEBUG=1``; elsewhere (GPU tensors,
+            ``torch.compile``) reading them would sync, and a malformed one is made safe on the
+            device instead (:mod:`flash_msa.guard`): the rows it makes meaningless (a sequence
+            whose offsets are out of order, out of ``[0, T]`` or longer than ``max_seqlen``,
+            rows past ``cu_seqlens[-1]``) come out NaN, their gradients too, and ``kl`` is
+            NaN; the other rows are exact. No kernel reads or writes out of bounds.
+        max_seqlen: longest sequence, at most the tokens; required when ``cu_seqlens`` is on a
+            GPU.
         warmup: dense causal main attention, KL over all visible keys (``top_k`` ignored).
         compute_kl: compute the KL value (``False`` returns 0 but keeps its exact gradient).
         q_map: queries that are not the keys' own tokens (context parallelism: local queries,
@@ -905,17 +960,17 @@ def msa_attention(
     _check_finite(tensors)
     keys_total = k.shape[0] if total is None else total
     seqs = _guarded(cu, max_seqlen, keys_total, trusted=not varlen)
-    out_ok = sel_ok = None  # rows bad metadata makes meaningless (guard.poison), None if none
+    rows_ok = None  # the query rows bad metadata makes meaningless: NaN (_poison); None: none
     if seqs is not None:
         cu = seqs.cu
         if q_map is None:
-            out_ok = sel_ok = seqs.row_ok
+            rows_ok = seqs.row_ok
         else:
-            q_map, out_ok = guard.query_map(q_map, seqs)  # bad rows become padding rows
+            q_map, rows_ok = guard.query_map(q_map, seqs)  # bad rows become padding rows
     elif q_map is not None and not _value_checks(q_map.device):
-        q_map, out_ok = guard.query_map(q_map, guard.sequences(cu, max_seqlen, keys_total))
-    if out_ok is not None and _debug():
-        guard.assert_ok(out_ok.all(), "q_map or cu_seqlens is not well formed")
+        q_map, rows_ok = guard.query_map(q_map, _guard_sequences(cu, max_seqlen, keys_total))
+    if rows_ok is not None and _debug():
+        guard.assert_ok(rows_ok.all(), "q_map or cu_seqlens is not well formed")
     cfg = Config(
         block_size=block_size,
         softmax_scale=softmax_scale,
@@ -935,24 +990,16 @@ def msa_attention(
         args = _op_args(cfg, varlen, dims)
         wants = _wants_grad(*tensors.values())
         out, kl = _MSAOpFunction.apply(
-            *packed, cu, q_map, args, wants, deterministic, key_gather, selection_precision, sel_ok
+            *packed, cu, q_map, args, wants, deterministic, key_gather, selection_precision, rows_ok
         )
-        return _poisoned(out, kl, out_ok, q.shape)
+        return out.view(q.shape), kl
     problem = _problem(q, *dims, cu, varlen, cfg, q_map=q_map is not None)
     select_be = None if warmup else backends.resolve("select", problem)[1]
     fwd_be = backends.resolve("fwd", problem)[1]
     bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(*tensors.values()) else None
     ops = (select_be, fwd_be, bwd_be)
-    out, kl = _MSAFunction.apply(*packed, cu, cfg, ops, q_map, key_gather, sel_ok)
-    return _poisoned(out, kl, out_ok, q.shape)
-
-
-def _poisoned(out, kl, out_ok, shape):
-    """``(out, kl)`` with NaN rows where ``out_ok`` (the guard's) is false, and a NaN ``kl``
-    when any row is (``kl`` averages over every row)."""
-    if out_ok is not None:
-        out, kl = guard.poison(out, out_ok), guard.poison_scalar(kl, out_ok.all())
-    return out.view(shape), kl
+    out, kl = _MSAFunction.apply(*packed, cu, cfg, ops, q_map, key_gather, rows_ok)
+    return out.view(q.shape), kl
 
 
 def select_blocks(
@@ -982,6 +1029,8 @@ def select_blocks(
         ``top_k`` **clamped** to ``max(ceil(max_seqlen / block_size), 64)`` (as in
         :func:`msa_attention`); the slots past that are ``-1`` padding, so the width stays the
         requested ``top_k`` and a sequence's indices do not depend on what it is packed with.
+        Rows that a malformed ``cu_seqlens`` makes meaningless (see :func:`msa_attention`)
+        are all ``-1``: no own block.
     """
     varlen = cu_seqlens is not None
     tensors = {"q_proxy": q_proxy, "k_proxy": k_proxy}
@@ -1041,7 +1090,10 @@ def sparse_attention(
         indices: int32 ``(B, S, Hsel, top_k)`` (or ``(T, Hsel, top_k)``): the sequence-local
             blocks each row attends, ascending, ``-1`` padded; main head ``h`` uses index head
             ``h // (H / Hsel)``. Causality holds inside each block; the own block is *not*
-            implied. Values are checked on CPU or with ``FLASH_MSA_DEBUG=1`` only.
+            implied. Values are checked on CPU or with ``FLASH_MSA_DEBUG=1``; elsewhere an
+            ill-formed row (an entry outside ``[-1, blocks of its sequence)``, ``-1`` before a
+            block, not strictly ascending) makes NaN the ``out`` and ``lse`` of the heads that
+            use it, and nothing is read out of bounds (:mod:`flash_msa.guard`).
         block_size, softmax_scale, cu_seqlens, max_seqlen: as in :func:`msa_attention`.
         return_lse: also return the fp32 natural-log LSE ``(B, S, H)`` (not differentiable).
         deterministic: as in :func:`msa_attention` (``None``: ``FLASH_MSA_DETERMINISTIC``).
@@ -1063,7 +1115,7 @@ def sparse_attention(
     _check_finite(tensors)
     packed_idx, head_ok = _packed(indices), None
     if not _value_checks(q.device):  # the indices' (and cu_seqlens') values are unread
-        seqs = guard.sequences(cu, max_seqlen, packed_idx.shape[0])
+        seqs = _guard_sequences(cu, max_seqlen, packed_idx.shape[0])
         cu = seqs.cu
         packed_idx, head_ok = guard.indices(packed_idx, seqs, block_size)
         if _debug():
@@ -1077,13 +1129,12 @@ def sparse_attention(
     dims = (q.shape[-2], k.shape[-2], q.shape[-1], indices.shape[-2], 0, 0)
     packed = (_packed(q), _packed(k), _packed(v), packed_idx, cu)
     if torch.compiler.is_compiling():  # custom ops (ops.py), as in msa_attention
-        out, lse = _SparseOpFunction.apply(*packed, _op_args(cfg, varlen, dims), deterministic)
+        args = _op_args(cfg, varlen, dims)
+        out, lse = _SparseOpFunction.apply(*packed, args, deterministic, head_ok)
     else:
         problem = _problem(q, *dims, cu, varlen, cfg)
         fwd_be = backends.resolve("fwd", problem)[1]
         bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(q, k, v) else None
-        out, lse = _SparseFunction.apply(*packed, cfg, (fwd_be, bwd_be))
-    if head_ok is not None:  # rows of bad metadata: NaN (guard.indices)
-        out, lse = guard.poison(out, head_ok), guard.poison(lse[..., None], head_ok)[..., 0]
+        out, lse = _SparseFunction.apply(*packed, cfg, (fwd_be, bwd_be), head_ok)
     out = out.view(q.shape)
     return (out, lse.view(q.shape[:-1])) if return_lse else out

@@ -19,14 +19,15 @@ rewrite made meaningless, so that the API returns them as NaN:
   row, become padding rows, flagged.
 
 The rule the API states: rows that bad metadata makes meaningless come out NaN (``out``, and a
-NaN ``kl`` when any row is flagged); the other rows are exact. With ``FLASH_MSA_DEBUG=1``,
+NaN ``kl`` when any row is flagged; their tokens' gradients are NaN too); the other rows and
+their gradients are exact. With ``FLASH_MSA_DEBUG=1``,
 :func:`assert_ok` raises on the device instead (``torch._assert_async``: an asynchronous CUDA
 error in eager, an assertion in the compiled graph). The host checks (CPU tensors, and
 ``FLASH_MSA_DEBUG=1`` in eager) refuse such metadata before anything runs; these guards are for
 the calls those checks cannot see.
 
 Cost: O(N + T log N) for :func:`sequences` and O(T * heads * top_k) for :func:`indices`, plus
-the API's one pass over ``out`` to poison flagged rows; batch-form calls build their own
+the API's one in-place pass over ``out`` to poison flagged rows; batch-form calls build their own
 ``cu_seqlens`` and skip it all.
 """
 
@@ -83,10 +84,11 @@ def indices(idx: torch.Tensor, seqs: Sequences, block_size: int):
     s = seqs.cu.long()
     blocks = torch.cat([(s[1:] - s[:-1] + block_size - 1) // block_size, s.new_zeros(1)])
     nb = blocks[seqs.seq][:, None, None]  # (T, 1, 1): the row's blocks, 0 past cu[-1]
-    bad = (idx < -1) | (idx >= nb)
     valid = idx >= 0
-    bad[..., 1:] |= valid[..., 1:] & ~valid[..., :-1]
-    bad[..., 1:] |= valid[..., 1:] & (idx[..., 1:] <= idx[..., :-1])
+    # each slot's predecessor (slot 0: a valid -2, below every block): out of place, as
+    # Inductor's CPU code generation refuses in-place updates of these slices
+    prev = torch.cat([torch.full_like(idx[..., :1], -2), idx[..., :-1]], -1)
+    bad = (idx < -1) | (idx >= nb) | (valid & ((prev == -1) | (idx <= prev)))
     head_ok = ~bad.any(-1) & seqs.row_ok[:, None]
     return torch.where(head_ok[..., None], idx, -1), head_ok
 
@@ -102,17 +104,13 @@ def query_map(q_map: torch.Tensor, seqs: Sequences):
     return torch.where(inside & key_ok, q_map, -1), row_ok
 
 
-def poison(x: torch.Tensor, row_ok: torch.Tensor) -> torch.Tensor:
-    """``x`` (``(T, heads, dim)``) with NaN on the rows (``row_ok`` ``(T,)``) or the (row, head
-    group) pairs (``row_ok`` ``(T, Hs)``, ``heads % Hs == 0``) that are not ok. Out of place
-    (``x`` may be saved for a backward); the gradient of a poisoned row is 0."""
-    T, Hx, Dx = x.shape
-    if row_ok.dim() == 1:
-        keep = row_ok[:, None, None]
-    else:
-        Hs = row_ok.shape[1]
-        keep = row_ok[:, :, None, None].expand(T, Hs, Hx // Hs, 1).reshape(T, Hx, 1)
-    return torch.where(keep, x, torch.full((), float("nan"), dtype=x.dtype, device=x.device))
+def poison_(x: torch.Tensor, ok: torch.Tensor) -> None:
+    """NaN, in place, on the rows of ``x`` (``(T, heads, ...)``) that ``ok`` (``(T,)``) drops,
+    or on the (row, head group) pairs that ``ok`` (``(T, Hs)``, ``heads % Hs == 0``) drops."""
+    T, heads = x.shape[:2]
+    groups = 1 if ok.dim() == 1 else ok.shape[1]
+    view = x.view(T, groups, heads // groups, -1)
+    view.masked_fill_(~ok.view(T, groups, 1, 1), float("nan"))
 
 
 def poison_scalar(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
