@@ -62,7 +62,7 @@ def main():
 
         def guard_ops():
             seqs = guard.sequences(cu, ms, T)
-            guard.poison(out, seqs.row_ok)
+            guard.poison_(out, seqs.row_ok)
 
         print(json.dumps(dict(
             tokens=T, docs=a.docs, step_ms_guarded=round(guarded, 3),

@@ -226,10 +226,10 @@ def lists(
     else:  # the row's token among the keys; a padding row: every slot unused
         tok = q_map[tok0 : tok0 + C].to(torch.int32)
         idx = torch.where(tok[:, None, None] >= 0, idx, -1)
-    # a row past cu_seqlens[-1] (metadata the API's guard has emptied: every slot -1) is taken
-    # as the last sequence's, as ListKeysSm90 does: its keys are all L whatever the sequence
-    n_seq = key_blocks.seq_first.numel()
-    seq_of_tok = torch.searchsorted(cu[1:], tok, right=True).clamp_max_(n_seq - 1)
+    # the first N - 1 ends only: a row past cu_seqlens[-1] (metadata the API's guard has
+    # emptied, every slot -1) is taken as the last sequence's, as ListKeysSm90 does, where its
+    # keys are all L; the search over every end would index past seq_first
+    seq_of_tok = torch.searchsorted(cu[1:-1], tok, right=True)
     first = key_blocks.seq_first[seq_of_tok]  # [C]: the token's sequence's block 0
     row_key = torch.arange(0, L, NB, device=dev, dtype=kdt) + first[:, None]  # [C, Hs]
     # (masked_fill_ with a Python scalar: torch.where(..., L) makes a device scalar first, one

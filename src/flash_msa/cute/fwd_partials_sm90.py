@@ -54,12 +54,10 @@ q_map)``: ``q``, ``q_proxy`` and the partial buffers have ``Tq`` rows, K, V and 
 keys' ``T``, blocks by key tokens), so the gathers, the partial slots and ``tok0`` are
 unchanged; only the causal mask of both parts compares the block's keys with the row's token
 ``q_map[row]`` instead of the row (:meth:`FwdPartialsSm90.row_info`: one extra load per row,
-issued with the row's ``perm`` load, before the gather wait; at the paper head layout, D = 128
-with R = 4 sub-groups, ptxas then spills 8 bytes at 168 registers, 16 bytes stored and 20
-loaded per thread: loading the positions after the QK MMA, or by cp.async into shared memory
-with the Q rows and reading them there after it, spilled the same 8 bytes; every other
-compiled layout is spill-free: compile_check "fwd ... qmap", the paper ones in
-tests/test_cute_fwd_qmap_cpu.py). Padding rows (``-1``) have no
+issued with the row's ``perm`` load, before the gather wait; every compiled layout is
+spill-free at 168 registers or fewer, the paper head layout (D = 128, R = 4 sub-groups) too
+since :meth:`FwdPartialsSm90.store_lse` has no branch: compile_check "fwd ... qmap", the paper
+one in tests/test_cute_fwd_qmap_cpu.py). Padding rows (``-1``) have no
 entries (``worklist.build`` drops them), so a row the kernel visits always has a token. Without
 the map the kernel compiles to the PTX it had before the field existed (a compile-time branch;
 the map travels in the work-list argument, :class:`MappedWorkItems`, so no argument is added).

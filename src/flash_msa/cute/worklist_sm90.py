@@ -67,11 +67,9 @@ sizes past 2^30, and ``blocks`` where ``worklist.blocks`` computes in int64):
   :class:`ListBoundsSm90` (grid, thread per list ``l <= L``): ``bounds[l]`` = the first sorted
   key ``>= l`` (binary search: balanced whatever the lists' sizes).
 
-Invalid input, unlike torch: a row past ``cu_seqlens[-1]`` (a ``cu_seqlens`` that does not end
-at the row count, which the API checks only with ``FLASH_MSA_DEBUG=1``: the check would sync) is
-taken as the last sequence's by :class:`ListKeysSm90`'s search, where ``worklist.lists``'
-gather fails with a device-side assert (docs/reviews/2026-12-01-worklist-kernels.md, F1; not
-changed yet: a device-side refusal needs an H200 run).
+Rows past ``cu_seqlens[-1]`` (only in metadata the API's guard rewrote, :mod:`flash_msa.guard`,
+which sets every slot of such a row to ``-1``) are taken as the last sequence's by
+:class:`ListKeysSm90`'s search, as by ``worklist.lists``: their keys are all ``L``.
 
 Host: raw device addresses (``cute.runtime.make_ptr``) and Int32 counts
 (:func:`launch_arguments`: the kernel object fixes every argument's type, so
