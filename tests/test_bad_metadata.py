@@ -165,3 +165,53 @@ def test_scales_outside_float32_are_refused(name, value):
     xs = [x.detach() for x in _inputs()]
     with pytest.raises(ValueError, match=name):
         _msa(xs, [0, T], T, **{name: value})
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rows_past_the_last_offset_leave_warmup_gradients_exact(
+    unchecked, monkeypatch, backend, deterministic
+):
+    """``cu_seqlens`` ending short of the tokens (a batch padded at its end), dense warmup: the
+    sequence's gradients equal its own call's (no list or store reaches the rows past the end;
+    the deterministic backward's buffers are zeros there, not uninitialized memory)."""
+    monkeypatch.setenv("FLASH_MSA_BACKEND", backend)
+    xs = _inputs()
+    out, kl = _msa(xs, [0, 100], 100, warmup=True, deterministic=deterministic)
+    assert out[100:].isnan().all() and math.isnan(kl.item())
+    (out.nan_to_num(0.0).sum() + kl.nan_to_num(0.0)).backward()
+    monkeypatch.setattr(api, "_value_checks", lambda device: True)
+    part = [x.detach()[:100].requires_grad_() for x in xs]
+    o2, _ = _msa(part, [0, 100], 100, warmup=True, deterministic=deterministic)
+    o2.sum().backward()
+    for x, y in zip(xs[2:], part[2:]):  # the main gradients (the KL's weight is 0 here)
+        torch.testing.assert_close(x.grad[:100], y.grad, atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(x.grad[100:]).all()
+
+
+def test_causal_blocks_of_rows_past_the_last_offset_are_empty():
+    from flash_msa import worklist
+
+    cu = torch.tensor([0, 100], dtype=torch.int32)
+    rows = worklist.causal_blocks(cu, BLOCK, 100, 2, T)
+    assert (rows[100:] == -1).all() and (rows[:100, :, 0] == 0).all()
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8_rerank"])
+def test_fp8_selection_with_rows_past_the_last_offset(unchecked, monkeypatch, precision):
+    monkeypatch.setenv("FLASH_MSA_BACKEND", "torch")
+    qp, kp = (x.detach() for x in _inputs()[:2])
+    cu = torch.tensor([0, 100], dtype=torch.int32)
+    idx = flash_msa.select_blocks(
+        qp, kp, TOP_K, block_size=BLOCK, cu_seqlens=cu, max_seqlen=100,
+        selection_precision=precision,
+    )  # fmt: skip
+    assert (idx[100:] == -1).all() and (idx[:100, :, 0] == 0).all()
+
+
+def test_inference_mode(unchecked):
+    xs = [x.detach() for x in _inputs()]
+    with torch.inference_mode():
+        cu = torch.tensor([0, 90, 170], dtype=torch.int32)
+        out, _ = _msa(xs, cu.tolist(), 90)
+    assert out[90:].isnan().all() and torch.isfinite(out[:90]).all()

@@ -13,7 +13,6 @@ import math
 import numbers
 import operator
 import os
-import weakref
 from typing import Protocol
 
 import torch
@@ -284,39 +283,16 @@ def _check_finite(tensors: dict):
             raise ValueError(f"{name} contains non-finite values (NaN or inf)")
 
 
-# guard.sequences of a caller's cu_seqlens tensor, per tensor object: the layers of a step call
-# with the same tensor, and the guard's ~20 small launches would otherwise repeat per layer
-# (anchor 16K, 8 documents, on an H200: the guarded step 1.0375x the unguarded one without it).
-# The tensor's version counter (bumped by any in-place write) is part of the key.
-_SEQUENCES: dict[int, tuple] = {}
-
-
-def _guard_sequences(cu, max_seqlen, total) -> guard.Sequences:
-    """:func:`guard.sequences`, cached per ``cu`` object in eager calls; computed afresh while
-    a CUDA graph is captured (the graph must hold the ops: a replay may bring new values into
-    the same buffer) and under ``torch.compile`` (the graph holds them)."""
-    capturing = cu.is_cuda and torch.cuda.is_current_stream_capturing()
-    if capturing or torch.compiler.is_compiling():
-        return guard.sequences(cu, max_seqlen, total)
-    key = (cu._version, max_seqlen, total)
-    hit = _SEQUENCES.get(id(cu))
-    if hit is not None and hit[0]() is cu and hit[1] == key:
-        return hit[2]
-    seqs = guard.sequences(cu, max_seqlen, total)
-    ident = id(cu)
-    ref = weakref.ref(cu, lambda _, ident=ident: _SEQUENCES.pop(ident, None))
-    _SEQUENCES[ident] = (ref, key, seqs)
-    return seqs
-
-
 def _guarded(cu, max_seqlen, total, trusted: bool) -> guard.Sequences | None:
     """The device-side guard of ``cu`` (:mod:`flash_msa.guard`), or ``None`` when its values
     are known good: built by the API (batch form) or read by the host checks
     (:func:`_value_checks`). With ``FLASH_MSA_DEBUG=1`` (under ``torch.compile``, where the
-    host checks cannot run) bad offsets fail a device-side assertion instead."""
+    host checks cannot run) bad offsets fail a device-side assertion instead. Computed per call,
+    not cached per tensor: a buffer rewritten without a version bump (``.data``, a kernel of
+    another library) would make a cached result silently stale."""
     if trusted or _value_checks(cu.device):
         return None
-    seqs = _guard_sequences(cu, max_seqlen, total)
+    seqs = guard.sequences(cu, max_seqlen, total)
     if _debug():
         guard.assert_ok(seqs.ok, "cu_seqlens/max_seqlen are not well formed")
     return seqs
@@ -888,8 +864,8 @@ def msa_attention(
             ``torch.compile``) reading them would sync, and a malformed one is made safe on the
             device instead (:mod:`flash_msa.guard`): the rows it makes meaningless (a sequence
             whose offsets are out of order, out of ``[0, T]`` or longer than ``max_seqlen``,
-            rows past ``cu_seqlens[-1]``) come out NaN, their gradients too, and ``kl`` is
-            NaN; the other rows are exact. No kernel reads or writes out of bounds.
+            rows past ``cu_seqlens[-1]``) come out NaN (their gradients NaN or 0) and ``kl``
+            is NaN; the other rows and their gradients are exact. No kernel reads or writes out of bounds.
         max_seqlen: longest sequence, at most the tokens; required when ``cu_seqlens`` is on a
             GPU.
         warmup: dense causal main attention, KL over all visible keys (``top_k`` ignored).
@@ -968,7 +944,7 @@ def msa_attention(
         else:
             q_map, rows_ok = guard.query_map(q_map, seqs)  # bad rows become padding rows
     elif q_map is not None and not _value_checks(q_map.device):
-        q_map, rows_ok = guard.query_map(q_map, _guard_sequences(cu, max_seqlen, keys_total))
+        q_map, rows_ok = guard.query_map(q_map, guard.sequences(cu, max_seqlen, keys_total))
     if rows_ok is not None and _debug():
         guard.assert_ok(rows_ok.all(), "q_map or cu_seqlens is not well formed")
     cfg = Config(
@@ -1115,7 +1091,7 @@ def sparse_attention(
     _check_finite(tensors)
     packed_idx, head_ok = _packed(indices), None
     if not _value_checks(q.device):  # the indices' (and cu_seqlens') values are unread
-        seqs = _guard_sequences(cu, max_seqlen, packed_idx.shape[0])
+        seqs = guard.sequences(cu, max_seqlen, packed_idx.shape[0])
         cu = seqs.cu
         packed_idx, head_ok = guard.indices(packed_idx, seqs, block_size)
         if _debug():

@@ -19,8 +19,8 @@ rewrite made meaningless, so that the API returns them as NaN:
   row, become padding rows, flagged.
 
 The rule the API states: rows that bad metadata makes meaningless come out NaN (``out``, and a
-NaN ``kl`` when any row is flagged; their tokens' gradients are NaN too); the other rows and
-their gradients are exact. With ``FLASH_MSA_DEBUG=1``,
+NaN ``kl`` when any row is flagged; their tokens' gradients are unspecified, NaN or 0); the
+other rows and their gradients are exact. With ``FLASH_MSA_DEBUG=1``,
 :func:`assert_ok` raises on the device instead (``torch._assert_async``: an asynchronous CUDA
 error in eager, an assertion in the compiled graph). The host checks (CPU tensors, and
 ``FLASH_MSA_DEBUG=1`` in eager) refuse such metadata before anything runs; these guards are for
@@ -28,7 +28,7 @@ the calls those checks cannot see.
 
 Cost: O(N + T log N) for :func:`sequences` and O(T * heads * top_k) for :func:`indices`, plus
 the API's one in-place pass over ``out`` to poison flagged rows; batch-form calls build their own
-``cu_seqlens`` and skip it all.
+``cu_seqlens`` and skip its guard (``sparse_attention``'s index guard still runs).
 """
 
 from __future__ import annotations

@@ -189,7 +189,9 @@ def block_of_token(cu_seqlens: torch.Tensor, total: int, block_size: int) -> tor
     per sequence from its own start (sequence ``n``'s blocks follow sequence ``n - 1``'s)."""
     cu = cu_seqlens.long()
     tok = torch.arange(total, device=cu.device)
-    seq = torch.searchsorted(cu[1:], tok, right=True)  # cu[seq] <= tok < cu[seq + 1]
+    # cu[seq] <= tok < cu[seq + 1]; a row past cu[-1] (metadata the API's guard rewrote) counts
+    # as the last sequence's: its block numbers stay below total (a block has >= 1 token)
+    seq = torch.searchsorted(cu[1:-1], tok, right=True)
     nblocks = -(-(cu[1:] - cu[:-1]) // block_size)
     first = torch.cumsum(nblocks, 0) - nblocks  # global number of each sequence's block 0
     return first[seq] + (tok - cu[seq]) // block_size

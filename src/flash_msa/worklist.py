@@ -519,6 +519,8 @@ def causal_blocks(
     tok = torch.arange(total_tokens, device=dev)
     seq = torch.searchsorted(cu[1:], tok, right=True)  # the token's sequence
     own = (tok - cu[seq]) // block_size  # [T]: its own (last visible) block
+    # a row past cu_seqlens[-1] (metadata the API's guard rewrote) attends nothing: all -1
+    own.masked_fill_(tok >= cu[-1], -1)
     slot = torch.arange(width, device=dev, dtype=torch.int32)
     rows = torch.where(slot[None, :] <= own[:, None], slot[None, :], -1)  # [T, width] int32
     return rows[:, None, :].expand(total_tokens, heads, width).contiguous()

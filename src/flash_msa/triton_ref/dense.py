@@ -545,10 +545,12 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
     N = cu_seqlens.numel() - 1
     det = cfg.deterministic
     f32 = dict(dtype=torch.float32, device=q.device)
-    new = torch.empty if det else torch.zeros  # deterministic: stores cover every row
+    # zeros in both modes: the deterministic stores cover every row of a sequence, not rows past
+    # cu_seqlens[-1] (metadata the API's guard rewrote), which must not read as gradients
+    new = torch.zeros
     dq = dk = dv = dqp = dkp = None
     if dout is not None:
-        dq = torch.empty_like(q) if det else torch.zeros((T, H, D), **f32)
+        dq = torch.zeros_like(q) if det else torch.zeros((T, H, D), **f32)
         dk = new((T, Hkv, D), **f32)
         dv = new((T, Hkv, D), **f32)
         delta = row_delta(dout, out)
