@@ -145,6 +145,12 @@ def _int_arg(name, value, low):
     return value
 
 
+# the scales' fp32 range: the kernels multiply by log2(e) (for exp2), and the product must be a
+# finite, nonzero float32
+_FP32_MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+
 def _scale_arg(name, value, default):
     if value is None:
         return float(default)
@@ -163,10 +169,6 @@ def _scale_arg(name, value, default):
             f"in float32 after the kernels' factor log2(e)), got {value!r}"
         )
     return value
-
-
-_FP32_MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
-_FP32_TINY = torch.finfo(torch.float32).tiny
 
 
 def _bool_arg(name, value):
@@ -491,8 +493,8 @@ def _selected(indices, rows_ok):
 
 def _poison(out, kl, rows_ok):
     """The guard's rule on the forward's outputs: NaN on the rows ``rows_ok`` drops (in place,
-    before ``out`` is saved: the backward then gives those rows NaN gradients, and no pass over
-    ``dout`` is added), a NaN ``kl`` (a mean over every row) when any is dropped."""
+    before ``out`` is saved, so no pass over ``dout`` is added; those rows' gradients are NaN
+    or 0), a NaN ``kl`` (a mean over every row) when any is dropped."""
     if rows_ok is None:
         return kl
     guard.poison_(out, rows_ok)
@@ -865,7 +867,8 @@ def msa_attention(
             device instead (:mod:`flash_msa.guard`): the rows it makes meaningless (a sequence
             whose offsets are out of order, out of ``[0, T]`` or longer than ``max_seqlen``,
             rows past ``cu_seqlens[-1]``) come out NaN (their gradients NaN or 0) and ``kl``
-            is NaN; the other rows and their gradients are exact. No kernel reads or writes out of bounds.
+            is NaN; the other rows and their gradients are exact. No kernel reads or writes
+            out of bounds.
         max_seqlen: longest sequence, at most the tokens; required when ``cu_seqlens`` is on a
             GPU.
         warmup: dense causal main attention, KL over all visible keys (``top_k`` ignored).
@@ -943,8 +946,6 @@ def msa_attention(
             rows_ok = seqs.row_ok
         else:
             q_map, rows_ok = guard.query_map(q_map, seqs)  # bad rows become padding rows
-    elif q_map is not None and not _value_checks(q_map.device):
-        q_map, rows_ok = guard.query_map(q_map, guard.sequences(cu, max_seqlen, keys_total))
     if rows_ok is not None and _debug():
         guard.assert_ok(rows_ok.all(), "q_map or cu_seqlens is not well formed")
     cfg = Config(
