@@ -135,9 +135,9 @@ def test_readme_and_docs_links_resolve():
 
 
 def cpu_snippet():
-    """The fenced python block after README.md's ``<!-- cpu-snippet -->`` marker."""
-    m = re.search(r"<!-- cpu-snippet -->\s*```python\n(.*?)```", README.read_text(), re.S)
-    assert m, "README.md has no python block after a <!-- cpu-snippet --> marker"
+    """The fenced python block after README.md's ``<!-- cpu-snippet ... -->`` marker."""
+    m = re.search(r"<!-- cpu-snippet[^>]*-->\s*```python\n(.*?)```", README.read_text(), re.S)
+    assert m, "README.md has no python block after a <!-- cpu-snippet ... --> marker"
     return m.group(1)
 
 
