@@ -73,6 +73,31 @@ def test_no_history_words():
     assert not hits, f"{len(hits)} lines carry development history:\n" + "\n".join(hits)
 
 
+RESULT_PATH = re.compile(r"benchmarks/results/[\w./*-]*[\w*]|benchmarks/sessions/|docs/reviews/"
+                         r"|docs/perf-notes\.md")
+
+
+def stale_references():
+    """Every ``file:line: path`` that names a result file, folder or page the tree does not hold
+    (the development diary, reviews and session scripts are git history; result files are
+    renamed by workload and hardware)."""
+    hits = []
+    for path in _history_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in HISTORY_ALLOWED:
+            continue
+        for no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for ref in RESULT_PATH.findall(line):
+                if not any(ROOT.glob(ref.rstrip("/"))):
+                    hits.append(f"{rel}:{no}: {ref}")
+    return hits
+
+
+def test_no_references_to_removed_files():
+    hits = stale_references()
+    assert not hits, f"{len(hits)} references to files that are gone:\n" + "\n".join(hits)
+
+
 # ---------------------------------------------------------------------------------------------
 # docs/design.md's module map
 # ---------------------------------------------------------------------------------------------
