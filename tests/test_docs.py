@@ -38,17 +38,18 @@ def _history_files():
                 yield path
 
 
-def history_lines():
-    """Every ``file:line: text`` of the tree that matches :data:`HISTORY`."""
-    hits = []
+def _lines():
+    """``(file, line number, text)`` of every checked file but the allowed ones."""
     for path in _history_files():
         rel = path.relative_to(ROOT).as_posix()
-        if rel in HISTORY_ALLOWED:
-            continue
-        for no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if HISTORY.search(line):
-                hits.append(f"{rel}:{no}: {line.strip()}")
-    return hits
+        if rel not in HISTORY_ALLOWED:
+            for no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                yield rel, no, line
+
+
+def history_lines():
+    """Every ``file:line: text`` of the tree that matches :data:`HISTORY`."""
+    return [f"{rel}:{no}: {line.strip()}" for rel, no, line in _lines() if HISTORY.search(line)]
 
 
 def test_history_pattern_catches_what_it_names():
@@ -73,24 +74,21 @@ def test_no_history_words():
     assert not hits, f"{len(hits)} lines carry development history:\n" + "\n".join(hits)
 
 
-RESULT_PATH = re.compile(r"benchmarks/results/[\w./*-]*[\w*]|benchmarks/sessions/|docs/reviews/"
-                         r"|docs/perf-notes\.md")
+RESULT_PATH = re.compile(
+    r"benchmarks/results/[\w./*-]*[\w*]|benchmarks/sessions/|docs/reviews/|docs/perf-notes\.md"
+)
 
 
 def stale_references():
     """Every ``file:line: path`` that names a result file, folder or page the tree does not hold
     (the development diary, reviews and session scripts are git history; result files are
     renamed by workload and hardware)."""
-    hits = []
-    for path in _history_files():
-        rel = path.relative_to(ROOT).as_posix()
-        if rel in HISTORY_ALLOWED:
-            continue
-        for no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            for ref in RESULT_PATH.findall(line):
-                if not any(ROOT.glob(ref.rstrip("/"))):
-                    hits.append(f"{rel}:{no}: {ref}")
-    return hits
+    return [
+        f"{rel}:{no}: {ref}"
+        for rel, no, line in _lines()
+        for ref in RESULT_PATH.findall(line)
+        if not any(ROOT.glob(ref.rstrip("/")))
+    ]
 
 
 def test_no_references_to_removed_files():
