@@ -42,79 +42,74 @@ class Workload:
     timeout_s: int = 1800
 
 
+def _bench(args: str) -> tuple[str, ...]:
+    """``flash-msa bench`` on the CuTe backend, random inputs, with these arguments."""
+    return (*BENCH, *args.split())
+
+
+def _script(args: str) -> tuple[str, ...]:
+    """A Python script or module of the tree (``benchmarks/...``, ``-m pytest ...``)."""
+    return (PY, *args.split())
+
+
 def _cp(name: str, ranks: int, seqlen: int, variants: str) -> Workload:
     """A context-parallel step on the paper heads (benchmarks/cp_bench.py, NCCL)."""
-    argv = ("torchrun", "--nproc-per-node", str(ranks), "benchmarks/cp_bench.py", "--shape",
-            "paper", "--seqlen", str(seqlen), "--iters", "3", "--warmup", "1", "--variants",
-            variants)  # fmt: skip
+    args = f"--shape paper --seqlen {seqlen} --iters 3 --warmup 1 --variants {variants}"
+    launch = (PY, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks))
+    argv = (*launch, "benchmarks/cp_bench.py", *args.split())
     return Workload(name, argv, json_flag="--out", gpus=2)
 
+
+GPU_TEST = "-m pytest -m gpu -p no:cacheprovider"
 
 WORKLOADS = (
     Workload(
         "step-anchor-16k",
-        (*BENCH, "--shape", "anchor", "--seqlen", "16384", "--iters", "20", "--dense", "fa4",
-         "--cuda-graph"),
-    ),  # fmt: skip
+        _bench("--shape anchor --seqlen 16384 --iters 20 --dense fa4 --cuda-graph"),
+    ),
     Workload(
         "step-anchor-32k",
-        (*BENCH, "--shape", "anchor", "--seqlen", "32768", "--iters", "10", "--dense", "fa4",
-         "--cuda-graph"),
-    ),  # fmt: skip
-    Workload(
-        "step-paper-128k",
-        (*BENCH, "--shape", "paper", "--seqlen", "131072", "--iters", "5", "--dense"),
+        _bench("--shape anchor --seqlen 32768 --iters 10 --dense fa4 --cuda-graph"),
     ),
+    Workload("step-paper-128k", _bench("--shape paper --seqlen 131072 --iters 5 --dense")),
     # the dense baselines at 128K take ~3.4 s a step: their own file, rerun rarely
     Workload(
-        "dense-paper-128k",
-        (*BENCH, "--shape", "paper", "--seqlen", "131072", "--iters", "5", "--dense", "sdpa",
-         "fa4"),
-    ),  # fmt: skip
-    Workload(
-        "step-paper-512k",
-        (*BENCH, "--shape", "paper", "--seqlen", "524288", "--iters", "3", "--dense"),
+        "dense-paper-128k", _bench("--shape paper --seqlen 131072 --iters 5 --dense sdpa fa4")
     ),
+    Workload("step-paper-512k", _bench("--shape paper --seqlen 524288 --iters 3 --dense")),
     # --dense with no value: no dense baseline (sdpa alone takes minutes at 1M tokens)
     Workload(
         "step-long-1m",
-        (*BENCH, "--shape", "long", "--seqlen", "1048576", "--iters", "2",
-         "--selection-precision", "bf16", "fp8", "--dense"),
-    ),  # fmt: skip
-    Workload(
-        "select-paper-128k-long-1m",
-        (PY, "benchmarks/cute_select_ab.py", "--fp8", "--op-only", "--fp8-cases",
-         "paper:131072", "long:1048576", "--kinds", "random", "local"),
-        json_flag=None,
-    ),  # fmt: skip
-    Workload("warmup-cute-vs-triton", (PY, "benchmarks/warmup_ab.py", "--iters", "3")),
-    Workload(
-        "step-deterministic",
-        (PY, "-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider",
-         "tests/test_deterministic.py", "-k", "gpu_step_twice_same_bits"),
-        json_flag=None,
-    ),  # fmt: skip
-    Workload("guard-cost", (PY, "benchmarks/guard_cost.py"), json_flag=None),
-    Workload(
-        "first-step-cache",
-        (PY, "-m", "pytest", "-m", "gpu", "-q", "-s", "-p", "no:cacheprovider",
-         "tests/test_gpu_cute_cache.py", "-k", "first_step"),
-        json_flag=None,
-    ),  # fmt: skip
-    # correctness evidence the docs cite: the GPU suite, and the bad-metadata cases under
-    # compute-sanitizer's memcheck
-    Workload(
-        "gpu-tests",
-        (PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "8", "tests"),
-        json_flag=None,
-        timeout_s=3600,
+        _bench("--shape long --seqlen 1048576 --iters 2 --selection-precision bf16 fp8 --dense"),
     ),
     Workload(
-        "memcheck-bad-metadata",
-        (PY, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
-         "tests/test_gpu_bad_metadata.py", "-k", "memcheck"),
+        "select-paper-128k-long-1m",
+        _script(
+            "benchmarks/cute_select_ab.py --fp8 --op-only --fp8-cases paper:131072 "
+            "long:1048576 --kinds random local"
+        ),
         json_flag=None,
-    ),  # fmt: skip
+    ),
+    Workload("warmup-cute-vs-triton", _script("benchmarks/warmup_ab.py --iters 3")),
+    Workload(
+        "step-deterministic",
+        _script(f"{GPU_TEST} -v -s tests/test_deterministic.py -k gpu_step_twice_same_bits"),
+        json_flag=None,
+    ),
+    Workload("guard-cost", _script("benchmarks/guard_cost.py"), json_flag=None),
+    Workload(
+        "first-step-cache",
+        _script(f"{GPU_TEST} -q -s tests/test_gpu_cute_cache.py -k first_step"),
+        json_flag=None,
+    ),
+    # correctness evidence the docs cite: the GPU suite, and the bad-metadata cases under
+    # compute-sanitizer's memcheck
+    Workload("gpu-tests", _script(f"{GPU_TEST} -q -n 8 tests"), json_flag=None, timeout_s=3600),
+    Workload(
+        "memcheck-bad-metadata",
+        _script(f"{GPU_TEST} -v tests/test_gpu_bad_metadata.py -k memcheck"),
+        json_flag=None,
+    ),
     # the 1-GPU row is the reference of the 2-GPU ones, measured on the same host
     _cp("cp-paper-512k-1gpu", ranks=1, seqlen=524288, variants="overlap"),
     _cp("cp-paper-512k", ranks=2, seqlen=524288, variants="overlap"),

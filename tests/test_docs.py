@@ -172,3 +172,29 @@ def test_readme_cpu_snippet_runs(tmp_path):
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.strip(), "the snippet prints nothing"
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/run_all.py: the one script that rewrites benchmarks/results/
+# ---------------------------------------------------------------------------------------------
+def test_run_all_names_scripts_and_tests_that_exist():
+    """Every workload's script, test file and CLI flag is in the tree (a renamed benchmark or
+    test would otherwise surface only on the GPU host), and without a GPU it writes nothing
+    and exits 1."""
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--list"],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr
+    listed = res.stdout.splitlines()
+    assert len(listed) >= 10, res.stdout
+    paths = {w for line in listed for w in line.split() if w.startswith(("benchmarks/", "tests/"))}
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert not missing, f"run_all.py names files that are not in the tree: {missing}"
+    help_text = subprocess.run(
+        [sys.executable, "-m", "flash_msa", "bench", "--help"], capture_output=True, text=True
+    ).stdout
+    flags = {w for line in listed if " bench " in line for w in line.split() if w.startswith("--")}
+    unknown = sorted(f for f in flags if f not in help_text)
+    assert not unknown, f"run_all.py passes flags flash-msa bench does not take: {unknown}"
