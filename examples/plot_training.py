@@ -24,7 +24,8 @@ import pathlib
 from xml.sax.saxutils import escape
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
-WIDTH, PANEL_H, MARGIN = 900, 300, 60
+WIDTH, PANEL_H, MARGIN, LEGEND_W = 1100, 300, 60, 260
+PLOT_W = WIDTH - 2 * MARGIN - LEGEND_W  # the plot area of a panel; its legend is to the right
 
 
 def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -42,15 +43,13 @@ def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return ticks
 
 
-def fmt(v: float) -> str:
-    if v == 0:
-        return "0"
-    a = abs(v)
-    if a >= 1e6:
-        return f"{v / 1e6:g}M"
-    if a >= 1e3:
-        return f"{v / 1e3:g}K"
-    return f"{v:.3g}"
+def fmt(v: float, step: float) -> str:
+    """A tick label with as many decimals as the tick spacing ``step`` needs."""
+    for scale, suffix in ((1e6, "M"), (1e3, "K")):
+        if abs(v) >= scale and step >= scale / 10:
+            return f"{v / scale:g}{suffix}"
+    decimals = max(0, math.ceil(-math.log10(step) - 1e-9)) if step > 0 else 3
+    return f"{v:.{decimals}f}"
 
 
 class Panel:
@@ -79,20 +78,24 @@ class Panel:
         return self.y0 + self.h - (y - lo) / ((hi - lo) or 1.0) * self.h
 
     def yticks(self):
-        for t in nice_ticks(*self.yr):
+        ticks = nice_ticks(*self.yr)
+        step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
+        for t in ticks:
             if self.yr[0] <= t <= self.yr[1]:
                 y = self.py(t)
                 self.svg.append(f'<line x1="{self.x0}" y1="{y:.1f}" x2="{self.x0 + self.w}" '
                                 f'y2="{y:.1f}" stroke="#eee"/>')
                 self.svg.append(f'<text x="{self.x0 - 4}" y="{y + 4:.1f}" text-anchor="end">'
-                                f"{fmt(t)}</text>")
+                                f"{fmt(t, step)}</text>")
 
     def xticks(self):
-        for t in nice_ticks(*self.xr):
+        ticks = nice_ticks(*self.xr)
+        step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
+        for t in ticks:
             if self.xr[0] <= t <= self.xr[1]:
                 x = self.px(t)
                 self.svg.append(f'<text x="{x:.1f}" y="{self.y0 + self.h + 16}" '
-                                f'text-anchor="middle">{fmt(t)}</text>')
+                                f'text-anchor="middle">{fmt(t, step)}</text>')
 
     def line(self, xs, ys, color, dash=False, width=1.5):
         pts = " ".join(f"{self.px(x):.1f},{self.py(y):.1f}" for x, y in zip(xs, ys)
@@ -109,8 +112,8 @@ class Panel:
 
     def legend(self, entries):
         for i, (label, color, dash) in enumerate(entries):
-            y = self.y0 + 14 + 15 * i
-            x = self.x0 + self.w - 190
+            y = self.y0 + 10 + 15 * i
+            x = self.x0 + self.w + 12  # right of the plot area
             extra = ' stroke-dasharray="5,3"' if dash else ""
             self.svg.append(f'<line x1="{x}" y1="{y - 4}" x2="{x + 20}" y2="{y - 4}" '
                             f'stroke="{color}" stroke-width="2"{extra}/>')
@@ -152,7 +155,7 @@ def loss_panel(svg, runs, y0, smooth):
             for r in run["steps"]]
     ys += _finite([h for _, h in held])
     xmax = max((max(xs) for _, _, xs, _ in series), default=1)
-    p = Panel(svg, MARGIN, y0, WIDTH - 2 * MARGIN, PANEL_H - 70, (0, xmax),
+    p = Panel(svg, MARGIN, y0, PLOT_W, PANEL_H - 70, (0, xmax),
               (min(ys, default=0), max(ys, default=1)), "Loss (nats per byte)",
               "tokens trained", "loss")
     p.yticks()
@@ -191,7 +194,7 @@ def bucket_panel(svg, runs, y0):
     values = _finite([v for _, d in series for v in d.values()])
     lo, hi = min(values, default=0), max(values, default=1)
     span = hi - lo or abs(hi) or 1.0
-    p = Panel(svg, MARGIN, y0, WIDTH - 2 * MARGIN, PANEL_H - 70, (0, max(1, len(buckets))),
+    p = Panel(svg, MARGIN, y0, PLOT_W, PANEL_H - 70, (0, max(1, len(buckets))),
               (lo - 0.5 * span, hi + 0.3 * span), "Held-out loss by token position",
               "position bucket", "loss")
     p.yticks()
@@ -239,7 +242,7 @@ def recall_panel(svg, runs, y0):
     series = recall_series(runs)
     layers = max((len(v) for _, v, _ in series), default=1)
     values = _finite([x for _, v, _ in series for x in v])
-    p = Panel(svg, MARGIN, y0, WIDTH - 2 * MARGIN, PANEL_H - 70, (0, max(1, layers - 1)),
+    p = Panel(svg, MARGIN, y0, PLOT_W, PANEL_H - 70, (0, max(1, layers - 1)),
               (min(values + [1.0]), 1.0), "Selection per layer (held-out)", "layer",
               "fraction")
     p.yticks()

@@ -66,7 +66,14 @@ Outputs under ``--out``:
 when ``--max-train-seconds`` stops it early); ``--load CKPT`` resumes training from it, or with
 ``--eval-only`` evaluates it in a separate invocation (``--train-only`` skips the final
 evaluation). ``--tiny`` is a CPU configuration (tiny model, 512-byte sequences, 64-token blocks,
-the torch backend) that runs in seconds; tests/test_train_real_text.py runs it.
+the torch backend, one CPU thread) that runs in seconds; tests/test_train_real_text.py runs it.
+
+A comparison on one GPU (each command one invocation; ``--max-train-seconds`` stops a run that
+would outlast its time limit, then saves and evaluates what it has)::
+
+    python examples/train_real_text.py --attn dense --steps N --out runs/dense
+    python examples/train_real_text.py --attn msa --steps N --warmup-steps W --out runs/msa
+    python examples/plot_training.py runs/dense runs/msa --out runs/plot.svg
 """
 
 from __future__ import annotations
@@ -482,6 +489,7 @@ def train(model, data, args, device, out: pathlib.Path, state: dict, t_start: fl
     if state.get("optimizer") is not None:
         opt.load_state_dict(state["optimizer"])
     start = state["step"]
+    state["stopped_early"] = False
     backbone = [p for n, p in model.named_parameters() if not is_indexer(n)]
     indexers = [p for n, p in model.named_parameters() if is_indexer(n)]
     autocast = _autocast(args, device)
@@ -777,9 +785,17 @@ def parse_args(argv=None):
         p.error("--eval-only needs --load")
     if args.eval_only and args.train_only:
         p.error("--eval-only and --train-only exclude each other")
-    for name in ("seq_len", "batch", "steps"):
+    for name in ("seq_len", "batch", "steps", "eval_batches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("warmup_steps", "lr_warmup_steps", "eval_every",
+                 "eval_every_batches", "recall_batches"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
+    if not 0 < args.test_fraction < 1:
+        p.error(f"--test-fraction must be in (0, 1), got {args.test_fraction}")
+    if not args.corpus_mb > 0 or not args.lr > 0:
+        p.error("--corpus-mb and --lr must be > 0")
     return args
 
 
@@ -869,6 +885,7 @@ def main(argv=None):
             tokens_total=ckpt["tokens_total"],
             optimizer=ckpt["optimizer"],
             init_checksum=ckpt["init_checksum"],
+            stopped_early=ckpt["stopped_early"],
         )
     else:
         state = dict(step=0, tokens_total=0, optimizer=None, init_checksum=init_sum)
@@ -887,6 +904,7 @@ def main(argv=None):
                 step=state["step"],
                 tokens_total=state["tokens_total"],
                 init_checksum=state["init_checksum"],
+                stopped_early=bool(state.get("stopped_early")),
                 attn=args.attn,
                 model_config=dataclasses.asdict(cfg),
             ),
@@ -895,7 +913,9 @@ def main(argv=None):
 
     records = read_records(out / "steps.jsonl")
     summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = {}
+    if args.eval_only and summary_path.exists():  # add the evaluation to the training's summary
+        summary = json.loads(summary_path.read_text())
     summary.update(
         attn=args.attn,
         dense_impl=impl if args.attn == "dense" else None,
