@@ -12,6 +12,9 @@
 3. per layer of each MSA run: the proxy's recall and covered attention mass against the oracle
    selection, and the fp8 selection's recall and covered-mass ratio against the exact one.
 
+It also prints a Markdown table of the runs (held-out loss per bucket with the difference to the
+dense run, median step time per phase, mean proxy recall).
+
 The SVG is written by hand: a few primitives (lines, polylines, rectangles, text) in user units.
 """
 
@@ -175,23 +178,25 @@ def loss_panel(svg, runs, y0, smooth):
 
 
 def bucket_series(runs):
-    """``[(label, {bucket: loss})]``: dense runs, then each MSA run's precisions."""
+    """``[(label, {bucket: loss}, overall loss)]``: each run's held-out loss, an MSA run's once
+    per selection precision."""
     out = []
     for run in runs:
         s = run["summary"]
         if s.get("attn") == "msa" and "heldout_by_precision" in s:
             for prec, res in s["heldout_by_precision"].items():
                 if "buckets" in res:
-                    out.append((f"msa {prec} ({run['name']})", res["buckets"]))
+                    out.append((f"msa {prec} ({run['name']})", res["buckets"], res["loss"]))
         elif "heldout" in s:
-            out.append((f"{s.get('attn', 'run')} ({run['name']})", s["heldout"]["buckets"]))
+            h = s["heldout"]
+            out.append((f"{s.get('attn', 'run')} ({run['name']})", h["buckets"], h["loss"]))
     return out
 
 
 def bucket_panel(svg, runs, y0):
     series = bucket_series(runs)
-    buckets = list(dict.fromkeys(b for _, d in series for b in d))
-    values = _finite([v for _, d in series for v in d.values()])
+    buckets = list(dict.fromkeys(b for _, d, _ in series for b in d))
+    values = _finite([v for _, d, _ in series for v in d.values()])
     lo, hi = min(values, default=0), max(values, default=1)
     span = hi - lo or abs(hi) or 1.0
     p = Panel(svg, MARGIN, y0, PLOT_W, PANEL_H - 70, (0, max(1, len(buckets))),
@@ -204,7 +209,7 @@ def bucket_panel(svg, runs, y0):
     for j, b in enumerate(buckets):
         svg.append(f'<text x="{p.px(j + 0.5):.1f}" y="{p.y0 + p.h + 16}" '
                    f'text-anchor="middle">{escape(b)}</text>')
-        for i, (_, d) in enumerate(series):
+        for i, (_, d, _) in enumerate(series):
             v = d.get(b)
             if v is None or not math.isfinite(v):
                 continue
@@ -214,7 +219,7 @@ def bucket_panel(svg, runs, y0):
                        f'height="{max(0.0, base - y):.1f}" fill="{COLORS[i % len(COLORS)]}"/>')
             svg.append(f'<text x="{x + bar_w * 0.45:.1f}" y="{y - 3:.1f}" font-size="9" '
                        f'text-anchor="middle">{v:.4f}</text>')
-    p.legend([(label, COLORS[i % len(COLORS)], False) for i, (label, _) in enumerate(series)])
+    p.legend([(label, COLORS[i % len(COLORS)], False) for i, (label, *_) in enumerate(series)])
 
 
 def recall_series(runs):
@@ -275,6 +280,38 @@ def plot(run_dirs, out: pathlib.Path, smooth: int = 20) -> None:
     out.write_text(body + "\n")
 
 
+def table(run_dirs) -> str:
+    """A Markdown table of the runs: held-out loss overall and per bucket (with the relative
+    difference to the first dense run), median step seconds per phase, mean proxy recall."""
+    runs = [load_run(pathlib.Path(d)) for d in run_dirs]
+    series = bucket_series(runs)
+    buckets = list(dict.fromkeys(b for _, d, _ in series for b in d))
+    base_i = next((i for i, (label, *_) in enumerate(series) if label.startswith("dense")), None)
+    head = ["model", "held-out", *buckets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, (label, d, loss) in enumerate(series):
+        cells = [label, f"{loss:.4f}"]
+        for b in buckets:
+            v = d.get(b)
+            cell = "" if v is None else f"{v:.4f}"
+            if v is not None and base_i is not None and i != base_i:
+                ref = series[base_i][1].get(b)
+                cell += "" if not ref else f" ({100 * (v / ref - 1):+.2f}%)"
+            cells.append(cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("| run | attention | steps | tokens | step s (median per phase) | proxy recall |")
+    lines.append("|---|---|---|---|---|---|")
+    for run in runs:
+        s = run["summary"]
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in s.get("step_seconds_median", {}).items())
+        sel = (s.get("selection") or {}).get("proxy_vs_oracle")
+        rec = f"{sum(m['recall'] for m in sel) / len(sel):.3f}" if sel else ""
+        lines.append(f"| {run['name']} | {s.get('attn')} | {s.get('steps_done')} | "
+                     f"{s.get('tokens_trained')} | {phases} | {rec} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="run folders (--out of train_real_text.py)")
@@ -284,6 +321,7 @@ def main(argv=None):
     if args.smooth < 1:
         p.error("--smooth must be >= 1")
     plot(args.runs, pathlib.Path(args.out), args.smooth)
+    print(table(args.runs), end="")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,9 @@ Outputs under ``--out``:
   same weights; per layer, over ``--recall-batches`` held-out sequences, the proxy's recall and
   covered attention mass against the oracle selection (the ``top_k`` blocks of most main
   attention mass) and each fp8 mode's recall and covered mass against the exact selection
-  (:mod:`flash_msa.recall`'s metrics). A mode the backend in use cannot run is reported with
+  (:mod:`flash_msa.recall`'s metrics), and ``fp8_gate``: each fp8 mode against issue 36's
+  gate (covered mass >= 99.5 % of the exact selection's in every layer, held-out loss within
+  0.2 % of the bf16-selected model's). A mode the backend in use cannot run is reported with
   its error instead of numbers.
 
 ``--save CKPT`` writes the model, the optimizer and the training records after training (also
@@ -697,6 +699,36 @@ def selection_metrics(model, data, n, autocast) -> dict:
     return result
 
 
+FP8_GATE = dict(min_mass_ratio=0.995, max_loss_rel=0.002)  # issue 36's gate for an fp8 mode
+
+
+def fp8_gate(by_precision: dict, selection: dict) -> dict:
+    """Each fp8 mode against :data:`FP8_GATE`: the covered mass relative to the exact
+    selection's (the lowest layer's) and the held-out loss relative to the bf16-selected one,
+    overall and in the worst bucket."""
+    out = {}
+    base = by_precision.get("bf16", {})
+    for p in PRECISIONS[1:]:
+        res, sel = by_precision.get(p, {}), selection.get(f"{p}_vs_exact")
+        if "loss" not in res or "loss" not in base or not isinstance(sel, list):
+            out[p] = {"error": res.get("error") or (sel or {}).get("error") or "not measured"}
+            continue
+        rel = {b: res["buckets"][b] / base["buckets"][b] - 1 for b in base["buckets"]}
+        entry = dict(
+            min_mass_ratio=min(m["mass_ratio"] for m in sel),
+            mean_recall=statistics.fmean(m["recall"] for m in sel),
+            loss_rel=res["loss"] / base["loss"] - 1,
+            worst_bucket_loss_rel=max(rel.values()),
+        )
+        entry["passes"] = (
+            entry["min_mass_ratio"] >= FP8_GATE["min_mass_ratio"]
+            and entry["loss_rel"] <= FP8_GATE["max_loss_rel"]
+        )
+        out[p] = entry
+    out["gate"] = FP8_GATE
+    return out
+
+
 def evaluate(model, data, args, device) -> dict:
     autocast = _autocast(args, device)
     t0 = time.perf_counter()
@@ -720,6 +752,7 @@ def evaluate(model, data, args, device) -> dict:
         )
         if args.recall_batches:
             result["selection"] = selection_metrics(model, data, args.recall_batches, autocast)
+            result["fp8_gate"] = fp8_gate(by_precision, result["selection"])
         set_mode(model, warmup=False)
     result["eval_seconds"] = round(time.perf_counter() - t0, 1)
     return result

@@ -60,8 +60,8 @@ def runs(tmp_path_factory):
     assert "heldout" not in json.loads((msa / "summary.json").read_text())
     _run(SCRIPT, "--tiny", "--attn", "msa", "--out", msa, "--load", ckpt, "--eval-only")
     svg = tmp / "plot.svg"
-    _run(PLOT, dense, msa, "--out", svg, "--smooth", "4")
-    return dict(dense=dense, msa=msa, svg=svg)
+    table = _run(PLOT, dense, msa, "--out", svg, "--smooth", "4").stdout
+    return dict(dense=dense, msa=msa, svg=svg, table=table)
 
 
 def test_steps_and_learning(runs, example):
@@ -132,6 +132,13 @@ def test_summaries(runs, example):
     for m in sel["proxy_vs_oracle"]:  # the oracle keeps the most mass: nothing covers more
         assert m["covered_mass"] <= m["oracle_covered_mass"] + 1e-6
         assert m["mass_ratio"] <= 1.0 + 1e-6
+    gate = msa["fp8_gate"]
+    for p in ("fp8", "fp8_rerank"):
+        g = gate[p]
+        assert g["min_mass_ratio"] == min(m["mass_ratio"] for m in sel[f"{p}_vs_exact"])
+        rel = by_prec[p]["loss"] / by_prec["bf16"]["loss"] - 1
+        assert abs(g["loss_rel"] - rel) < 1e-12
+        assert g["passes"] == (g["min_mass_ratio"] >= 0.995 and g["loss_rel"] <= 0.002)
 
 
 def test_plot(runs):
@@ -145,6 +152,20 @@ def test_plot(runs):
     text = " ".join(t.text or "" for t in root.iter(f"{ns}text"))
     for word in ("held-out", "fp8", "proxy recall vs oracle", "0-1K"):
         assert word in text
+
+
+def test_table(runs):
+    """The plot script's Markdown table: a row per model and precision, the MSA rows with
+    their difference to the dense run, and the step times per phase."""
+    rows = [line for line in runs["table"].splitlines() if line.startswith("| ")]
+    losses = {r.split(" | ")[0][2:]: r for r in rows}
+    assert {"dense (dense)", "msa bf16 (msa)", "msa fp8 (msa)", "msa fp8_rerank (msa)"} <= set(
+        losses
+    )
+    dense = json.loads((runs["dense"] / "summary.json").read_text())["heldout"]["loss"]
+    assert f"{dense:.4f}" in losses["dense (dense)"]
+    assert "%)" in losses["msa bf16 (msa)"] and "%)" not in losses["dense (dense)"]
+    assert any("warmup" in r and "sparse" in r for r in rows)
 
 
 def test_corpus_split_is_by_document(example):
