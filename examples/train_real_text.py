@@ -65,7 +65,8 @@ Outputs under ``--out``:
   its error instead of numbers.
 
 ``--save CKPT`` writes the model, the optimizer and the training records after training (also
-when ``--max-train-seconds`` stops it early); ``--load CKPT`` resumes training from it, or with
+when ``--max-train-seconds`` stops it early; ``--stop-step`` ends another run at the same step
+on the same schedule); ``--load CKPT`` resumes training from it, or with
 ``--eval-only`` evaluates it in a separate invocation (``--train-only`` skips the final
 evaluation). ``--tiny`` is a CPU configuration (tiny model, 512-byte sequences, 64-token blocks,
 the torch backend, one CPU thread) that runs in seconds; tests/test_train_real_text.py runs it.
@@ -499,7 +500,8 @@ def train(model, data, args, device, out: pathlib.Path, state: dict, t_start: fl
     mode = "a" if start > 0 else "w"
     tokens_total = state["tokens_total"]
     with open(out / "steps.jsonl", mode) as log:
-        for step in range(start, args.steps):
+        end = min(args.steps, args.stop_step or args.steps)
+        for step in range(start, end):
             if args.max_train_seconds and time.perf_counter() - t_start > args.max_train_seconds:
                 state["stopped_early"] = True
                 print(f"stopping at step {step}: --max-train-seconds reached", file=sys.stderr)
@@ -537,7 +539,7 @@ def train(model, data, args, device, out: pathlib.Path, state: dict, t_start: fl
                 grad_norm=grad_norm.item(),
                 chunks=chunks,
             )
-            last = step == args.steps - 1
+            last = step == end - 1
             if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
                 record["heldout_loss"] = quick_heldout(
                     model, data, args.eval_every_batches, autocast
@@ -780,6 +782,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, help="held-out loss every N steps (0: never)")
     p.add_argument("--eval-every-batches", type=int, help="held-out sequences for that loss")
     p.add_argument("--recall-batches", type=int, help="held-out sequences for recall/mass")
+    p.add_argument("--stop-step", type=int, default=None,
+                   help="end training before this step, on the schedule of --steps (to match "
+                   "a run that --max-train-seconds stopped: pass its steps_done)")
     p.add_argument("--max-train-seconds", type=float, default=0.0,
                    help="stop training (then save and evaluate) once the run is this old")
     p.add_argument("--save", help="write model + optimizer + records here after training")
@@ -818,6 +823,8 @@ def parse_args(argv=None):
         p.error("--eval-only needs --load")
     if args.eval_only and args.train_only:
         p.error("--eval-only and --train-only exclude each other")
+    if args.stop_step is not None and args.stop_step < 1:
+        p.error("--stop-step must be >= 1")
     for name in ("seq_len", "batch", "steps", "eval_batches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -926,7 +933,7 @@ def main(argv=None):
 
     n_params = sum(p.numel() for p in model.parameters())
     n_indexer = sum(p.numel() for n, p in model.named_parameters() if is_indexer(n))
-    if not args.eval_only and state["step"] < args.steps:
+    if not args.eval_only and state["step"] < min(args.steps, args.stop_step or args.steps):
         state = train(model, data, args, device, out, state, t_start)
     train_seconds = time.perf_counter() - t_start
     if args.save and not args.eval_only:

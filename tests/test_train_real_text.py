@@ -2,8 +2,9 @@
 
 One test runs ``--tiny`` (torch backend, one thread) for dense and for MSA, the MSA run split
 into a training invocation that saves a checkpoint and an ``--eval-only`` invocation that loads
-it (as the GPU experiment is run), then the plot script over both. About 35 s on 2 shared CPU
-cores, most of it the MSA run's torch-reference attention and its fp8 evaluations.
+it (as the GPU experiment is run), then the plot script over both, and a dense run cut short by
+``--stop-step``. About 25 s of CPU time (40-60 s wall on 2 CPU cores shared with other jobs,
+load 7-10), most of it the five interpreter starts and the MSA run's torch-reference attention.
 """
 
 import importlib
@@ -180,3 +181,18 @@ def test_corpus_split_is_by_document(example):
         ("0-1K", 0, 1024), ("1-4K", 1024, 4096), ("4-16K", 4096, 16384), ("16-32K", 16384, 32768)
     ]
     assert [b[0] for b in ex.bucket_edges(65536)][-1] == "32-64K"
+
+
+def test_stop_step_matches_the_full_run(runs, tmp_path, example):
+    """``--stop-step`` ends a run early on the full run's schedule: its steps are the full
+    run's first steps (same batches, same learning rates, same losses)."""
+    stop = example.TINY["warmup_steps"] - 2
+    _run(SCRIPT, "--tiny", "--attn", "dense", "--out", tmp_path, "--stop-step", stop,
+         "--train-only")
+    short, full = _steps(tmp_path), _steps(runs["dense"])[:stop]
+    assert [r["step"] for r in short] == list(range(stop))
+    for a, b in zip(short, full):
+        assert a["chunks"] == b["chunks"] and a["lr"] == b["lr"]
+        assert abs(a["loss"] - b["loss"]) < 1e-5
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps_done"] == stop and "heldout" not in summary
