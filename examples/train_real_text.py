@@ -6,12 +6,12 @@ model's extra indexer parameters shift nothing) and see the same batches (an ord
 ``--seed`` alone; ``steps.jsonl`` records each step's sequence numbers). Then
 ``examples/plot_training.py`` draws both.
 
-Model (``ModelConfig``; the defaults have 97.0M parameters, 100.2M with the MSA indexers): byte vocabulary (256), pre-norm
-decoder layers ``x = x + attn(RMSNorm(x))``, ``x = x + SwiGLU(RMSNorm(x))``, a final RMSNorm and
-an untied LM head; GQA with ``head_dim`` 128 and RoPE (``rope_theta`` 1e6, a long-context base).
-The attention layers, the SwiGLU MLP and the autocast-aware indexer are those of
-examples/train_long_retrieval.py, imported from it (this folder is on ``sys.path`` when the
-script runs).
+Model (``ModelConfig``; the defaults have 97.0M parameters, 100.2M with the MSA indexers): byte
+vocabulary (256), pre-norm decoder layers ``x = x + attn(RMSNorm(x))``, ``x = x +
+SwiGLU(RMSNorm(x))``, a final RMSNorm and an untied LM head; GQA with ``head_dim`` 128 and RoPE
+(``rope_theta`` 1e6, a long-context base). The attention layers, the SwiGLU MLP and the
+autocast-aware indexer are those of examples/train_long_retrieval.py, imported from it (this folder
+is on ``sys.path`` when the script runs).
 
 - ``--attn msa``: every attention layer is a :class:`flash_msa.nn.MSAttention` with an indexer of
   the MSA paper's shape (one proxy head per KV group, one proxy key head, ``proxy_head_dim``
@@ -34,35 +34,34 @@ never change how the backbone is clipped and both runs clip alike.
 
 Data (:func:`build_corpus`): the ``*.py`` files of the Python standard library
 (``sysconfig.get_paths()["stdlib"]``, without its site-packages) and of the installed packages
-(``site.getsitepackages()``), read as bytes: real text by many authors, present on every
-machine that runs this script, no download needed. Walked in sorted order; a file's package is its top-level
-directory (the top-level single-file modules of a root form one package), and the files of a
-package are concatenated in path order with a NUL byte between them, so that a 32K-token
-sequence mostly holds related files. Reading stops once ``--corpus-mb`` is reached (at a file
-boundary). A file goes to the held-out split when a stable hash of its path (root label and
-relative path) falls in the first ``--test-fraction`` (2 %) of the hash range, so the split is
-by document and the same on every run. Train sequences are the stream cut into ``seq_len``
-windows (targets shifted by one byte), taken in a random order per epoch drawn from ``--seed``;
-held-out sequences are the test stream's windows in a fixed order.
+(``site.getsitepackages()``), read as bytes: real text by many authors, present on every machine
+that runs this script, no download needed. Walked in sorted order; a file's package is its top-level
+directory (the top-level single-file modules of a root form one package), and the files of a package
+are concatenated in path order with a NUL byte between them, so that a 32K-token sequence mostly
+holds related files. Reading stops once ``--corpus-mb`` is reached (at a file boundary). A file goes
+to the held-out split when a stable hash of its path (root label and relative path) falls in the
+first ``--test-fraction`` (2 %) of the hash range, so the split is by document and the same on every
+run. Train sequences are the stream cut into ``seq_len`` windows (targets shifted by one byte),
+taken in a random order per epoch drawn from ``--seed``; held-out sequences are the test stream's
+windows in a fixed order.
 
 Outputs under ``--out``:
 
 - ``steps.jsonl``: one line per step: ``step``, ``phase`` (``dense``/``warmup``/``sparse``),
   ``loss`` (nats per byte), ``kl`` (mean over layers; ``null`` for dense), ``step_seconds``
   (forward, backward and optimizer, synchronized), ``tokens`` (this step's), ``tokens_total``,
-  ``lr``, ``grad_norm``, ``chunks`` (the train sequences of the batch), and every
-  ``--eval-every`` steps ``heldout_loss`` (over ``--eval-every-batches`` held-out sequences).
-- ``summary.json``: the configuration, parameter counts, tokens trained, corpus size, the
-  held-out loss overall and by position (buckets 0-1K, 1-4K, 4-16K, 16-32K, and 32 equal bins),
-  the median step time per phase, and for MSA: the held-out loss with each
-  ``selection_precision`` (``bf16``, ``fp8``, ``fp8_rerank``) and with dense attention on the
-  same weights; per layer, over ``--recall-batches`` held-out sequences, the proxy's recall and
-  covered attention mass against the oracle selection (the ``top_k`` blocks of most main
-  attention mass) and each fp8 mode's recall and covered mass against the exact selection
-  (:mod:`flash_msa.recall`'s metrics), and ``fp8_gate``: each fp8 mode against the fp8
-  selection's quality gate (covered mass >= 99.5 % of the exact selection's in every layer, held-out loss within
-  0.2 % of the bf16-selected model's). A mode the backend in use cannot run is reported with
-  its error instead of numbers.
+  ``lr``, ``grad_norm``, ``chunks`` (the train sequences of the batch), and every ``--eval-every``
+  steps ``heldout_loss`` (over ``--eval-every-batches`` held-out sequences).
+- ``summary.json``: the configuration, parameter counts, tokens trained, corpus size, the held-out
+  loss overall and by position (buckets 0-1K, 1-4K, 4-16K, 16-32K, and 32 equal bins), the median
+  step time per phase, and for MSA: the held-out loss with each ``selection_precision`` (``bf16``,
+  ``fp8``, ``fp8_rerank``) and with dense attention on the same weights; per layer, over
+  ``--recall-batches`` held-out sequences, the proxy's recall and covered attention mass against the
+  oracle selection (the ``top_k`` blocks of most main attention mass) and each fp8 mode's recall and
+  covered mass against the exact selection (:mod:`flash_msa.recall`'s metrics), and ``fp8_gate``:
+  each fp8 mode against the fp8 selection's quality gate (covered mass >= 99.5 % of the exact
+  selection's in every layer, held-out loss within 0.2 % of the bf16-selected model's). A mode the
+  backend in use cannot run is reported with its error instead of numbers.
 
 ``--save CKPT`` writes the model, the optimizer state and the step count after training (also
 when ``--max-train-seconds`` stops it early; ``--stop-step`` ends another run at the same step
