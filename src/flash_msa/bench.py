@@ -500,28 +500,46 @@ def _measure_graph(prov, xs, dense, iters, precision="bf16"):
     return res
 
 
+def source_commit(package_dir: str) -> str | None:
+    """The git commit of ``package_dir`` (flash_msa's own directory) when it is the
+    ``src/flash_msa`` of a git work tree, i.e. a checkout of this project; ``None`` otherwise.
+    An installed copy (site-packages) gets ``None`` even when some repository encloses it: that
+    repository's commit says nothing about the installed code."""
+    package_dir = os.path.realpath(package_dir)
+
+    def git(*args):
+        try:
+            res = subprocess.run(
+                ["git", *args], capture_output=True, text=True, cwd=package_dir, timeout=30
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return res.stdout.strip() if res.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if not top or os.path.realpath(os.path.join(top, "src", "flash_msa")) != package_dir:
+        return None
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no", "--", "."):
+        commit += "-dirty"  # the package's tracked files differ from the commit
+    return commit
+
+
 def environment():
+    from . import __version__
     from .diagnostics import version
 
-    commit = os.environ.get("FLASH_MSA_COMMIT")  # set it where the tree is not a git checkout
-    if not commit:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                cwd=os.path.dirname(__file__),
-            ).stdout.strip()
-        except OSError:
-            commit = None
+    # FLASH_MSA_COMMIT: for a run from a tree that is not a git checkout (an unpacked sdist)
+    commit = os.environ.get("FLASH_MSA_COMMIT") or source_commit(os.path.dirname(__file__))
     return dict(
+        flash_msa=__version__,
+        commit=commit,
         gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         torch=torch.__version__,
         triton=version("triton"),
         cutlass=version("nvidia-cutlass-dsl"),
         flash_attn_4=_fa4() is not None,
         python=platform.python_version(),
-        commit=commit,
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
 
