@@ -215,8 +215,9 @@ def main(argv=None) -> int:
         nargs="+",
         default=["random", "local"],
         choices=["random", "local"],
-        help="input kinds: random (uniform scores) and local (queries near their own keys); "
-        "default: both",
+        help="input kinds: random (torch.randn everywhere) and local (proxies of cumulative "
+        "sums: neighbouring queries rank blocks alike; flash_msa.testing.make_inputs); default: "
+        "both",
     )
     p.add_argument("--iters", type=int, default=5, help="timed iterations, median (default 5)")
     p.add_argument(
