@@ -317,9 +317,10 @@ def _env_reads():
 
     src = pathlib.Path(__file__).resolve().parents[1] / "src" / "flash_msa"
     text = "\n".join(p.read_text() for p in src.rglob("*.py"))
-    literal = re.findall(r"""(?:environ\.get|environ\[|getenv)\(?\s*["']([A-Z][A-Z0-9_]*)["']""", text)
+    read = r"(?:environ\.get|environ\[|getenv)\(?\s*"
+    literal = re.findall(read + r"""["']([A-Z][A-Z0-9_]*)["']""", text)
     consts = dict(re.findall(r"""^\s*([A-Z_]+_ENV)\s*=\s*["']([A-Z][A-Z0-9_]*)["']""", text, re.M))
-    via_const = re.findall(r"(?:environ\.get|environ\[|getenv)\(?\s*([A-Z_]+_ENV)\b", text)
+    via_const = re.findall(read + r"([A-Z_]+_ENV)\b", text)
     assert via_const, "the regex found no constant read: it no longer matches src/"
     return set(literal) | {consts[c] for c in via_const}
 

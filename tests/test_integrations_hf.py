@@ -14,8 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from flash_msa.integrations import msa_layers, set_warmup, total_kl  # noqa: E402
-from flash_msa.integrations import hf  # noqa: E402
+from flash_msa.integrations import hf, msa_layers, set_warmup, total_kl  # noqa: E402
 from flash_msa.testing import assert_close, cu  # noqa: E402
 
 

@@ -132,4 +132,7 @@ def test_refusals():
     msa = tt.convert_to_msa(_model(), top_k=1, block_size=64)
     positions = torch.arange(64)[None]
     with pytest.raises(ValueError, match="pass positions"):
-        msa(torch.zeros(1, 64, dtype=torch.long), attention_masks=msa.get_attention_masks(positions))
+        msa(
+            torch.zeros(1, 64, dtype=torch.long),
+            attention_masks=msa.get_attention_masks(positions),
+        )

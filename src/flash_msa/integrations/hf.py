@@ -87,7 +87,7 @@ def check_supported(attn) -> None:
     scaling = getattr(attn, "scaling", attn.head_dim**-0.5)
     if abs(scaling - attn.head_dim**-0.5) > 1e-12 * scaling:
         raise ValueError(
-            f"{name}: softmax scale {scaling} is not head_dim ** -0.5 ({attn.head_dim ** -0.5})"
+            f"{name}: softmax scale {scaling} is not head_dim ** -0.5 ({attn.head_dim**-0.5})"
         )
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
