@@ -33,8 +33,13 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
+from . import __version__, backends, diagnostics, reference, testing
+from .api import msa_attention, select_blocks
 from .backends import forced
+from .diagnostics import sample_problem, version
+from .problem import Config
 
 SHAPES = {  # B, H, Hkv, Hp, Hpk, D, Dp, default seqlens
     "anchor": (1, 16, 2, 4, 1, 128, 128, (16384, 32768)),
@@ -47,7 +52,6 @@ BLOCK, TOP_K, PEAK_TFLOPS = 128, 16, 989.0
 def step_config(S: int, D: int, Dp: int, *, top_k: int = None, block_size: int = None):
     """The :class:`~flash_msa.problem.Config` of the benchmarked step on one sequence of ``S``
     tokens (default scales, KL value on; ``top_k``/``block_size`` default to the bench's)."""
-    from .problem import Config
 
     return Config(
         block_size=BLOCK if block_size is None else block_size,
@@ -118,8 +122,6 @@ def _fa4():
 
 
 def _dense_providers():
-    import torch.nn.functional as F
-
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
@@ -167,8 +169,6 @@ def verify_msa(
     function run on the CPU in fp32 (a test; the benchmark itself needs a GPU).
     Returns ``(ok, message)``; the message names the failing quantities.
     """
-    from . import diagnostics, reference, testing
-    from .api import select_blocks
 
     B, H, Hkv, Hp, Hpk, D, Dp, _ = shape
     xs = testing.make_inputs(1, S, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device=device, seed=seed)
@@ -224,8 +224,6 @@ def run(
     MSA provider runs once per ``precisions`` entry (``selection_precision``: ``"bf16"``
     exact, ``"fp8"`` the opt-in approximate selection), a dense one once. ``cuda_graph`` adds
     the graphed steps' keys (:func:`_measure_graph`) after the eager ones are measured."""
-    from . import testing
-    from .api import select_blocks
 
     dense = {k: v for k, v in _dense_providers().items() if k in dense_names}
     for shape_name in shapes:
@@ -320,7 +318,6 @@ def run(
 
 
 def _measure(prov, xs, dense, iters, precision="bf16"):
-    from .api import msa_attention, select_blocks
 
     sel = dict(selection_precision=precision)
     leaves = [x.detach().requires_grad_() for x in xs]
@@ -379,7 +376,6 @@ def graph_mismatch(names, graph, eager, again):
     which atol covers; the KL value is summed without atomics. A graph that skipped a kernel
     (its outputs poisoned with NaN before the replay, :func:`graph_replay_ms`) fails with
     ``err = inf``, and one that computed something else fails by the size of the values."""
-    from . import testing
 
     bad = []
     for name, mine, ref, ref2 in zip(names, graph, eager, again, strict=True):
@@ -405,7 +401,6 @@ def graph_replay_ms(step, names, iters=5):
     live in the graph's private memory pool. The pool is freed before returning, whatever
     happens (graph and static tensors deleted, ``torch.cuda.empty_cache()``), so the next
     provider runs with the memory it would have had without the graph."""
-    from . import testing
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -453,7 +448,6 @@ def graph_steps(prov, leaves, dense, precision="bf16"):
     benchmarks/results/stage10/graph_debug*.log: the forward alone and a pure-torch step
     captured first were fine; the MSA step with its backward failed first in every order,
     capture error mode and with the garbage collector off."""
-    from .api import msa_attention
 
     if prov in dense:
         fn, (q, k, v) = dense[prov], leaves[2:]
@@ -526,8 +520,6 @@ def source_commit(package_dir: str) -> str | None:
 
 
 def environment():
-    from . import __version__
-    from .diagnostics import version
 
     # FLASH_MSA_COMMIT: for a run from a tree that is not a git checkout (an unpacked sdist)
     commit = os.environ.get("FLASH_MSA_COMMIT") or source_commit(os.path.dirname(__file__))
@@ -618,8 +610,6 @@ def plot(rows, path):
 def main(args) -> int:
     if not torch.cuda.is_available():
         raise RuntimeError("flash-msa bench needs a CUDA GPU (the CLI runs `check` instead)")
-    from . import backends
-    from .diagnostics import sample_problem
 
     cuda_graph = getattr(args, "cuda_graph", False)
     names = args.backends or [

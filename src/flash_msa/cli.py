@@ -16,7 +16,13 @@ import json
 import os
 import sys
 
+import torch
+
 from . import DISTRIBUTION, __version__
+from .bench import SHAPES
+from .bench import main as bench_main
+from .diagnostics import CASES, check, info
+from .quant import PRECISIONS
 
 # Every environment variable the package reads (tests/test_cli.py checks this list against the
 # os.environ reads in src/), with what it does; `flash-msa info` prints each with its value.
@@ -52,8 +58,6 @@ def environment() -> dict:
 
 
 def _cmd_info(args) -> int:
-    from .diagnostics import info
-
     data = info()
     data["environment"] = environment()
     if args.json:
@@ -86,8 +90,6 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_check(args) -> int:
-    from .diagnostics import check
-
     print("flash-msa check: each backend against an independent fp64 brute-force computation")
     print(
         "(err: max |backend - exact| of a training step with O(1) gradients; tol = 2 * err of\n"
@@ -126,8 +128,6 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    import torch
-
     if not torch.cuda.is_available():  # nothing timed, no file written: a CPU time means nothing
         print(
             "flash-msa bench: no CUDA GPU (torch.cuda.is_available() is False); bench times the "
@@ -137,15 +137,10 @@ def _cmd_bench(args) -> int:
             file=sys.stderr,
         )
         return 2
-    from .bench import main as bench_main
-
     return bench_main(args)
 
 
 def main(argv=None) -> int:
-    from .bench import SHAPES
-    from .quant import PRECISIONS
-
     parser = argparse.ArgumentParser(
         prog="flash-msa", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -171,7 +166,7 @@ def main(argv=None) -> int:
         description="Run small training steps (forward, KL and all five gradients) of each "
         "available backend on every device here and compare them to an independent fp64 "
         "brute-force computation. Cases: "
-        + "; ".join(f"{c[0]}" for c in _check_cases())
+        + "; ".join(c[0] for c in CASES)
         + ". Exit status 0 when every run check passes, 1 when one fails or none could run.",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
@@ -253,9 +248,3 @@ def main(argv=None) -> int:
     p.set_defaults(func=_cmd_bench)
     args = parser.parse_args(argv)
     return args.func(args)
-
-
-def _check_cases():
-    from .diagnostics import CASES
-
-    return CASES
