@@ -341,15 +341,14 @@ def _measure(prov, xs, dense, iters, precision="bf16"):
 
         # autograd.grad, not backward() into .grad: a step that kept the leaves' .grad added
         # each new gradient to it (five bf16 adds here, three for a dense provider: 78 us of
-        # GPU time and ~60 us of host time at anchor 16K, docs/reviews/2026-12-01-step-glue.md
-        # P4), which a training loop that sets the grads to None does not pay, and the graphed
-        # step never did; since the twelfth session the eager step does as the graphed one
+        # GPU time and ~60 us of host time at anchor 16K, H200), which a training loop that
+        # sets the grads to None does not pay; the graphed step takes them the same way
         def step(compute_kl=True):
             with forced(_mix(prov)):
                 out, kl = msa_attention(*leaves, TOP_K, compute_kl=compute_kl, **sel)
                 torch.autograd.grad([out, kl], leaves, [dout, torch.ones_like(kl)])
 
-        # the same step without the KL value (its gradient stays exact): issue 13's target
+        # the same step without the KL value (its gradient stays exact)
         res["step_nokl_ms"] = time_ms(lambda: step(False), iters=iters)
 
     torch.cuda.synchronize()
@@ -433,8 +432,7 @@ def graph_steps(prov, leaves, dense, precision="bf16"):
     provider ``prov`` on the leaves ``(q_proxy, k_proxy, q, k, v)`` (requiring grad). Each
     ``step()`` returns ``out`` (and ``kl``), then the gradients, new tensors every call
     (``torch.autograd.grad``, not ``.grad``: in a capture they are allocated from the graph's
-    pool, and no accumulation kernel is added; the eager ``step_ms`` takes them the same way
-    since the twelfth session, before it accumulated into ``.grad``, five elementwise adds).
+    pool, and no accumulation kernel is added; the eager ``step_ms`` takes them the same way).
     The incoming gradients are those of the eager step: a random
     ``dout``, ``dkl = 1``. Runs on any device (a CPU test calls the steps).
 
@@ -444,9 +442,8 @@ def graph_steps(prov, leaves, dense, precision="bf16"):
     captures, so the captured backward met nodes of the default stream and synchronized that
     stream, which is not capturing, with the capture stream: the first capture of every process
     failed with "operation failed due to a previous error during capture" (torch warns "The
-    AccumulateGrad node's stream does not match ..."). H200, tenth session,
-    benchmarks/results/stage10/graph_debug*.log: the forward alone and a pure-torch step
-    captured first were fine; the MSA step with its backward failed first in every order,
+    AccumulateGrad node's stream does not match ..."). On the H200 the forward alone and a
+    pure-torch step captured first were fine; the MSA step with its backward failed first in every order,
     capture error mode and with the garbage collector off."""
 
     if prov in dense:
