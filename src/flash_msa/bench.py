@@ -443,8 +443,8 @@ def graph_steps(prov, leaves, dense, precision="bf16"):
     stream, which is not capturing, with the capture stream: the first capture of every process
     failed with "operation failed due to a previous error during capture" (torch warns "The
     AccumulateGrad node's stream does not match ..."). On the H200 the forward alone and a
-    pure-torch step captured first were fine; the MSA step with its backward failed first in every order,
-    capture error mode and with the garbage collector off."""
+    pure-torch step captured first were fine; the MSA step with its backward failed first in
+    every order, capture error mode and with the garbage collector off."""
 
     if prov in dense:
         fn, (q, k, v) = dense[prov], leaves[2:]
