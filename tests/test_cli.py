@@ -245,3 +245,112 @@ def test_bench_exit_code_counts_graph_errors(monkeypatch, capsys):
         monkeypatch.setattr(bench, "run", lambda *a, rows=rows: iter(rows))
         assert bench.main(args) == code, error
     assert "graph_error" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# --version, bench without a GPU, the commit bench records, info's environment variables
+# ---------------------------------------------------------------------------------------------
+def test_version(capsys):
+    import flash_msa
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == (
+        f"flash-msa-kernels {flash_msa.__version__} (import package flash_msa)"
+    )
+
+
+def test_bench_without_gpu_fails_and_writes_nothing(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    target = tmp_path / "bench.json"
+    assert main(["bench", "--json", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err and "was not written" in err and "flash-msa check" in err
+    assert not target.exists()
+
+
+def _git(cwd, *args):
+    import subprocess
+
+    return subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True,
+        env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+             "GIT_COMMITTER_EMAIL": "t@t", "PATH": __import__("os").environ["PATH"]},
+    ).stdout.strip()  # fmt: skip
+
+
+def test_bench_commit_is_the_package_checkouts_only(tmp_path):
+    """A checkout (src/flash_msa at its top level) gives its commit, "-dirty" when the
+    package's tracked files changed; an installed copy inside some other repository (its
+    site-packages) gives None; a directory outside any repository gives None."""
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    checkout = tmp_path / "checkout"
+    pkg = checkout / "src" / "flash_msa"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    _git(checkout, "init", "-q")
+    _git(checkout, "add", ".")
+    _git(checkout, "commit", "-qm", "x")
+    head = _git(checkout, "rev-parse", "--short", "HEAD")
+    assert bench.source_commit(str(pkg)) == head
+    (pkg / "__init__.py").write_text("changed = 1\n")
+    assert bench.source_commit(str(pkg)) == head + "-dirty"
+    installed = checkout / ".venv" / "lib" / "python3" / "site-packages" / "flash_msa"
+    installed.mkdir(parents=True)
+    assert bench.source_commit(str(installed)) is None
+    alone = tmp_path / "alone" / "flash_msa"
+    alone.mkdir(parents=True)
+    assert bench.source_commit(str(alone)) is None
+    env = bench.environment()
+    assert env["flash_msa"] == __import__("flash_msa").__version__ and "commit" in env
+
+
+def _env_reads():
+    """The environment variable names src/ reads: os.environ.get/[]/getenv of a literal, or
+    of a module constant NAME_ENV = "..." (one regex pass over every source file)."""
+    import pathlib
+    import re
+
+    src = pathlib.Path(__file__).resolve().parents[1] / "src" / "flash_msa"
+    text = "\n".join(p.read_text() for p in src.rglob("*.py"))
+    read = r"(?:environ\.get|environ\[|getenv)\(?\s*"
+    literal = re.findall(read + r"""["']([A-Z][A-Z0-9_]*)["']""", text)
+    consts = dict(re.findall(r"""^\s*([A-Z_]+_ENV)\s*=\s*["']([A-Z][A-Z0-9_]*)["']""", text, re.M))
+    via_const = re.findall(read + r"([A-Z_]+_ENV)\b", text)
+    assert via_const, "the regex found no constant read: it no longer matches src/"
+    return set(literal) | {consts[c] for c in via_const}
+
+
+def test_info_lists_every_environment_variable_read(capsys, monkeypatch):
+    from flash_msa import cli
+
+    reads = _env_reads()
+    assert {"FLASH_MSA_BACKEND", "FLASH_MSA_CACHE_DIR", "FLASH_MSA_SMEM_LIMIT"} <= reads
+    missing = {v for v in reads - set(cli.ENV_VARS) if not v.startswith(tuple(cli.ENV_PREFIXES))}
+    assert not missing, f"read in src/ but not listed by flash-msa info: {sorted(missing)}"
+    monkeypatch.setenv("FLASH_MSA_DETERMINISTIC", "1")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for var in cli.ENV_VARS:
+        assert var in out, var
+    line = next(x for x in out.splitlines() if "FLASH_MSA_DETERMINISTIC" in x)
+    assert " 1 " in line and "bitwise" in line  # the value, then the meaning
+    assert "CUTE_DSL_ARCH" in out and "sm_90a" in out
+
+
+def test_help_explains_shapes_and_defaults(capsys):
+    for argv, words in (
+        ([], ("q (B, S, H, D)", "block_size", "top_k")),
+        (["bench"], ("anchor: B=1 H=16", "default 5", "on a CUDA GPU", "status 2")),
+        (["check"], ("fp64", "Exit status")),
+    ):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        for w in words:
+            assert w in out, (argv, w)

@@ -33,8 +33,13 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
+from . import __version__, backends, diagnostics, reference, testing
+from .api import msa_attention, select_blocks
 from .backends import forced
+from .diagnostics import sample_problem, version
+from .problem import Config
 
 SHAPES = {  # B, H, Hkv, Hp, Hpk, D, Dp, default seqlens
     "anchor": (1, 16, 2, 4, 1, 128, 128, (16384, 32768)),
@@ -47,7 +52,6 @@ BLOCK, TOP_K, PEAK_TFLOPS = 128, 16, 989.0
 def step_config(S: int, D: int, Dp: int, *, top_k: int = None, block_size: int = None):
     """The :class:`~flash_msa.problem.Config` of the benchmarked step on one sequence of ``S``
     tokens (default scales, KL value on; ``top_k``/``block_size`` default to the bench's)."""
-    from .problem import Config
 
     return Config(
         block_size=BLOCK if block_size is None else block_size,
@@ -118,8 +122,6 @@ def _fa4():
 
 
 def _dense_providers():
-    import torch.nn.functional as F
-
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
@@ -167,8 +169,6 @@ def verify_msa(
     function run on the CPU in fp32 (a test; the benchmark itself needs a GPU).
     Returns ``(ok, message)``; the message names the failing quantities.
     """
-    from . import diagnostics, reference, testing
-    from .api import select_blocks
 
     B, H, Hkv, Hp, Hpk, D, Dp, _ = shape
     xs = testing.make_inputs(1, S, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device=device, seed=seed)
@@ -224,8 +224,6 @@ def run(
     MSA provider runs once per ``precisions`` entry (``selection_precision``: ``"bf16"``
     exact, ``"fp8"`` the opt-in approximate selection), a dense one once. ``cuda_graph`` adds
     the graphed steps' keys (:func:`_measure_graph`) after the eager ones are measured."""
-    from . import testing
-    from .api import select_blocks
 
     dense = {k: v for k, v in _dense_providers().items() if k in dense_names}
     for shape_name in shapes:
@@ -320,7 +318,6 @@ def run(
 
 
 def _measure(prov, xs, dense, iters, precision="bf16"):
-    from .api import msa_attention, select_blocks
 
     sel = dict(selection_precision=precision)
     leaves = [x.detach().requires_grad_() for x in xs]
@@ -344,15 +341,14 @@ def _measure(prov, xs, dense, iters, precision="bf16"):
 
         # autograd.grad, not backward() into .grad: a step that kept the leaves' .grad added
         # each new gradient to it (five bf16 adds here, three for a dense provider: 78 us of
-        # GPU time and ~60 us of host time at anchor 16K, docs/reviews/2026-12-01-step-glue.md
-        # P4), which a training loop that sets the grads to None does not pay, and the graphed
-        # step never did; since the twelfth session the eager step does as the graphed one
+        # GPU time and ~60 us of host time at anchor 16K, H200), which a training loop that
+        # sets the grads to None does not pay; the graphed step takes them the same way
         def step(compute_kl=True):
             with forced(_mix(prov)):
                 out, kl = msa_attention(*leaves, TOP_K, compute_kl=compute_kl, **sel)
                 torch.autograd.grad([out, kl], leaves, [dout, torch.ones_like(kl)])
 
-        # the same step without the KL value (its gradient stays exact): issue 13's target
+        # the same step without the KL value (its gradient stays exact)
         res["step_nokl_ms"] = time_ms(lambda: step(False), iters=iters)
 
     torch.cuda.synchronize()
@@ -379,7 +375,6 @@ def graph_mismatch(names, graph, eager, again):
     which atol covers; the KL value is summed without atomics. A graph that skipped a kernel
     (its outputs poisoned with NaN before the replay, :func:`graph_replay_ms`) fails with
     ``err = inf``, and one that computed something else fails by the size of the values."""
-    from . import testing
 
     bad = []
     for name, mine, ref, ref2 in zip(names, graph, eager, again, strict=True):
@@ -405,7 +400,6 @@ def graph_replay_ms(step, names, iters=5):
     live in the graph's private memory pool. The pool is freed before returning, whatever
     happens (graph and static tensors deleted, ``torch.cuda.empty_cache()``), so the next
     provider runs with the memory it would have had without the graph."""
-    from . import testing
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -438,8 +432,7 @@ def graph_steps(prov, leaves, dense, precision="bf16"):
     provider ``prov`` on the leaves ``(q_proxy, k_proxy, q, k, v)`` (requiring grad). Each
     ``step()`` returns ``out`` (and ``kl``), then the gradients, new tensors every call
     (``torch.autograd.grad``, not ``.grad``: in a capture they are allocated from the graph's
-    pool, and no accumulation kernel is added; the eager ``step_ms`` takes them the same way
-    since the twelfth session, before it accumulated into ``.grad``, five elementwise adds).
+    pool, and no accumulation kernel is added; the eager ``step_ms`` takes them the same way).
     The incoming gradients are those of the eager step: a random
     ``dout``, ``dkl = 1``. Runs on any device (a CPU test calls the steps).
 
@@ -449,11 +442,9 @@ def graph_steps(prov, leaves, dense, precision="bf16"):
     captures, so the captured backward met nodes of the default stream and synchronized that
     stream, which is not capturing, with the capture stream: the first capture of every process
     failed with "operation failed due to a previous error during capture" (torch warns "The
-    AccumulateGrad node's stream does not match ..."). H200, tenth session,
-    benchmarks/results/stage10/graph_debug*.log: the forward alone and a pure-torch step
-    captured first were fine; the MSA step with its backward failed first in every order,
-    capture error mode and with the garbage collector off."""
-    from .api import msa_attention
+    AccumulateGrad node's stream does not match ..."). On the H200 the forward alone and a
+    pure-torch step captured first were fine; the MSA step with its backward failed first in
+    every order, capture error mode and with the garbage collector off."""
 
     if prov in dense:
         fn, (q, k, v) = dense[prov], leaves[2:]
@@ -500,28 +491,44 @@ def _measure_graph(prov, xs, dense, iters, precision="bf16"):
     return res
 
 
-def environment():
-    from .diagnostics import version
+def source_commit(package_dir: str) -> str | None:
+    """The git commit of ``package_dir`` (flash_msa's own directory) when it is the
+    ``src/flash_msa`` of a git work tree, i.e. a checkout of this project; ``None`` otherwise.
+    An installed copy (site-packages) gets ``None`` even when some repository encloses it: that
+    repository's commit says nothing about the installed code."""
+    package_dir = os.path.realpath(package_dir)
 
-    commit = os.environ.get("FLASH_MSA_COMMIT")  # set it where the tree is not a git checkout
-    if not commit:
+    def git(*args):
         try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                cwd=os.path.dirname(__file__),
-            ).stdout.strip()
-        except OSError:
-            commit = None
+            res = subprocess.run(
+                ["git", *args], capture_output=True, text=True, cwd=package_dir, timeout=30
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return res.stdout.strip() if res.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if not top or os.path.realpath(os.path.join(top, "src", "flash_msa")) != package_dir:
+        return None
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no", "--", "."):
+        commit += "-dirty"  # the package's tracked files differ from the commit
+    return commit
+
+
+def environment():
+
+    # FLASH_MSA_COMMIT: for a run from a tree that is not a git checkout (an unpacked sdist)
+    commit = os.environ.get("FLASH_MSA_COMMIT") or source_commit(os.path.dirname(__file__))
     return dict(
+        flash_msa=__version__,
+        commit=commit,
         gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         torch=torch.__version__,
         triton=version("triton"),
         cutlass=version("nvidia-cutlass-dsl"),
         flash_attn_4=_fa4() is not None,
         python=platform.python_version(),
-        commit=commit,
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
 
@@ -600,8 +607,6 @@ def plot(rows, path):
 def main(args) -> int:
     if not torch.cuda.is_available():
         raise RuntimeError("flash-msa bench needs a CUDA GPU (the CLI runs `check` instead)")
-    from . import backends
-    from .diagnostics import sample_problem
 
     cuda_graph = getattr(args, "cuda_graph", False)
     names = args.backends or [
