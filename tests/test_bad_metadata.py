@@ -103,7 +103,7 @@ def test_bad_q_map_entries_become_nan_rows(unchecked):
     q_map[[5, 60]] = torch.tensor([T, -7], dtype=torch.int32)
     q_map[7] = -1  # a padding row: 0, as documented
     cu = torch.tensor([0, 80, T], dtype=torch.int32)
-    out, kl = flash_msa.msa_attention(
+    out, kl = api._msa_attention(
         *xs, TOP_K, block_size=BLOCK, cu_seqlens=cu, max_seqlen=80, q_map=q_map
     )
     assert out[[5, 60]].isnan().all() and math.isnan(kl.item())

@@ -843,6 +843,7 @@ def msa_attention(
     overlap=True,
     timer=None,
     selection_precision="bf16",
+    causal=True,
 ):
     """:func:`flash_msa.msa_attention` over a context-parallel group, on this rank's shards.
 
@@ -866,14 +867,16 @@ def msa_attention(
             ``deterministic`` covers this rank's op; the sums inside the collectives (the fp32
             reduce-scatter of the key gradients) are ordered by the process group's backend.
         selection_precision: as in :func:`flash_msa.msa_attention` (``"fp8"``: e4m3 selection;
-            ``"fp8_rerank"``: its top ``top_k + 4`` re-ranked by exact scores; the key scales
-            are those of the gathered keys, so every rank ranks like the single-process op).
+            ``"fp8_rerank"``: its top ``top_k + quant.RERANK_EXTRA`` (16) re-ranked by exact
+            scores; the key scales are those of the gathered keys, so every rank ranks like the
+            single-process op).
         layout: this rank's :class:`Layout`; group: the CP process group (default: the world).
         overlap: ``True`` (default) waits for the ``k``/``v`` all-gathers after the selection
             (they overlap it); ``False`` waits for them before it, as a baseline for
             measurements (the same result).
         timer: a :class:`WaitTimer` that times each wait for a collective (the time not
             overlapped), or ``None``; eager only.
+        causal: as in :func:`flash_msa.msa_attention` (``True``; ``False`` raises).
 
     Works under ``torch.compile(fullgraph=True)`` (the collectives are functional ones, the
     backends' ops the ``flash_msa::`` custom ops with the query map).
@@ -884,6 +887,7 @@ def msa_attention(
         the global ``Hp * T`` rows; 0-dim fp32, fp64 for fp64 inputs). ``all_reduce(kl)`` (SUM)
         over the group is the single-process ``kl``; gradients: docs/distributed.md.
     """
+    api._causal_arg(causal)  # (the same on every rank: a constant of the call)
     kw = dict(
         top_k=top_k,
         softmax_scale=softmax_scale,
@@ -934,7 +938,7 @@ def _msa(tensors, layout, group, agreement, *, overlap, timer, top_k, **op):
         agreement.fields = _op_fields(layout, tensors, top_k, op)
     # the op gathers the keys itself (its key_gather hook), so that it can wait for k and v only
     # after its selection
-    return api.msa_attention(
+    return api._msa_attention(
         *flat,
         top_k,
         block_size=layout.block_size,
