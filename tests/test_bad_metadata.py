@@ -4,7 +4,7 @@ other rows are exact (flash_msa.guard).
 The value checks that read ``cu_seqlens``/``indices``/``q_map`` run on CPU tensors; on GPU
 tensors and under ``torch.compile`` they do not (a host sync), and the device-side guard takes
 over. These tests turn the value checks off on CPU (``api._value_checks``) to run that path on
-the torch backend and on the Triton interpreter. Before the guard, the first case aborted the
+the torch backend and on the Triton interpreter. Without the guard, the first case aborts the
 process with heap corruption on the interpreter (an out-of-bounds write on a GPU).
 """
 

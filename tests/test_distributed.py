@@ -143,9 +143,11 @@ def test_layout_validation():
         cp.layout(2, 0)
     with pytest.raises(ValueError, match="not both"):
         cp.layout(2, 0, cu_seqlens=cu, batch_size=1, seqlen=100)
-    with pytest.raises(ValueError, match="int32"):
-        cp.layout(2, 0, cu_seqlens=cu.long())
+    with pytest.raises(ValueError, match="int32 or int64"):
+        cp.layout(2, 0, cu_seqlens=cu.to(torch.int16))
     lay = cp.layout(2, 0, cu_seqlens=cu, block_size=BLOCK)
+    wide = cp.layout(2, 0, cu_seqlens=cu.long(), block_size=BLOCK)  # int64: the same layout
+    assert wide.cu_seqlens.dtype == torch.int32 and torch.equal(wide.q_map, lay.q_map)
     with pytest.raises(ValueError, match="leading dims"):
         cp.shard(torch.zeros(99, 2), lay)
     with pytest.raises(ValueError, match="2 shards"):

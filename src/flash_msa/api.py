@@ -2,9 +2,11 @@
 
 Every public call (1) validates its arguments and raises ``TypeError``/``ValueError`` naming the
 argument before anything runs, (2) brings batch-form tensors to the packed varlen layout
-``(T, heads, dim)`` with ``cu_seqlens`` (a view, no copy for contiguous inputs), (3) resolves a
-backend per op once (``backends.resolve``) and (4) runs the ops through one autograd Function.
-The op contract shared by all backends is in docs/design.md.
+``(T, heads, dim)`` with ``cu_seqlens`` (a view, no copy for contiguous inputs), (3) checks that
+a backend can run each op (``backends.resolve``; each op resolves again when it runs) and (4)
+runs the ``flash_msa::`` custom ops (ops.py) through one autograd Function per public op, in
+eager and under ``torch.compile`` alike. The op contract shared by all backends is in
+docs/design.md.
 """
 
 from __future__ import annotations

@@ -140,7 +140,8 @@ def layout(
 
     Args:
         world_size: ``P``, the size of the CP group; rank: this rank's index in it.
-        cu_seqlens: int32 ``(N+1,)``, the global batch's cumulative lengths.
+        cu_seqlens: int32 or int64 ``(N+1,)``, the global batch's cumulative lengths (read on
+            the host; the layout's own offsets are int32).
         batch_size, seqlen: the batch form ``(B, S)`` instead of ``cu_seqlens``.
         block_size: the op's block size (64 or 128); every chunk is a whole number of blocks.
         device: where the layout's index tensors live (default: ``cu_seqlens``'s, else CPU).
@@ -162,10 +163,11 @@ def layout(
             raise ValueError("give cu_seqlens or batch_size/seqlen, not both")
         if not isinstance(cu_seqlens, torch.Tensor):
             raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        int_dtype = cu_seqlens.dtype in (torch.int32, torch.int64)
+        if not int_dtype or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(
-                "cu_seqlens must be 1-D int32 [0, ..., total_tokens] with at least 2 entries; "
-                f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+                "cu_seqlens must be 1-D int32 or int64 [0, ..., total_tokens] with at least 2 "
+                f"entries; got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
             )
         device = cu_seqlens.device if device is None else device
         cu = cu_seqlens.tolist()  # the layout is host metadata (see above)
@@ -174,6 +176,8 @@ def layout(
         lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     if sum(lengths) == 0:
         raise ValueError("the batch has no tokens")
+    if sum(lengths) > torch.iinfo(torch.int32).max:  # the layout's offsets are int32
+        raise ValueError(f"the batch's {sum(lengths)} tokens do not fit int32 offsets")
     device = torch.device("cpu" if device is None else device)
 
     P, b = world_size, block_size
