@@ -4,7 +4,7 @@ other rows are exact (flash_msa.guard).
 The value checks that read ``cu_seqlens``/``indices``/``q_map`` run on CPU tensors; on GPU
 tensors and under ``torch.compile`` they do not (a host sync), and the device-side guard takes
 over. These tests turn the value checks off on CPU (``api._value_checks``) to run that path on
-the torch backend and on the Triton interpreter. Before the guard, the first case aborted the
+the torch backend and on the Triton interpreter. Without the guard, the first case aborts the
 process with heap corruption on the interpreter (an out-of-bounds write on a GPU).
 """
 
@@ -103,7 +103,7 @@ def test_bad_q_map_entries_become_nan_rows(unchecked):
     q_map[[5, 60]] = torch.tensor([T, -7], dtype=torch.int32)
     q_map[7] = -1  # a padding row: 0, as documented
     cu = torch.tensor([0, 80, T], dtype=torch.int32)
-    out, kl = flash_msa.msa_attention(
+    out, kl = api._msa_attention(
         *xs, TOP_K, block_size=BLOCK, cu_seqlens=cu, max_seqlen=80, q_map=q_map
     )
     assert out[[5, 60]].isnan().all() and math.isnan(kl.item())

@@ -5,13 +5,15 @@ CPU tests run the torch backend (``FLASH_MSA_BACKEND=torch``); the last test (GP
 through ``mode="reduce-overhead"``) only collects here.
 """
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
 import flash_msa
-from flash_msa import ops, reference, testing
+from flash_msa import api, ops, reference, testing
 
 HP, HPK, H, HKV, DP, D = 2, 1, 4, 2, 16, 32
 TOP_K, BLOCK = 2, 64
@@ -180,7 +182,7 @@ def test_q_map_fullgraph_matches_eager():
     another map of the same length reuses the graph; the warmup (dense) step with a map too."""
 
     def f(qp, kp, q, k, v, cu, max_seqlen, q_map):
-        return flash_msa.msa_attention(
+        return api._msa_attention(
             qp, kp, q, k, v, TOP_K, block_size=BLOCK, cu_seqlens=cu, max_seqlen=max_seqlen,
             q_map=q_map,
         )  # fmt: skip
@@ -199,7 +201,7 @@ def test_q_map_fullgraph_matches_eager():
     assert not counters["recompiles"], dict(counters["recompiles"])
 
     def warm(qp, kp, q, k, v, cu, max_seqlen, q_map):  # the warmup (dense) forward and backward
-        return flash_msa.msa_attention(
+        return api._msa_attention(
             qp, kp, q, k, v, TOP_K, block_size=BLOCK, cu_seqlens=cu, max_seqlen=max_seqlen,
             q_map=q_map, warmup=True,
         )  # fmt: skip
@@ -260,9 +262,10 @@ def test_gpu_reduce_overhead_cuda_graphs(form, monkeypatch):
 
 def test_forward_is_not_asked_for_the_proxy_gradient_a_fused_backward_makes(monkeypatch):
     """Under compile, the ``fwd`` op makes the unit proxy gradient only when the backward's
-    backend does not make it itself (``FUSED_PROXY_GRAD``, CuTe's). On CPU the torch backend is
-    marked so: a compiled step then asks the backend's forward for ``proxy_grad=False``
-    (spied; unmarked it is asked True) and its gradients still equal eager."""
+    backend does not make it itself (its declared ``LIMITS["bwd"].fused_proxy_grad``, CuTe's).
+    On CPU the torch backend is declared so: a compiled step then asks the backend's forward for
+    ``proxy_grad=False`` (spied; undeclared it is asked True) and its gradients still equal
+    eager."""
     asked = []
     real_fwd = reference.fwd
 
@@ -286,7 +289,9 @@ def test_forward_is_not_asked_for_the_proxy_gradient_a_fused_backward_makes(monk
     compiled_step()
     assert asked and all(asked), asked  # unmarked: the forward is asked for it
     asked.clear()
-    monkeypatch.setattr(reference, "FUSED_PROXY_GRAD", True, raising=False)
+    fused = copy.copy(reference.LIMITS["bwd"])
+    object.__setattr__(fused, "fused_proxy_grad", True)  # (frozen: the declaration, patched)
+    monkeypatch.setitem(reference.LIMITS, "bwd", fused)
     grads = compiled_step()
     assert asked and not any(asked), asked
     ref = [x.detach().clone().requires_grad_() for x in leaves]

@@ -20,8 +20,6 @@ CPU tests (Triton under its interpreter, tiny shapes):
 GPU tests (``-m gpu``): the step four times on ``auto`` at T = 4096 (anchor heads), bit for
 bit, sparse and warmup (a failure says which elements differ and which tiles ran), and the time
 of deterministic vs default printed side by side.
-
-CPU time (2-core CI machine, ``--durations``): see docs/perf-notes.md, "Deterministic mode".
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 import flash_msa
-from flash_msa import backends, reference, testing
+from flash_msa import api, backends, reference, testing
 from flash_msa import distributed as cp
 from flash_msa.problem import Config, problem_of
 
@@ -143,9 +143,11 @@ def test_layout_validation():
         cp.layout(2, 0)
     with pytest.raises(ValueError, match="not both"):
         cp.layout(2, 0, cu_seqlens=cu, batch_size=1, seqlen=100)
-    with pytest.raises(ValueError, match="int32"):
-        cp.layout(2, 0, cu_seqlens=cu.long())
+    with pytest.raises(ValueError, match="int32 or int64"):
+        cp.layout(2, 0, cu_seqlens=cu.to(torch.int16))
     lay = cp.layout(2, 0, cu_seqlens=cu, block_size=BLOCK)
+    wide = cp.layout(2, 0, cu_seqlens=cu.long(), block_size=BLOCK)  # int64: the same layout
+    assert wide.cu_seqlens.dtype == torch.int32 and torch.equal(wide.q_map, lay.q_map)
     with pytest.raises(ValueError, match="leading dims"):
         cp.shard(torch.zeros(99, 2), lay)
     with pytest.raises(ValueError, match="2 shards"):
@@ -180,7 +182,7 @@ def test_q_map_emulated_cp(P, dtype):
         qp, q = (cp.shard(x, lay).requires_grad_() for x in (xs[0], xs[2]))
         kp, k, v = (x.detach().clone().requires_grad_() for x in (xs[1], xs[3], xs[4]))
         with backends.forced("torch"):
-            out, kl = flash_msa.msa_attention(
+            out, kl = api._msa_attention(
                 qp, kp, q, k, v, TOP_K, block_size=BLOCK, cu_seqlens=cu, q_map=lay.q_map
             )
         share = kl * (lay.local_tokens / lay.total_tokens)
@@ -206,7 +208,7 @@ def test_q_map_identity_and_padding_rows():
     with backends.forced("torch"):
         out, kl = flash_msa.msa_attention(*xs, TOP_K, block_size=BLOCK, cu_seqlens=cu)
         ident = torch.arange(330, dtype=torch.int32)
-        out2, kl2 = flash_msa.msa_attention(
+        out2, kl2 = api._msa_attention(
             *xs, TOP_K, block_size=BLOCK, cu_seqlens=cu, q_map=ident
         )
     assert torch.equal(out, out2) and torch.equal(kl, kl2)
@@ -237,14 +239,14 @@ def test_q_map_validation():
 
     def call(qp_=qp_l, kp_=kp, q_=q_l, k_=k, v_=v, **kw):
         kw = {"block_size": BLOCK, "cu_seqlens": cu, "q_map": qm, **kw}
-        return flash_msa.msa_attention(qp_, kp_, q_, k_, v_, TOP_K, **kw)
+        return api._msa_attention(qp_, kp_, q_, k_, v_, TOP_K, **kw)
 
     with backends.forced("torch"):
         call()  # valid
         with pytest.raises(ValueError, match="key_gather needs q_map"):
             call(q_map=None, key_gather=object())
         with pytest.raises(ValueError, match="varlen form"):
-            flash_msa.msa_attention(qp[None], kp[None], q[None], k[None], v[None], TOP_K, q_map=qm)
+            api._msa_attention(qp[None], kp[None], q[None], k[None], v[None], TOP_K, q_map=qm)
         with pytest.raises(TypeError, match="q_map must be int32"):
             call(q_map=qm.long())
         with pytest.raises(TypeError, match="q_map must be a torch.Tensor"):
@@ -296,7 +298,7 @@ def test_q_map_refused_by_gpu_backends(monkeypatch):
     q_map = torch.arange(100, dtype=torch.int32)
     monkeypatch.setenv("FLASH_MSA_BACKEND", "triton")  # runs fp32 CPU under the interpreter
     with pytest.raises(flash_msa.BackendError, match="q_map"):
-        flash_msa.msa_attention(
+        api._msa_attention(
             *xs, TOP_K, block_size=BLOCK, cu_seqlens=cu, q_map=q_map, warmup=True
         )
 

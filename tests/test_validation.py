@@ -166,8 +166,10 @@ CASES = [
     *case(ALL, VE, r"max_seqlen is only used with cu_seqlens.*max_seqlen=70", max_seqlen=70),
     *case(ALL, TE, r"cu_seqlens must be a torch.Tensor, got list", varlen=True,
           cu_seqlens=[0, 30, 70]),
-    *case(ALL, TE, r"cu_seqlens must be int32, got torch.int64", varlen=True,
-          cu_seqlens=cu(0, 30, 70, dtype=torch.int64)),
+    *case(ALL, TE, r"cu_seqlens must be int32 or int64, got torch.int16", varlen=True,
+          cu_seqlens=cu(0, 30, 70, dtype=torch.int16)),
+    *case(ALL, VE, r"cu_seqlens \(int64\) holds values in \[0, 4294967326\], outside int32",
+          varlen=True, cu_seqlens=cu(0, 2**32 + 30, 70, dtype=torch.int64)),
     *case(ALL, VE, r"cu_seqlens must be 1-D .*got shape \(1, 3\)", varlen=True,
           cu_seqlens=cu([0, 30, 70])),
     *case(ALL, VE, r"cu_seqlens must be 1-D with at least 2 entries.*got shape \(1,\)",
@@ -266,9 +268,12 @@ def test_value_checks_skipped_off_cpu_without_debug(calls):
 
 
 def test_spy_sees_valid_calls(calls, monkeypatch):
+    """The API checks that each op can run before any runs; each op (a custom op) resolves its
+    backend again when it runs."""
     monkeypatch.setenv("FLASH_MSA_BACKEND", "torch")
     flash_msa.msa_attention(**inputs("msa"))
-    assert calls == ["resolve:select", "resolve:fwd", "select", "fwd"]
+    ops = ["resolve:select", "select", "resolve:fwd", "fwd"]
+    assert calls == ["resolve:select", "resolve:fwd", *ops]
 
 
 @pytest.mark.parametrize("fn", FNS)

@@ -2,9 +2,11 @@
 
 Every public call (1) validates its arguments and raises ``TypeError``/``ValueError`` naming the
 argument before anything runs, (2) brings batch-form tensors to the packed varlen layout
-``(T, heads, dim)`` with ``cu_seqlens`` (a view, no copy for contiguous inputs), (3) resolves a
-backend per op once (``backends.resolve``) and (4) runs the ops through one autograd Function.
-The op contract shared by all backends is in docs/design.md.
+``(T, heads, dim)`` with ``cu_seqlens`` (a view, no copy for contiguous inputs), (3) checks that
+a backend can run each op (``backends.resolve``; each op resolves again when it runs) and (4)
+runs the ``flash_msa::`` custom ops (ops.py) through one autograd Function per public op, in
+eager and under ``torch.compile`` alike. The op contract shared by all backends is in
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -19,13 +21,8 @@ import torch
 
 from . import backends, guard, quant, worklist
 
-try:  # the torch.compile path only; eager calls never touch it
-    from . import ops as custom_ops
-
-    _OPS_ERROR = None
-except Exception as e:  # a torch whose torch.library cannot register them: eager still works
-    custom_ops, _OPS_ERROR = None, e
-from .problem import Config, Problem, Saved, problem_of
+from . import ops as custom_ops
+from .problem import Config, Problem, problem_of
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK_SIZES = (64, 128)
@@ -81,6 +78,13 @@ def _check_tensors(tensors: dict, varlen: bool):
         if x.device != ref.device:
             raise ValueError(f"{name} is on {x.device} but {first} is on {ref.device}")
         if x.shape[: rank - 2] != ref.shape[: rank - 2]:
+            if not varlen and _heads_first(tensors.values()):
+                raise ValueError(
+                    f"{name} {tuple(x.shape)} and {first} {tuple(ref.shape)} agree in dims 0 and "
+                    "2 but not in dim 1: this looks like the (batch, heads, seqlen, head_dim) "
+                    "layout of torch's scaled_dot_product_attention. flash_msa takes "
+                    "(batch, seqlen, heads, head_dim): pass x.transpose(1, 2)"
+                )
             what = "total_tokens" if varlen else "(batch, seqlen)"
             raise ValueError(
                 f"{name} has {what} = {tuple(x.shape[: rank - 2])} but {first} has "
@@ -92,6 +96,15 @@ def _check_tensors(tensors: dict, varlen: bool):
             )
     if ref.shape[: rank - 2].numel() == 0:
         raise ValueError(f"{first} has no tokens (shape {tuple(ref.shape)})")
+
+
+def _heads_first(tensors) -> bool:
+    """Whether 4-D tensors whose ``(batch, seqlen)`` disagree look like the ``(batch, heads,
+    seqlen, head_dim)`` layout: one batch, one dim 2 (the sequence there) longer than every
+    dim 1 (the heads there). A call whose head counts all agree cannot be told apart by shape."""
+    shapes = [x.shape for x in tensors if isinstance(x, torch.Tensor) and x.dim() == 4]
+    batch, dim2 = {s[0] for s in shapes}, {s[2] for s in shapes}
+    return len(batch) == len(dim2) == 1 and all(s[1] < s[2] for s in shapes)
 
 
 def _check_heads(H, Hkv, Hsel, sel_name):
@@ -177,6 +190,17 @@ def _bool_arg(name, value):
     return value
 
 
+def _causal_arg(causal) -> None:
+    """``causal`` as FlashAttention callers pass it: ``True`` is what MSA is, ``False`` refused."""
+    _bool_arg("causal", causal)
+    if not causal:
+        raise ValueError(
+            "causal=False is not supported: MSA is causal by definition (each query attends to "
+            "key blocks at or before its own, its own block causally masked); pass causal=True "
+            "or leave it out"
+        )
+
+
 def _top_k_arg(top_k):
     top_k = _int_arg("top_k", top_k, 1)
     if top_k > MAX_TOP_K:
@@ -231,8 +255,8 @@ def _sequences(ref, cu_seqlens, max_seqlen, total=None):
         return cu, S
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(
             "cu_seqlens must be 1-D with at least 2 entries [0, ..., total_tokens]; "
@@ -240,8 +264,8 @@ def _sequences(ref, cu_seqlens, max_seqlen, total=None):
         )
     if cu_seqlens.device != ref.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {ref.device}")
-    cu_seqlens = cu_seqlens.contiguous()  # kernels read it with stride 1
     total = ref.shape[0] if total is None else total
+    cu_seqlens = _int32_offsets(cu_seqlens, total).contiguous()  # kernels read it with stride 1
     if max_seqlen is not None:
         max_seqlen = _int_arg("max_seqlen", max_seqlen, 1)
         if max_seqlen > max(total, 1):  # it sizes the kernels' grids: bound it by the tokens
@@ -276,6 +300,31 @@ def _sequences(ref, cu_seqlens, max_seqlen, total=None):
                 f"in cu_seqlens ({longest})"
             )
     return cu_seqlens, max_seqlen
+
+
+_INT32_MAX = torch.iinfo(torch.int32).max
+
+
+def _int32_offsets(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``cu_seqlens`` as the int32 the kernels read: an int64 one cast once (one small copy).
+
+    Its values are checked where they are read anyway (:func:`_value_checks`): beyond int32
+    they raise. Elsewhere (GPU, ``torch.compile``) they are first clamped to ``[-1, total + 1]``:
+    the cast cannot wrap an offset into a well-formed one, and an offset out of ``[0, total]``
+    stays out, for the guard (:mod:`flash_msa.guard`) to drop its rows."""
+    if cu_seqlens.dtype == torch.int32:
+        return cu_seqlens
+    if total > _INT32_MAX:
+        raise ValueError(f"total_tokens ({total}) does not fit the kernels' int32 offsets")
+    if _value_checks(cu_seqlens.device):
+        low, high = int(cu_seqlens.min()), int(cu_seqlens.max())
+        if low < -_INT32_MAX - 1 or high > _INT32_MAX:
+            raise ValueError(
+                f"cu_seqlens (int64) holds values in [{low}, {high}], outside int32: the "
+                "kernels read int32 offsets"
+            )
+        return cu_seqlens.to(torch.int32)
+    return cu_seqlens.clamp(-1, total + 1).to(torch.int32)
 
 
 def _check_finite(tensors: dict):
@@ -390,6 +439,14 @@ def _check_q_map(q_map, q_proxy, k_proxy, q, k, v, varlen, keys=None):
             )
 
 
+def _resolvable(problem: Problem, ops) -> None:
+    """Raises the :class:`~flash_msa.backends.BackendError` of the first of ``ops`` that no
+    backend can run, before anything runs (a ``bwd`` too, when a backward can follow); each op
+    resolves its backend again when it runs (ops.py), by the same rules."""
+    for op in ops:
+        backends.resolve(op, problem)
+
+
 def _wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -451,36 +508,34 @@ def _finish_keys(keys, kv):
 _NO_LISTS = (None, None, None, None)
 
 
-def _kept_lists(f, wanted: bool) -> tuple[tuple, worklist.Lists | None]:
-    """``(tensors, rest)`` of the sorted lists that the backend's ``Forward`` ``f`` carries
-    (:func:`flash_msa.worklist.carried`; the sparse-forward driver's, when it ran in one chunk
-    and ``sparse_forward.keeps`` them), if ``wanted`` (a backward will run): the four tensors go
-    to ``save_for_backward`` (freed after the backward like the others, version-checked, and
-    through saved-tensor hooks), the host fields stay on ``ctx``. ``(_NO_LISTS, None)`` if none.
-
-    Eager autograd only: under ``torch.compile`` the ``flash_msa::fwd`` / ``bwd`` custom ops
-    keep their fixed outputs (ops.py), so the compiled backward sorts again."""
-    lists = worklist.carried(f) if wanted else None
-    if lists is None:
+def _kept_lists(out, wanted: bool) -> tuple[tuple, worklist.Lists | None]:
+    """``(tensors, rest)`` of the sorted lists that the ``fwd`` op left on ``out``
+    (:func:`flash_msa.ops.take_lists`: eager, when the sparse-forward driver ran in one chunk
+    and ``sparse_forward.keeps`` them), if ``wanted`` (a backward will read them): the four
+    tensors go to ``save_for_backward`` (freed after the backward like the others,
+    version-checked, and through saved-tensor hooks), the host fields stay on ``ctx``.
+    ``(_NO_LISTS, None)`` if none; lists not wanted are dropped here, with their memory."""
+    lists = custom_ops.take_lists(out)
+    if lists is None or not wanted:
         return _NO_LISTS, None
     tensors = (lists.perm, lists.bounds, lists.block_start, lists.block_end)
     rest = lists._replace(perm=None, bounds=None, block_start=None, block_end=None, q_map=None)
     return tensors, rest
 
 
-def _with_lists(saved: Saved, rest: worklist.Lists | None, tensors, q_map) -> Saved:
-    """``saved`` carrying the forward's lists again (:func:`_kept_lists`'s ``rest`` and the
-    unpacked ``tensors``, with the backward's ``q_map``) for the backend's ``bwd``, which cuts
-    its work items from them (:func:`flash_msa.worklist.items`) instead of sorting again."""
+def _give_lists(lse, rest: worklist.Lists | None, tensors, q_map) -> None:
+    """Puts the forward's lists (:func:`_kept_lists`'s ``rest`` and the unpacked ``tensors``,
+    with the backward's ``q_map``) back together on ``lse`` for the ``bwd`` op, whose backend
+    cuts its work items from them (:func:`flash_msa.worklist.items`) instead of sorting again."""
     if rest is None:
-        return saved
+        return
     perm, bounds, start, end = tensors
     lists = rest._replace(perm=perm, bounds=bounds, block_start=start, block_end=end, q_map=q_map)
-    return worklist.carry(saved, lists)
+    custom_ops.attach_lists(lse, lists)
 
 
 # ---------------------------------------------------------------------------------------------
-# autograd
+# autograd: one Function per public op over the flash_msa:: custom ops, eager and compiled alike
 # ---------------------------------------------------------------------------------------------
 def _selected(indices, rows_ok):
     """The selection's ``indices`` with the rows the metadata guard dropped (``rows_ok`` false,
@@ -498,122 +553,7 @@ def _poison(out, kl, rows_ok):
     if rows_ok is None:
         return kl
     guard.poison_(out, rows_ok)
-    return None if kl is None else guard.poison_scalar(kl, rows_ok.all())
-
-
-class _MSAFunction(torch.autograd.Function):
-    """select -> fwd (-> bwd): the fused MSA op on the packed layout.
-
-    With a key gather ``keys`` (:class:`KeyGather`), ``k_proxy``, ``k``, ``v`` are shards: the
-    gathers are waited for around the selection (:func:`_launch_keys`), the gathered keys saved,
-    and the backward's key gradients scattered back (``keys.scatter``).
-    """
-
-    @staticmethod
-    def forward(ctx, q_proxy, k_proxy, q, k, v, cu_seqlens, cfg: Config, ops, q_map, keys, rows_ok):
-        ctx.set_materialize_grads(False)
-        select_be, fwd_be, bwd_be = ops
-        if keys is not None:
-            k_proxy, kv = _launch_keys(keys, k_proxy, k, v)
-        # the query map reaches only backends that declare it (limits.Limits.q_map)
-        qm = {} if q_map is None else {"q_map": q_map}
-        indices = None if cfg.warmup else select_be.select(q_proxy, k_proxy, cu_seqlens, cfg, **qm)
-        indices = _selected(indices, rows_ok)
-        if keys is not None:  # the selection ran while k and v were in flight
-            k, v = _finish_keys(keys, kv)
-        # bwd_be is None under torch.no_grad(), where needs_input_grad still says True
-        proxy_grad = bwd_be is not None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
-        use_proxy = cfg.compute_kl or proxy_grad
-        f = fwd_be.fwd(
-            q,
-            k,
-            v,
-            indices,
-            cu_seqlens,
-            cfg,
-            q_proxy if use_proxy else None,
-            k_proxy if use_proxy else None,
-            # a backward that fuses the proxy gradient (CuTe) makes it itself: not the forward
-            proxy_grad=proxy_grad and not getattr(bwd_be, "FUSED_PROXY_GRAD", False),
-            **qm,
-        )
-        out, lse, proxy_lse, kl, unit = f
-        # kept for a backward that builds a work list: not one that only scales the forward's
-        # unit proxy gradient (main inputs frozen, proxy trained by the KL)
-        main_grads = any(ctx.needs_input_grad[2:5])
-        kept, ctx.lists = _kept_lists(f, bwd_be is not None and (main_grads or unit is None))
-        if kl is None:  # compute_kl=False: the value is 0, the gradient stays exact
-            kl = torch.zeros((), dtype=lse.dtype, device=q.device)
-        kl = _poison(out, kl, rows_ok)
-        ctx.save_for_backward(
-            q,
-            k,
-            v,
-            out,
-            lse,
-            indices,
-            q_proxy if proxy_grad else None,
-            k_proxy if proxy_grad else None,
-            proxy_lse if proxy_grad else None,
-            cu_seqlens,
-            q_map,
-            *(unit or (None, None)),  # Forward.proxy_grad: made only when asked
-            *kept,
-        )
-        ctx.cfg, ctx.bwd_be, ctx.keys = cfg, bwd_be, keys
-        return out, kl
-
-    @staticmethod
-    def backward(ctx, dout, dkl):
-        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu, q_map, *rest = (
-            ctx.saved_tensors
-        )
-        unit, kept = rest[:2], rest[2:]
-        need = ctx.needs_input_grad
-        if not any(need[2:5]):
-            dout = None
-        if not any(need[0:2]):
-            dkl = None  # the proxy backward is skipped, not multiplied by zero
-        if dout is None and dkl is None:
-            return (None,) * 11
-        unit = None if unit[0] is None else tuple(unit)
-        saved = Saved(q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit)
-        saved = _with_lists(saved, ctx.lists, kept, q_map)
-        qm = {} if q_map is None else {"q_map": q_map}
-        dout = None if dout is None else dout.contiguous()
-        g = ctx.bwd_be.bwd(dout, dkl, saved, cu, ctx.cfg, **qm)
-        dk_proxy, dk, dv = g.dk_proxy, g.dk, g.dv
-        if ctx.keys is not None:  # global key gradients -> this rank's, summed over the ranks
-            grads = [x if need[i] else None for x, i in zip((dk_proxy, dk, dv), (1, 3, 4))]
-            dk_proxy, dk, dv = ctx.keys.scatter(tuple(grads), _KEY_GRAD_NAMES)
-        return g.dq_proxy, dk_proxy, g.dq, dk, dv, None, None, None, None, None, None
-
-
-class _SparseFunction(torch.autograd.Function):
-    """fwd (-> bwd) on given indices, no proxy."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, indices, cu_seqlens, cfg: Config, ops, heads_ok):
-        ctx.set_materialize_grads(False)
-        fwd_be, bwd_be = ops
-        f = fwd_be.fwd(q, k, v, indices, cu_seqlens, cfg)
-        out, lse = f[:2]
-        _poison_heads(out, lse, heads_ok)
-        kept, ctx.lists = _kept_lists(f, bwd_be is not None)
-        ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens, *kept)
-        ctx.cfg, ctx.bwd_be = cfg, bwd_be
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        if dout is None:
-            return (None,) * 8
-        q, k, v, out, lse, indices, cu, *kept = ctx.saved_tensors
-        saved = Saved(q, k, v, out, lse, indices, None, None, None)
-        saved = _with_lists(saved, ctx.lists, kept, None)
-        g = ctx.bwd_be.bwd(dout.contiguous(), None, saved, cu, ctx.cfg)
-        return g.dq, g.dk, g.dv, None, None, None, None, None
+    return guard.poison_scalar(kl, rows_ok.all())
 
 
 def _poison_heads(out, lse, heads_ok):
@@ -627,14 +567,9 @@ def _poison_heads(out, lse, heads_ok):
 def _op_args(cfg: Config, varlen: bool, dims) -> tuple:
     """The trailing scalar arguments of the ``flash_msa::`` custom ops (ops.py): ``cfg``, the
     form, ``dims = (H, Hkv, D, Hsel, Hpk, Dp)`` as in :func:`_problem` and the
-    ``FLASH_MSA_BACKEND`` value, read here, when the graph is traced; each op resolves its
-    backend from them per call, as the eager path does (``backends.resolve``). The ops' keyword
+    ``FLASH_MSA_BACKEND`` value, read here (when a graph is traced: at trace time); each op
+    resolves its backend from them per call (``backends.resolve``). The ops' keyword
     ``deterministic`` is ``cfg.deterministic`` (passed next to these)."""
-    if custom_ops is None:
-        raise RuntimeError(
-            f"flash_msa under torch.compile needs its custom ops, which failed to register with "
-            f"torch {torch.__version__}: {_OPS_ERROR!r}"
-        )
     return (
         cfg.max_seqlen,
         cfg.block_size,
@@ -651,28 +586,41 @@ def _op_args(cfg: Config, varlen: bool, dims) -> tuple:
 
 def _precision_kw(selection_precision: str) -> dict:
     """The ``flash_msa::select`` op's keyword ``selection_precision``, passed only when it is
-    not the default, so that a bf16 graph holds the same nodes as before the keyword existed."""
+    not the default, so that a bf16 graph holds no such keyword."""
     if selection_precision == "bf16":
         return {}
     return {"selection_precision": selection_precision}
 
 
-class _MSAOpFunction(torch.autograd.Function):
-    """:class:`_MSAFunction` under ``torch.compile``: the same steps as ``flash_msa::`` custom ops.
+class _MSAFunction(torch.autograd.Function):
+    """select -> fwd (-> bwd): the fused MSA op on the packed layout, as ``flash_msa::`` custom
+    ops (ops.py), eager and under ``torch.compile`` (Dynamo traces this Function, forward and
+    backward; the ops stay opaque nodes).
 
-    ``args`` is :func:`_op_args`; ``wants_grad`` says whether a backward can follow; ``det`` is
-    ``cfg.deterministic`` (the ops' ``deterministic`` keyword); ``q_map`` the query map or
-    ``None`` (the ops' last positional argument, not passed without one: the map-less graph is
-    unchanged); ``keys`` a :class:`KeyGather` or ``None``, as in :class:`_MSAFunction` (its
-    collectives must then be traceable: ``flash_msa.distributed`` uses functional collectives);
-    ``precision`` is ``cfg.selection_precision`` (the select op's keyword, :func:`_precision_kw`).
-    Dynamo traces this Function (forward and backward) into the graph; the ops stay opaque nodes.
+    ``args`` is :func:`_op_args`; ``wants_grad`` says whether a backward can follow (grad mode
+    on and an input requiring grad: ``needs_input_grad`` says True under ``torch.no_grad()``
+    too); ``det`` is ``cfg.deterministic`` (the ops' ``deterministic`` keyword); ``q_map`` the
+    query map or ``None`` (the ops' last positional argument, not passed without one);
+    ``precision`` is ``cfg.selection_precision`` (the select op's keyword,
+    :func:`_precision_kw`); ``rows_ok`` the guard's kept query rows or ``None``
+    (:func:`_selected`, :func:`_poison`).
 
-    An unused ``kl``: the compiled backward materializes its gradient, so ``dkl`` arrives as a
-    0 tensor (not ``None`` as in eager) and the proxy backward runs with ``dkl = 0``. The proxy
-    gradients are then exactly 0 (the gradient is linear in ``dkl``) but the proxy pass costs
-    its time; a caller that knows the KL is unused skips it by passing ``q_proxy``/``k_proxy``
-    that do not require grad (e.g. ``.detach()``), which is decided at trace time.
+    With a key gather ``keys`` (:class:`KeyGather`), ``k_proxy``, ``k``, ``v`` are shards: the
+    gathers are waited for around the selection (:func:`_launch_keys`), the gathered keys saved,
+    and the backward's key gradients scattered back (``keys.scatter``; under ``torch.compile``
+    its collectives must be traceable: ``flash_msa.distributed`` uses functional collectives).
+
+    Each op resolves its own backend, so the backward runs where the forward's backend cannot
+    (e.g. the Triton ``bwd`` after a CuTe ``fwd``) within one autograd step. The proxy gradient:
+    a backward whose backend declares ``fused_proxy_grad`` makes it itself; otherwise, when the
+    proxy requires grad, the forward's KL pass makes the unit one (``dkl = 1``) where its
+    backend can, and a KL-only backward just scales it.
+
+    An unused ``kl``: eager, its gradient arrives as ``None`` and the proxy backward is skipped;
+    the compiled backward may materialize it as a 0 tensor, so the proxy pass runs with
+    ``dkl = 0`` (exactly 0 gradients, at the pass's cost); a caller that knows the KL is unused
+    skips it by passing ``q_proxy``/``k_proxy`` that do not require grad (e.g. ``.detach()``),
+    which is decided at trace time.
     """
 
     @staticmethod
@@ -692,6 +640,7 @@ class _MSAOpFunction(torch.autograd.Function):
         precision,
         rows_ok,
     ):
+        ctx.set_materialize_grads(False)
         warmup, compute_kl = args[5:7]
         kw = {"deterministic": det}
         qm = () if q_map is None else (q_map,)
@@ -719,6 +668,11 @@ class _MSAOpFunction(torch.autograd.Function):
             *qm,
             **kw,
         )
+        # kept for a backward that builds a work list: not one that only scales the forward's
+        # unit proxy gradient (main inputs frozen, proxy trained by the KL)
+        main_grads = any(ctx.needs_input_grad[2:5])
+        unit_made = unit_dq.dim() == 3
+        kept, ctx.lists = _kept_lists(out, wants_grad and (main_grads or not unit_made))
         kl = _poison(out, kl, rows_ok)
         ctx.save_for_backward(
             q,
@@ -727,26 +681,27 @@ class _MSAOpFunction(torch.autograd.Function):
             out,
             lse,
             indices,
-            q_proxy,
-            k_proxy,
-            proxy_lse,
+            q_proxy if proxy_grad else None,
+            k_proxy if proxy_grad else None,
+            proxy_lse if proxy_grad else None,
             cu_seqlens,
-            unit_dq,
-            unit_dk,
+            unit_dq if proxy_grad else None,
+            unit_dk if proxy_grad else None,
             q_map,
+            *kept,
         )
         ctx.args, ctx.proxy_grad, ctx.det, ctx.keys = args, proxy_grad, det, keys
         return out, kl
 
     @staticmethod
     def backward(ctx, dout, dkl):
-        q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu, unit_dq, unit_dk, q_map = (
-            ctx.saved_tensors
-        )
+        (q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, cu, *rest) = ctx.saved_tensors
+        unit_dq, unit_dk, q_map, *kept = rest
         main = dout is not None and any(ctx.needs_input_grad[2:5])
         proxy = dkl is not None and ctx.proxy_grad
         if not (main or proxy):
             return (None,) * 13
+        _give_lists(lse, ctx.lists, kept, q_map)
         dq, dk, dv, dq_proxy, dk_proxy = custom_ops.bwd(
             dout.contiguous() if main else None,
             dkl if proxy else None,
@@ -777,15 +732,18 @@ class _MSAOpFunction(torch.autograd.Function):
         return dq_proxy, dk_proxy, dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-class _SparseOpFunction(torch.autograd.Function):
-    """:class:`_SparseFunction` under ``torch.compile`` (see :class:`_MSAOpFunction`)."""
+class _SparseFunction(torch.autograd.Function):
+    """fwd (-> bwd) on given indices, no proxy, as ``flash_msa::`` custom ops (see
+    :class:`_MSAFunction`); ``heads_ok`` the guard's kept (row, index head) pairs or ``None``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, cu_seqlens, args, det, heads_ok):
+    def forward(ctx, q, k, v, indices, cu_seqlens, args, wants_grad, det, heads_ok):
+        ctx.set_materialize_grads(False)
         kw = {"deterministic": det}
         out, lse = custom_ops.fwd(q, k, v, indices, cu_seqlens, None, None, False, *args, **kw)[:2]
+        kept, ctx.lists = _kept_lists(out, wants_grad)
         _poison_heads(out, lse, heads_ok)
-        ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens)
+        ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens, *kept)
         ctx.args, ctx.det = args, det
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -793,8 +751,9 @@ class _SparseOpFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None or not any(ctx.needs_input_grad[:3]):
-            return (None,) * 8
-        q, k, v, out, lse, indices, cu = ctx.saved_tensors
+            return (None,) * 9
+        q, k, v, out, lse, indices, cu, *kept = ctx.saved_tensors
+        _give_lists(lse, ctx.lists, kept, None)
         dq, dk, dv = custom_ops.bwd(
             dout.contiguous(),
             None,
@@ -813,7 +772,7 @@ class _SparseOpFunction(torch.autograd.Function):
             *ctx.args,
             deterministic=ctx.det,
         )[:3]
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -832,11 +791,10 @@ def msa_attention(
     proxy_scale=None,
     cu_seqlens=None,
     max_seqlen=None,
+    causal=True,
     warmup=False,
     compute_kl=True,
-    q_map=None,
     deterministic=None,
-    key_gather=None,
     selection_precision="bf16",
 ):
     """MiniMax Sparse Attention: proxy top-k block selection, sparse GQA attention, proxy KL.
@@ -861,8 +819,10 @@ def msa_attention(
         block_size: 64 or 128 tokens per key block.
         softmax_scale: main attention scale, default ``D ** -0.5``.
         proxy_scale: proxy score scale, default ``Dp ** -0.5``.
-        cu_seqlens: int32 ``(N+1,)`` cumulative sequence lengths (varlen form). Its values
-            are checked on CPU tensors and with ``FLASH_MSA_DEBUG=1``; elsewhere (GPU tensors,
+        cu_seqlens: int32 or int64 ``(N+1,)`` cumulative sequence lengths (varlen form); an
+            int64 one is cast to int32 once per call (a copy of ``N+1`` values; its values
+            must fit int32, checked where values are checked). Its values are checked on CPU
+            tensors and with ``FLASH_MSA_DEBUG=1``; elsewhere (GPU tensors,
             ``torch.compile``) reading them would sync, and a malformed one is made safe on the
             device instead (:mod:`flash_msa.guard`): the rows it makes meaningless (a sequence
             whose offsets are out of order, out of ``[0, T]`` or longer than ``max_seqlen``,
@@ -871,28 +831,16 @@ def msa_attention(
             out of bounds.
         max_seqlen: longest sequence, at most the tokens; required when ``cu_seqlens`` is on a
             GPU.
+        causal: ``True`` (the default), accepted for FlashAttention-style calls: MSA is causal
+            by definition. ``causal=False`` raises ``ValueError``.
         warmup: dense causal main attention, KL over all visible keys (``top_k`` ignored).
         compute_kl: compute the KL value (``False`` returns 0 but keeps its exact gradient).
-        q_map: queries that are not the keys' own tokens (context parallelism: local queries,
-            gathered keys; docs/distributed.md). int32 ``(Tq,)``: the packed index into
-            ``k``/``v``/``k_proxy`` of each query row's token, ``-1`` for a padding row (no
-            keys: ``out = 0``, KL term 0). Varlen form only; ``q``/``q_proxy`` then have ``Tq``
-            rows, ``cu_seqlens``/``max_seqlen`` describe the keys' sequences, positions (the
-            blocks, the own block, causality) are those of each query's token in its
-            sequence, and ``kl`` is a mean over ``Hp * Tq`` rows. The ``torch`` and
-            ``triton`` backends run it (not the Triton warmup, not CuTe yet), eager and under
-            ``torch.compile``.
         deterministic: ``True`` makes ``out``, ``kl`` and every gradient bitwise identical
             across runs on the same inputs (ordered reductions instead of fp32 atomics; more
             time and memory, docs/design.md "Deterministic mode"); ``None`` (default) reads
             ``FLASH_MSA_DETERMINISTIC`` (``1`` on, unset or ``0`` off), which the keyword
             overrides. Backends that do not implement it are skipped by ``auto`` and raise
             when forced.
-        key_gather: a :class:`KeyGather` (with ``q_map``), the hook of
-            :func:`flash_msa.distributed.msa_attention`: ``k_proxy``, ``k``, ``v`` are then this
-            rank's shards (as many rows as ``q``) and the op all-gathers them itself, waiting for
-            ``k`` and ``v`` only after the selection; ``cu_seqlens`` ends at
-            ``key_gather.total_tokens``. ``None`` (default): the keys are given whole.
         selection_precision: ``"bf16"`` (default): the selection ranks fp32 scores of the
             input-dtype proxy operands (exact). ``"fp8"``: it ranks scores of e4m3 operands
             with fp32 scales and accumulation (:mod:`flash_msa.quant`, made for FP8 tensor
@@ -915,6 +863,67 @@ def msa_attention(
         the mean over ``Hp * tokens`` rows of ``KL(target || proxy)``. Its gradient reaches only
         ``q_proxy``/``k_proxy``; no main-loss gradient reaches them.
     """
+    return _msa_attention(
+        q_proxy,
+        k_proxy,
+        q,
+        k,
+        v,
+        top_k,
+        block_size=block_size,
+        softmax_scale=softmax_scale,
+        proxy_scale=proxy_scale,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        causal=causal,
+        warmup=warmup,
+        compute_kl=compute_kl,
+        deterministic=deterministic,
+        selection_precision=selection_precision,
+    )
+
+
+def _msa_attention(
+    q_proxy,
+    k_proxy,
+    q,
+    k,
+    v,
+    top_k,
+    *,
+    block_size=128,
+    softmax_scale=None,
+    proxy_scale=None,
+    cu_seqlens=None,
+    max_seqlen=None,
+    causal=True,
+    warmup=False,
+    compute_kl=True,
+    deterministic=None,
+    selection_precision="bf16",
+    q_map=None,
+    key_gather=None,
+):
+    """:func:`msa_attention` with the context-parallel arguments, which only
+    :func:`flash_msa.distributed.msa_attention` passes (the other arguments as there).
+
+    Args:
+        q_map: queries that are not the keys' own tokens (context parallelism: local queries,
+            gathered keys; docs/distributed.md). int32 ``(Tq,)``: the packed index into
+            ``k``/``v``/``k_proxy`` of each query row's token, ``-1`` for a padding row (no
+            keys: ``out = 0``, KL term 0). Varlen form only; ``q``/``q_proxy`` then have ``Tq``
+            rows, ``cu_seqlens``/``max_seqlen`` describe the keys' sequences, positions (the
+            blocks, the own block, causality) are those of each query's token in its
+            sequence, and ``kl`` is a mean over ``Hp * Tq`` rows. Backends whose limits declare
+            ``q_map`` run it (``flash-msa info``: ``torch``, ``triton`` and ``cute``, not the
+            Triton warmup), eager and under ``torch.compile``.
+        key_gather: a :class:`KeyGather` (with ``q_map``), the hook of
+            :func:`flash_msa.distributed.msa_attention`: ``k_proxy``, ``k``, ``v`` are then this
+            rank's shards (as many rows as ``q``) and the op all-gathers them itself, waiting for
+            ``k`` and ``v`` only after the selection; ``cu_seqlens`` ends at
+            ``key_gather.total_tokens``. ``None`` (default): the keys are given whole.
+    """
+    _causal_arg(causal)
     varlen = cu_seqlens is not None
     tensors = {"q_proxy": q_proxy, "k_proxy": k_proxy, "q": q, "k": k, "v": v}
     if key_gather is not None and q_map is None:
@@ -963,19 +972,15 @@ def msa_attention(
     Hp, Dp = q_proxy.shape[-2:]
     dims = (q.shape[-2], k.shape[-2], q.shape[-1], Hp, k_proxy.shape[-2], Dp)
     q_map = None if q_map is None else q_map.contiguous()
-    if torch.compiler.is_compiling():  # custom ops (ops.py), each resolving its backend
-        args = _op_args(cfg, varlen, dims)
-        wants = _wants_grad(*tensors.values())
-        out, kl = _MSAOpFunction.apply(
-            *packed, cu, q_map, args, wants, deterministic, key_gather, selection_precision, rows_ok
-        )
-        return out.view(q.shape), kl
-    problem = _problem(q, *dims, cu, varlen, cfg, q_map=q_map is not None)
-    select_be = None if warmup else backends.resolve("select", problem)[1]
-    fwd_be = backends.resolve("fwd", problem)[1]
-    bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(*tensors.values()) else None
-    ops = (select_be, fwd_be, bwd_be)
-    out, kl = _MSAFunction.apply(*packed, cu, cfg, ops, q_map, key_gather, rows_ok)
+    wants = _wants_grad(*tensors.values())
+    if not torch.compiler.is_compiling():  # (traced: the ops' fake implementations resolve)
+        problem = _problem(q, *dims, cu, varlen, cfg, q_map=q_map is not None)
+        steps = (() if warmup else ("select",)) + ("fwd",) + (("bwd",) if wants else ())
+        _resolvable(problem, steps)
+    args = _op_args(cfg, varlen, dims)
+    out, kl = _MSAFunction.apply(
+        *packed, cu, q_map, args, wants, deterministic, key_gather, selection_precision, rows_ok
+    )
     return out.view(q.shape), kl
 
 
@@ -988,6 +993,7 @@ def select_blocks(
     proxy_scale=None,
     cu_seqlens=None,
     max_seqlen=None,
+    causal=True,
     selection_precision="bf16",
 ):
     """The proxy's top-k key blocks per (query, proxy head). Not differentiable.
@@ -995,8 +1001,8 @@ def select_blocks(
     Args:
         q_proxy: ``(B, S, Hp, Dp)`` or varlen ``(T, Hp, Dp)``.
         k_proxy: ``(B, S, Hpk, Dp)`` or varlen ``(T, Hpk, Dp)``; ``Hp % Hpk == 0``.
-        top_k, block_size, proxy_scale, cu_seqlens, max_seqlen, selection_precision: as in
-            :func:`msa_attention` (``top_k`` in ``[1, MAX_TOP_K]``; ``selection_precision``
+        top_k, block_size, proxy_scale, cu_seqlens, max_seqlen, causal, selection_precision: as
+            in :func:`msa_attention` (``top_k`` in ``[1, MAX_TOP_K]``; ``selection_precision``
             ``"bf16"``, exact, ``"fp8"``, approximate, or ``"fp8_rerank"``, the fp8 top
             ``top_k + 16`` re-ranked by exact scores).
 
@@ -1009,6 +1015,7 @@ def select_blocks(
         Rows that a malformed ``cu_seqlens`` makes meaningless (see :func:`msa_attention`)
         are all ``-1``: no own block.
     """
+    _causal_arg(causal)
     varlen = cu_seqlens is not None
     tensors = {"q_proxy": q_proxy, "k_proxy": k_proxy}
     _check_tensors(tensors, varlen)
@@ -1031,16 +1038,10 @@ def select_blocks(
         selection_precision=selection_precision,
     )
     dims = (0, 0, 0, q_proxy.shape[-2], k_proxy.shape[-2], q_proxy.shape[-1])
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
-        select_be = backends.resolve("select", _problem(q_proxy, *dims, cu, varlen, cfg))[1]
+    args = _op_args(cfg, varlen, dims)
     with torch.no_grad():
         packed = (_packed(q_proxy), _packed(k_proxy), cu)
-        if compiling:  # the custom op (ops.py), as in msa_attention
-            args = _op_args(cfg, varlen, dims)
-            indices = custom_ops.select(*packed, *args, **_precision_kw(selection_precision))
-        else:
-            indices = select_be.select(*packed, cfg)
+        indices = custom_ops.select(*packed, *args, **_precision_kw(selection_precision))
         indices = _selected(indices, None if seqs is None else seqs.row_ok)
     if cfg.top_k < top_k:  # the clamped slots: -1 in every row (see the docstring)
         indices = torch.nn.functional.pad(indices, (0, top_k - cfg.top_k), value=-1)
@@ -1057,6 +1058,7 @@ def sparse_attention(
     softmax_scale=None,
     cu_seqlens=None,
     max_seqlen=None,
+    causal=True,
     return_lse=False,
     deterministic=None,
 ):
@@ -1071,13 +1073,15 @@ def sparse_attention(
             ill-formed row (an entry outside ``[-1, blocks of its sequence)``, ``-1`` before a
             block, not strictly ascending) makes NaN the ``out`` and ``lse`` of the heads that
             use it, and nothing is read out of bounds (:mod:`flash_msa.guard`).
-        block_size, softmax_scale, cu_seqlens, max_seqlen: as in :func:`msa_attention`.
+        block_size, softmax_scale, cu_seqlens, max_seqlen, causal: as in
+            :func:`msa_attention` (the mask inside each kept block is causal).
         return_lse: also return the fp32 natural-log LSE ``(B, S, H)`` (not differentiable).
         deterministic: as in :func:`msa_attention` (``None``: ``FLASH_MSA_DETERMINISTIC``).
 
     Returns:
         ``out`` like ``q`` (rows with no visible key are 0), or ``(out, lse)``.
     """
+    _causal_arg(causal)
     varlen = cu_seqlens is not None
     tensors = {"q": q, "k": k, "v": v}
     _check_tensors(tensors, varlen)
@@ -1105,13 +1109,10 @@ def sparse_attention(
     )
     dims = (q.shape[-2], k.shape[-2], q.shape[-1], indices.shape[-2], 0, 0)
     packed = (_packed(q), _packed(k), _packed(v), packed_idx, cu)
-    if torch.compiler.is_compiling():  # custom ops (ops.py), as in msa_attention
-        args = _op_args(cfg, varlen, dims)
-        out, lse = _SparseOpFunction.apply(*packed, args, deterministic, head_ok)
-    else:
-        problem = _problem(q, *dims, cu, varlen, cfg)
-        fwd_be = backends.resolve("fwd", problem)[1]
-        bwd_be = backends.resolve("bwd", problem)[1] if _wants_grad(q, k, v) else None
-        out, lse = _SparseFunction.apply(*packed, cfg, (fwd_be, bwd_be), head_ok)
+    wants = _wants_grad(q, k, v)
+    if not torch.compiler.is_compiling():  # as in msa_attention
+        _resolvable(_problem(q, *dims, cu, varlen, cfg), ("fwd", "bwd") if wants else ("fwd",))
+    args = _op_args(cfg, varlen, dims)
+    out, lse = _SparseFunction.apply(*packed, args, wants, deterministic, head_ok)
     out = out.view(q.shape)
     return (out, lse.view(q.shape[:-1])) if return_lse else out

@@ -140,7 +140,8 @@ def layout(
 
     Args:
         world_size: ``P``, the size of the CP group; rank: this rank's index in it.
-        cu_seqlens: int32 ``(N+1,)``, the global batch's cumulative lengths.
+        cu_seqlens: int32 or int64 ``(N+1,)``, the global batch's cumulative lengths (read on
+            the host; the layout's own offsets are int32).
         batch_size, seqlen: the batch form ``(B, S)`` instead of ``cu_seqlens``.
         block_size: the op's block size (64 or 128); every chunk is a whole number of blocks.
         device: where the layout's index tensors live (default: ``cu_seqlens``'s, else CPU).
@@ -162,10 +163,11 @@ def layout(
             raise ValueError("give cu_seqlens or batch_size/seqlen, not both")
         if not isinstance(cu_seqlens, torch.Tensor):
             raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        int_dtype = cu_seqlens.dtype in (torch.int32, torch.int64)
+        if not int_dtype or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(
-                "cu_seqlens must be 1-D int32 [0, ..., total_tokens] with at least 2 entries; "
-                f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+                "cu_seqlens must be 1-D int32 or int64 [0, ..., total_tokens] with at least 2 "
+                f"entries; got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
             )
         device = cu_seqlens.device if device is None else device
         cu = cu_seqlens.tolist()  # the layout is host metadata (see above)
@@ -174,6 +176,8 @@ def layout(
         lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     if sum(lengths) == 0:
         raise ValueError("the batch has no tokens")
+    if sum(lengths) > torch.iinfo(torch.int32).max:  # the layout's offsets are int32
+        raise ValueError(f"the batch's {sum(lengths)} tokens do not fit int32 offsets")
     device = torch.device("cpu" if device is None else device)
 
     P, b = world_size, block_size
@@ -843,6 +847,7 @@ def msa_attention(
     overlap=True,
     timer=None,
     selection_precision="bf16",
+    causal=True,
 ):
     """:func:`flash_msa.msa_attention` over a context-parallel group, on this rank's shards.
 
@@ -866,14 +871,16 @@ def msa_attention(
             ``deterministic`` covers this rank's op; the sums inside the collectives (the fp32
             reduce-scatter of the key gradients) are ordered by the process group's backend.
         selection_precision: as in :func:`flash_msa.msa_attention` (``"fp8"``: e4m3 selection;
-            ``"fp8_rerank"``: its top ``top_k + 4`` re-ranked by exact scores; the key scales
-            are those of the gathered keys, so every rank ranks like the single-process op).
+            ``"fp8_rerank"``: its top ``top_k + quant.RERANK_EXTRA`` (16) re-ranked by exact
+            scores; the key scales are those of the gathered keys, so every rank ranks like the
+            single-process op).
         layout: this rank's :class:`Layout`; group: the CP process group (default: the world).
         overlap: ``True`` (default) waits for the ``k``/``v`` all-gathers after the selection
             (they overlap it); ``False`` waits for them before it, as a baseline for
             measurements (the same result).
         timer: a :class:`WaitTimer` that times each wait for a collective (the time not
             overlapped), or ``None``; eager only.
+        causal: as in :func:`flash_msa.msa_attention` (``True``; ``False`` raises).
 
     Works under ``torch.compile(fullgraph=True)`` (the collectives are functional ones, the
     backends' ops the ``flash_msa::`` custom ops with the query map).
@@ -884,6 +891,7 @@ def msa_attention(
         the global ``Hp * T`` rows; 0-dim fp32, fp64 for fp64 inputs). ``all_reduce(kl)`` (SUM)
         over the group is the single-process ``kl``; gradients: docs/distributed.md.
     """
+    api._causal_arg(causal)  # (the same on every rank: a constant of the call)
     kw = dict(
         top_k=top_k,
         softmax_scale=softmax_scale,
@@ -934,7 +942,7 @@ def _msa(tensors, layout, group, agreement, *, overlap, timer, top_k, **op):
         agreement.fields = _op_fields(layout, tensors, top_k, op)
     # the op gathers the keys itself (its key_gather hook), so that it can wait for k and v only
     # after its selection
-    return api.msa_attention(
+    return api._msa_attention(
         *flat,
         top_k,
         block_size=layout.block_size,

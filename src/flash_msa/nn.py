@@ -10,7 +10,8 @@
   proxy too (docs/nn.md, "The KL and the loss").
 
 Shapes: batch form ``hidden_states (B, S, hidden_size)``; varlen form ``(T, hidden_size)`` (or
-``(1, T, hidden_size)``, as packed Hugging Face / fla batches come) with int32 ``cu_seqlens``.
+``(1, T, hidden_size)``, as packed Hugging Face / fla batches come) with int32 or int64
+``cu_seqlens``.
 Names follow Hugging Face / fla layers (``hidden_size``, ``num_heads``, ``num_key_value_heads``,
 ``head_dim``, ``qkv_bias``, ``qk_norm``, ``norm_eps``, ``rope_theta``).
 """
@@ -76,7 +77,7 @@ def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) ->
     """Per-document positions of a packed batch: ``[0..l0-1, 0..l1-1, ...]``.
 
     Args:
-        cu_seqlens: int32 ``(N + 1,)`` cumulative lengths.
+        cu_seqlens: int32 or int64 ``(N + 1,)`` cumulative lengths.
         total_tokens: ``T`` (passed in so that no device-to-host copy is needed).
 
     Returns:
@@ -297,7 +298,8 @@ class MSAIndexer(nn.Module):
                 ``cu_seqlens``, or one sequence).
             position_ids: integer positions broadcastable to the leading dims; default
                 per-document positions from ``cu_seqlens``, else ``0..S-1`` per row.
-            cu_seqlens: int32 ``(N + 1,)`` for packed input (used for the default positions).
+            cu_seqlens: int32 or int64 ``(N + 1,)`` for packed input (used for the default
+                positions).
 
         Returns:
             ``(q_proxy, k_proxy)``: ``(..., Hp, Dp)`` and ``(..., Hpk, Dp)`` with the leading dims
@@ -363,8 +365,9 @@ class MSAttention(nn.Module):
             ``FLASH_MSA_DETERMINISTIC``. Attribute, may be changed between steps.
         selection_precision: ``"bf16"`` (default, the exact selection), ``"fp8"`` (an
             approximate selection by e4m3 proxy scores) or ``"fp8_rerank"`` (the fp8 top
-            ``top_k + 4`` re-ranked by exact scores); the ``selection_precision=`` keyword of
-            :func:`flash_msa.msa_attention`, which says where it runs. Attribute, may be
+            ``top_k + quant.RERANK_EXTRA`` (16) re-ranked by exact scores); the
+            ``selection_precision=`` keyword of :func:`flash_msa.msa_attention`, which says
+            where it runs. Attribute, may be
             changed between steps (checked again at each call).
         device, dtype: parameter factory arguments.
 
@@ -479,7 +482,8 @@ class MSAttention(nn.Module):
             position_ids: integer RoPE positions, shaped like the leading dims (``(B, S)``,
                 ``(1, S)``, ``(S,)``, or ``(T,)``/``(1, T)`` packed). Default: ``0..S-1`` per row,
                 or per document from ``cu_seqlens``.
-            cu_seqlens: int32 ``(N + 1,)`` cumulative document lengths (packed input);
+            cu_seqlens: int32 or int64 ``(N + 1,)`` cumulative document lengths (packed input;
+                int64 is cast once, as in :func:`flash_msa.msa_attention`);
                 documents never attend to one another.
             max_seqlen: the longest document; required when ``cu_seqlens`` is on a GPU.
             position_embeddings: precomputed ``(cos, sin)`` for ``q``/``k``, each

@@ -17,13 +17,13 @@ The last positional argument, ``q_map: Tensor? = None``, is the optional query m
 ``backends.resolve`` (``Problem.q_map``: a backend whose ``Limits`` do not declare it is not
 chosen) and the backend's ``select``/``fwd``/``bwd`` as their keyword ``q_map``. It is
 positional because ``torch.library`` refuses keyword-only tensors; a call without a map does not
-pass it, so a map-less graph holds the same nodes as before the argument existed.
+pass it, so a map-less graph has no map argument.
 
 ``select`` also takes the keyword-only ``selection_precision: str = "bf16"``
-(``Config.selection_precision``; ``api.py`` passes it only when it is not ``"bf16"``, so a bf16
-graph is unchanged): it reaches ``backends.resolve`` (a backend whose ``Limits`` do not declare
-``fp8_selection`` is not chosen; ``"fp8_rerank"`` resolves its fp8 candidates and its exact
-re-rank as two steps, ``backends.RerankSelect``, inside this one op) and the backend's
+(``Config.selection_precision``; ``api.py`` passes it only when it is not ``"bf16"``, so a
+bf16 graph has no such keyword): it reaches ``backends.resolve`` (a backend whose ``Limits``
+do not declare ``fp8_selection`` is not chosen; ``"fp8_rerank"`` resolves its fp8 candidates
+and its exact re-rank as two steps, ``backends.RerankSelect``, inside this one op) and the backend's
 ``Config``.
 
 Each also takes the keyword-only ``deterministic: bool = False`` (``Config.deterministic``, the
@@ -42,23 +42,25 @@ proxy; the unit proxy gradient pair when the backend does not make it in the for
 0-dim tensor (0 when not computed). Dtypes: ``lse``, ``proxy_lse``, ``kl`` fp32 (fp64 for fp64
 inputs), the unit pair fp32, gradients in their input's dtype.
 
-The forward's sorted work lists (issue 14: one sort per training step, ``worklist.carry``) do
-not cross these ops: ``fwd`` returns its fixed outputs and ``bwd`` sorts again, as before.
-Carrying them would add four outputs (``perm``, the list bounds, the block ranges) whose fake
-shapes depend on whether the backend's driver ran in one chunk and kept them, and four inputs to
-``bwd``: a wider schema for every graph, against a host cost that a compiled step captured in a
-CUDA graph does not pay per step anyway. The eager autograd path shares them (api.py,
-``_kept_lists``).
+The forward's sorted work lists (``worklist.Lists``: one sort per training step) are not
+outputs: their host fields and the choice to keep them are the driver's, not shapes a fake can
+give. In eager the ``fwd`` op's real implementation leaves them on its ``out`` tensor
+(:func:`attach_lists`; a Python attribute, which the dispatcher passes through since the tensor
+object is the one returned), api.py takes them off at once (:func:`take_lists`), saves their
+tensors with the others and hands them back to ``bwd`` the same way, on its ``lse`` argument.
+Under ``torch.compile`` the traced tensors carry nothing, so the compiled backward sorts again:
+four more outputs and inputs per graph would buy a host cost that a step captured in a CUDA
+graph does not pay per step anyway.
 
 ``max_seqlen`` and ``top_k`` are ``SymInt`` in the schemas: under ``torch.compile`` with dynamic
 shapes they stay symbolic, so a new sequence length does not recompile (the real
-implementation always receives plain ints). ``api.py`` calls these ops only while compiling
-(``torch.compiler.is_compiling()``); eager calls go straight to the backends.
+implementation always receives plain ints). ``api.py``'s autograd Functions call these ops in
+eager and under ``torch.compile`` alike: there is one autograd path per op.
 """
 
 import torch
 
-from . import backends, quant, sparse_forward
+from . import backends, quant, sparse_forward, worklist
 from .problem import Config, Problem, Saved, problem_of
 
 _EMPTY = (0,)
@@ -135,16 +137,43 @@ def _call(
     return cfg, problem
 
 
+def fuses_proxy_grad(module) -> bool:
+    """Whether backend ``module``'s ``bwd`` makes the proxy gradient itself: its declared
+    ``LIMITS["bwd"].fused_proxy_grad`` (:class:`flash_msa.limits.Limits`; a backend whose
+    ``bwd`` entry is a reason string, or whose limits do not declare the field, does not)."""
+    limits_obj = getattr(module, "LIMITS", {}).get("bwd")
+    return bool(getattr(limits_obj, "fused_proxy_grad", False))
+
+
 def bwd_fuses_proxy_grad(problem: Problem, backend: str) -> bool:
-    """Whether the backend that runs ``problem``'s ``bwd`` makes the proxy gradient itself (its
-    module says ``FUSED_PROXY_GRAD = True``, as CuTe's does): the ``fwd`` op then does not make
-    the unit one, whatever ``proxy_grad`` asks (real and fake implementation alike). A ``bwd``
-    the backend cannot run (a BackendError) leaves the forward's choice as asked."""
+    """Whether the backend that runs ``problem``'s ``bwd`` makes the proxy gradient itself
+    (:func:`fuses_proxy_grad`, as CuTe's does): the ``fwd`` op then does not make the unit one,
+    whatever ``proxy_grad`` asks (real and fake implementation alike). A ``bwd`` the backend
+    cannot run (a BackendError) leaves the forward's choice as asked."""
     try:
         name = resolve(backend, "bwd", problem)
     except backends.BackendError:
         return False
-    return bool(getattr(_module(name), "FUSED_PROXY_GRAD", False))
+    return fuses_proxy_grad(_module(name))
+
+
+# the attribute that carries a forward's sorted lists across the ops in eager (module docstring)
+_LISTS = "_flash_msa_lists"
+
+
+def attach_lists(x: torch.Tensor, lists: worklist.Lists | None) -> None:
+    """Leaves ``lists`` on the tensor object ``x`` (nothing for ``None``)."""
+    if lists is not None:
+        setattr(x, _LISTS, lists)
+
+
+def take_lists(x: torch.Tensor) -> worklist.Lists | None:
+    """The lists :func:`attach_lists` left on ``x``, removed from it (so that they live no longer
+    than their holder decides); ``None`` if none. Under ``torch.compile`` always ``None``, and
+    not looked up: a traced tensor carries nothing (and Dynamo does not trace ``__dict__``)."""
+    if torch.compiler.is_compiling():
+        return None
+    return x.__dict__.pop(_LISTS, None)
 
 
 def makes_unit_proxy_grad(
@@ -299,6 +328,7 @@ def fwd(
     f = _module(name).fwd(
         q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad=proxy_grad, **_mapped(q_map)
     )
+    attach_lists(f.out, worklist.carried(f))
     made = f.proxy_grad is not None
     sparse, proxy = indices is not None, q_proxy is not None
     if made != makes_unit_proxy_grad(name, sparse, proxy, compute_kl, proxy_grad):
@@ -400,6 +430,8 @@ def bwd(
 
     ``dout=None`` skips the main gradients, ``dkl=None`` the proxy pass. The unit pair is the
     forward's (``fwd``'s last two outputs); a ``(0,)`` pair (or ``None``) means it was not made.
+    Sorted lists left on ``lse`` (:func:`attach_lists`, eager only) reach the backend's ``bwd``
+    (``worklist.carry``), which then cuts its work items from them instead of sorting again.
     """
     cfg, problem = _call(
         q,
@@ -421,6 +453,7 @@ def bwd(
     if unit_dq_proxy is not None and unit_dq_proxy.dim() == 3:
         unit = (unit_dq_proxy, unit_dk_proxy)
     saved = Saved(q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit)
+    saved = worklist.carry(saved, take_lists(lse))
     g = _module(name).bwd(dout, dkl, saved, cu_seqlens, cfg, **_mapped(q_map))
     return tuple(
         x if x is not None else q.new_empty(_EMPTY)

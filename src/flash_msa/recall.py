@@ -1,4 +1,4 @@
-"""The recall protocol of the fp8 selection (issue 15): inputs, metrics, one measurement.
+"""The recall protocol of the fp8 selection: inputs, metrics, one measurement.
 
 An fp8 selection (``selection_precision="fp8"``, :mod:`flash_msa.quant`) may swap blocks whose
 scores are close; this module measures what that costs against the exact (bf16) selection of
