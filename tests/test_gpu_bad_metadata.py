@@ -99,8 +99,8 @@ report("sparse_attention_indices", nan_ok and err <= 2e-2, err=err)
 qm = torch.arange(T, dtype=torch.int32, device="cuda")
 qm[[5, 600]] = torch.tensor([T, -7], dtype=torch.int32, device="cuda")
 cu = torch.tensor([0, 500, T], dtype=torch.int32, device="cuda")
-out, kl = flash_msa.msa_attention(*xs, TOP_K, block_size=BLOCK, cu_seqlens=cu, max_seqlen=600,
-                                  q_map=qm)
+out, kl = flash_msa.api._msa_attention(*xs, TOP_K, block_size=BLOCK, cu_seqlens=cu,
+                                       max_seqlen=600, q_map=qm)
 others = torch.ones(T, dtype=torch.bool, device="cuda")
 others[[5, 600]] = False
 report("q_map", out[[5, 600]].isnan().all() and torch.isfinite(out[others]).all())
