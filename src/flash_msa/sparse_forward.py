@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from . import worklist
+from . import backends, ordered, worklist
 from .problem import Config, Forward, Problem
 
 PARTIAL_BYTES = 2 << 30  # the partial-output buffer of one query chunk stays below 2 GiB
@@ -111,8 +111,6 @@ BORROWED_FROM = "triton"
 
 
 def _lender() -> Stages:
-    from . import backends
-
     module, why = backends.load(BORROWED_FROM)
     if module is None:
         raise RuntimeError(f"the {BORROWED_FROM} backend's forward stages are needed: {why}")
@@ -176,8 +174,6 @@ def borrowed_reason(stages: Stages, problem: Problem) -> str | None:
     proxy, kl = problem.proxy_head_dim > 0, problem.cfg.compute_kl
     if not borrowed_names(stages, proxy, kl):
         return None
-    from . import backends
-
     why = backends.reason_not(BORROWED_FROM, "fwd", problem)
     return None if why is None else f"its {BORROWED_FROM} forward stages cannot run: {why}"
 
@@ -282,11 +278,10 @@ def fwd(
         return f  # chunked (long context) and sorted per chunk: each chunk's lists are gone
     if not keeps(sorted_lists, q, k, v):
         return f  # too large to keep
-    if cfg.deterministic:  # the ordered backwards sort per chunk of their own when their dQ
-        from . import ordered  # partials (>= H K D fp32 per row) need chunks: nothing to keep
-
-        if ordered.token_chunk(T, H * K * D * 4) < T:
-            return f
+    # the ordered backwards sort per chunk of their own when their dQ partials (>= H K D fp32
+    # per row) need chunks: nothing to keep
+    if cfg.deterministic and ordered.token_chunk(T, H * K * D * 4) < T:
+        return f
     return worklist.carry(f, sorted_lists)
 
 

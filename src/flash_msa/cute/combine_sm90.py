@@ -85,6 +85,7 @@ import torch
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
+from cutlass.cute.runtime import make_ptr
 
 from .common import cutlass_dtype, run_typed, stream
 
@@ -531,8 +532,6 @@ def launch_arguments(kernel: CombineSm90, o, lp, idx, out, lse, pl, plse, tokens
     count, the stream. The pointers' types and alignments depend on ``kernel`` alone, so the
     compile cache keys on the kernel object (:func:`combine`) and the compile check compiles
     what runs (:func:`compile_combine`)."""
-    from cutlass.cute.runtime import make_ptr
-
     gmem = cute.AddressSpace.gmem
     o_type, o_align = (kernel.dtype, O_ALIGN) if kernel.has_o else (Float32, SCALAR_ALIGN)
 
@@ -618,52 +617,3 @@ def combine(o_part, l_part, idx, out, lse, proxy=None):
         out.copy_(out_buf)
     if proxy is not None and plse_buf is not proxy_lse:
         proxy_lse.copy_(plse_buf)
-
-
-# ---------------------------------------------------------------------------------------------
-# compile check (no GPU): hooked into flash_msa.cute.compile_check
-# ---------------------------------------------------------------------------------------------
-def combine_configurations():
-    """(name, dtype, H, Hs, K, D, has_o, proxy) of the combine kernels the CuTe compile check
-    compiles: bf16 and fp16, D 64 and 128, K 8, 16 and 64, H 16 (anchor) and 64 (paper) over
-    Hs 4; the LSE-only mode (the proxy LSE: H = Hs; once with H > Hs); the fused proxy LSE at
-    the anchor and paper layouts."""
-    for dtype in ("bf16", "fp16"):
-        for D in (64, 128):
-            for K in (8, 16, 64):
-                for H in (16, 64):
-                    name = f"combine {dtype} H={H} Hs=4 K={K} D={D}"
-                    yield name, dtype, H, 4, K, D, True, False
-    for K in (8, 16, 64):
-        yield f"combine lse-only H=4 Hs=4 K={K}", None, 4, 4, K, 0, False, False
-    yield "combine lse-only H=16 Hs=4 K=16", None, 16, 4, 16, 0, False, False
-    for dtype in ("bf16", "fp16"):
-        for H in (16, 64):
-            name = f"combine {dtype} H={H} Hs=4 K=16 D=128 +proxy"
-            yield name, dtype, H, 4, 16, 128, True, True
-
-
-def compile_combine(dtype, H, Hs, K, D, has_o, proxy=False, *, dump=None, name=""):
-    """Compile :class:`CombineSm90` (``proxy``: the fused proxy LSE) for sm_90a on the launch
-    arguments :func:`combine` passes (:func:`launch_arguments`, dummy addresses); returns
-    cuobjdump's ``{"reg", "stack", "local"}`` (spills show as stack) like ``compile_check``'s
-    other kernels, with ``wgmma``/``tma`` False. ``dump``: a folder for ``<name>.ptx`` /
-    ``.cubin`` (``compile_check.compile_kernel``)."""
-    from .compile_check import compile_memory_bound, kernel_dtype
-
-    kernel = CombineSm90(kernel_dtype(dtype), H, Hs, K, D, has_o, proxy)
-    return compile_memory_bound(kernel, launch_arguments, 7, dump=dump, name=name)
-
-
-def _main(argv: list[str]) -> int:
-    """``python -m flash_msa.cute.combine_sm90``: compile :func:`combine_configurations`, one
-    JSON line each; exit 1 on a spill."""
-    from .compile_check import report
-
-    return report(combine_configurations(), compile_combine)
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(_main(sys.argv[1:]))

@@ -15,6 +15,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float16, Int32
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.runtime import from_dlpack, make_ptr
 
 from . import disk_cache
 
@@ -79,8 +80,6 @@ def cute_tensor(t: torch.Tensor):
 
     The mode order is given outermost first by descending stride, ties to the lower mode (what
     CuTe deduces; ``Tensor.dim_order()`` differs when a size-1 mode repeats a stride)."""
-    from cutlass.cute.runtime import from_dlpack
-
     order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
     ct = from_dlpack(t, assumed_align=ALIGN)
     ct = ct.mark_compact_shape_dynamic(mode=0, stride_order=order, divisibility=1)
@@ -177,8 +176,6 @@ def pointer_arguments(module: str, names: tuple, tensors: tuple, device: torch.d
     outermost mode is mode 0, e.g. contiguous ones). Kept per exact launch (module, device and
     every tensor's address, sizes, strides, dtype and device): a repeated launch gets the same
     objects (:data:`POINTER_CACHE_SIZE` launches, least recently used dropped first)."""
-    from cutlass.cute.runtime import make_ptr
-
     # Why a cache (docs/reviews/2026-12-01-step-glue.md, P7): the result is a function of the
     # module (the ValueError's text) and, per tensor, of its address, sizes, strides,
     # dtype and device (view, pointer and mode-0 size; the device check), all in the key, so a

@@ -152,7 +152,6 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .. import quant, worklist
 from ..cubin import SHARED_LIMIT
-from . import quantize_sm90
 from .common import (
     PointerTensors,
     acc_rows_cols,
@@ -1087,83 +1086,3 @@ def launch_arguments(kernel: SelectSm90, tensors, n_mblk: int, strm):
 # the disk cache's text for the argument types: fixed by the kernel object (its views) and
 # this module's source (both in the disk key); launches go through common.run_typed
 LAUNCH_SIGNATURE = "select_sm90.launch_arguments"
-
-
-def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
-    """Backend op ``select`` (docs/design.md): ``indices (T, Hp, top_k)`` int32, ascending
-    sequence-local block numbers, -1 in unused slots (:func:`select_into` a new tensor); with
-    ``q_map`` ``(Tq, Hp, top_k)``, all -1 for a padding row.
-
-    ``cfg.selection_precision == "fp8"``: the quantize pass (the shipped key scale and
-    rotation; :func:`flash_msa.cute.quantize_sm90.quantize`, bitwise equal to
-    :func:`flash_msa.quant.quantize`, when its switch ``QUANTIZE_ON_CUTE`` is on and it can run
-    the call, else the torch pass itself), then :func:`select_fp8_into`; no query map."""
-    T, Hp, _ = q_proxy.shape
-    shape, dev = (T, Hp, cfg.top_k), q_proxy.device
-    if cfg.selection_precision == "fp8":
-        if q_map is not None:
-            raise ValueError("CuTe fp8 selection: no query map (q_map) in the fp8 kernel")
-        b = cfg.block_size
-        on_cute = quantize_sm90.QUANTIZE_ON_CUTE  # read per call: off until its H200 run
-        if on_cute and quantize_sm90.can_implement(q_proxy, k_proxy, b) is None:
-            qz = quantize_sm90.quantize(q_proxy, k_proxy, cu_seqlens, b, max_seqlen=cfg.max_seqlen)
-        else:
-            qz = quant.quantize(q_proxy, k_proxy, cu_seqlens, b)
-        idx = torch.empty(shape, dtype=torch.int32, device=dev)
-        return select_fp8_into(idx, qz, cu_seqlens, cfg)
-    if q_map is None:
-        idx = torch.empty(shape, dtype=torch.int32, device=dev)
-    else:  # padding rows are never visited
-        idx = torch.full(shape, -1, dtype=torch.int32, device=dev)
-    return select_into(idx, q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map)
-
-
-# ---------------------------------------------------------------------------------------------
-# compile check (no GPU): for flash_msa.cute.compile_check
-# ---------------------------------------------------------------------------------------------
-def specimen_tensors(kernel: SelectSm90, tokens: int = 4) -> tuple:
-    """CPU stand-ins (zero-filled) of a launch's tensors (:func:`launch_tensor_names`) in the
-    layouts :func:`select_into` / :func:`select_fp8_into` pass, ``tokens`` rows each: the
-    ``(T, Dp, heads)`` views of contiguous proxy tensors, ``cu_seqlens``, ``indices (T, Hp,
-    K)`` int32, the query map's three int32 vectors or the key scales ``(T, Hpk)`` fp32. Only
-    their layouts matter to a compile."""
-    T, Dp, Hp, Hpk, K = tokens, kernel.proxy_head_dim, kernel.heads, kernel.k_heads, kernel.top_k
-    x = {
-        cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16,
-        cutlass.Float8E4M3FN: torch.float8_e4m3fn,
-    }[kernel.dtype]  # fmt: skip
-    i32 = torch.int32
-    tensors = (
-        torch.zeros((T, Hp, Dp), dtype=x).permute(0, 2, 1),
-        torch.zeros((T, Hpk, Dp), dtype=x).permute(0, 2, 1),
-        torch.zeros((T,), dtype=i32),
-        torch.zeros((T, Hp, K), dtype=i32),
-    )
-    if kernel.key_scale is not None:
-        return (*tensors, torch.zeros((T, Hpk)))
-    if kernel.qmap:
-        return (*tensors, *(torch.zeros((T,), dtype=i32) for _ in range(3)))
-    return tensors
-
-
-def compile_select(
-    dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
-    key_scale: str | None = None, stages: int | None = None, *, dump=None, name: str = "",
-) -> dict:  # fmt: skip
-    """Compile :class:`SelectSm90` for sm_90a on the launch arguments :func:`_launch` passes
-    (:func:`launch_arguments` of :func:`specimen_tensors`; the configurations:
-    ``compile_check.configurations``): ``dtype`` "bf16" / "fp16" / "e4m3" (with ``key_scale``,
-    the FP8 mode: the wgmma instructions reported as ``mma``), ``qmap`` the query-map kernel,
-    ``stages`` the pipeline depth (default the mode's). Returns
-    ``compile_check.compile_kernel``'s report (``dump``: a folder for ``<name>.ptx`` /
-    ``.cubin``)."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    from .compile_check import compile_kernel
-
-    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN}[dtype]
-    if stages is None:
-        stages = SelectSm90.stages if key_scale is None else FP8_STAGES
-    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale)
-    kernel, args = launch_arguments(kernel, specimen_tensors(kernel), 1, make_fake_stream())
-    return compile_kernel(kernel, *args, mma=key_scale is not None, dump=dump, name=name)

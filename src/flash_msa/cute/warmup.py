@@ -39,7 +39,14 @@ import dataclasses
 import torch
 
 from .. import sparse_forward, worklist
+from ..backends import BackendError
 from ..problem import Config, Forward, Problem, Saved
+from .backward import bwd_kernel_reason
+from .bwd_sm90 import BwdSm90
+from .combine_sm90 import combine, combine_fits
+from .common import cutlass_dtype
+from .forward import fwd_reason, meta_inputs, stages_for
+from .fwd_partials_sm90 import FwdPartialsSm90
 
 GROUP = 64  # slots the CuTe combine merges per row (combine_sm90.MAX_TOPK): the first level
 
@@ -88,9 +95,6 @@ def stages(q, k, q_proxy, k_proxy, indices, cfg: Config) -> sparse_forward.Stage
     """The forward's stages for the lists ``indices`` (as ``fwd_partials_sm90.fwd`` picks
     them), with the combine grouped (:func:`grouped_combine`) where a row has more than
     :data:`GROUP` slots. Tensors may be on the meta device (:func:`reason` asks with shapes)."""
-    from . import stages_for
-    from .combine_sm90 import combine, combine_fits
-
     H, D = q.shape[1:]
     Hs, K = indices.shape[1:]
     if K <= GROUP:
@@ -109,8 +113,6 @@ def reason(op: str, problem: Problem) -> str | None:
     the sparse op's limits at ``top_k`` = the width: the forward's kernel and the stages
     :func:`stages` picks (a Triton one adds Triton's limits: ``max_top_k`` 64), the fused
     backward's kernel."""
-    from . import bwd_kernel_reason, fwd_reason, meta_inputs
-
     cfg = problem.cfg
     if problem.q_map:
         return "the CuTe warmup takes no query map (q_map)"
@@ -161,8 +163,6 @@ def fwd(q, k, v, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, q_map=None
     st = stages(q, k, q_proxy, k_proxy, indices, scfg)
     missing = sparse_forward.borrowed_names(st, q_proxy is not None, cfg.compute_kl)
     if missing:
-        from ..backends import BackendError
-
         raise BackendError(
             f"the CuTe warmup's forward would borrow Triton's {', '.join(missing)} at top_k "
             f"{scfg.top_k} (Triton's stages stop at 64)"
@@ -205,10 +205,6 @@ def main_heads(dtype: torch.dtype, H: int, Hkv: int, D: int, cfg: Config) -> int
     selection heads ``reason`` budgeted where each selection head's main heads share one KV
     head, as the fused backward needs) if the forward's partials and the fused backward take
     it, else ``H`` (one list per main head)."""
-    from .bwd_sm90 import BwdSm90
-    from .common import cutlass_dtype
-    from .fwd_partials_sm90 import FwdPartialsSm90
-
     dt, K, b = cutlass_dtype(dtype), cfg.top_k, cfg.block_size
     for Hs in dict.fromkeys((Hkv, H)):
         if (
