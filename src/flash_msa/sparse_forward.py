@@ -35,7 +35,7 @@ the index row. The KL stage reads the final ``lse`` and ``proxy_lse`` of the chu
 
 A backend that does not have a stage yet leaves it ``None``: the driver then runs the Triton
 backend's stage in its place (:func:`borrowed`), and :func:`borrowed_reason` adds that stage's
-limits to the backend's own. The CuTe backend supplies every stage (``cute.forward_stages``);
+limits to the backend's own. The CuTe backend supplies every stage (``cute.forward.forward_stages``);
 it leaves one out, and so borrows Triton's, only where its kernel cannot run the call (its
 ``*_fits``; the README's backend table says so).
 
@@ -285,7 +285,7 @@ def fwd(
     return worklist.carry(f, sorted_lists)
 
 
-# One sort per chunked forward (P1 of docs/reviews/2026-12-01-fwd-after-partials.md): a chunked
+# One sort per chunked forward: a chunked
 # forward (C < T) sorts its work list once over all rows (worklist.lists(..., chunk=C)) instead
 # of once per chunk, cuts each chunk's work list from it (worklist.chunk_items: the same items,
 # so out, lse and proxy_lse are bitwise those of the per-chunk sorts), runs the KL stage once
@@ -293,8 +293,8 @@ def fwd(
 # fp32 summation order only, the same bits every run) and keeps the lists for the backward
 # (which then does not sort). Paper 128K (16 chunks): 1 sort instead of 16, 67 torch ops of
 # driver glue instead of 464 (counted on CPU with stub stages: tests/test_one_sort.py).
-# Decided by the twelfth session's H200 A/B (same run, verified bitwise against the per-chunk
-# sorts; benchmarks/results/stage12/): the CuTe forward op at paper 128K 70.42 -> 66.02 ms
+# Measured on the H200 (same run, verified bitwise against the per-chunk sorts): the CuTe
+# forward op at paper 128K 70.42 -> 66.02 ms
 # random, 65.29 -> 64.17 local (predicted 64-66); the bench's training step 173.6 -> 170.1 ms
 # with the KL, 153.9 -> 152.3 without. The per-chunk sort stays only as the fallback where
 # :func:`one_sort` says no (memory; deterministic mode with a unit proxy gradient).

@@ -170,9 +170,8 @@ def bwd(
 def zero_buffers(shapes, device: torch.device, shared: bool = True) -> list:
     """Zero-filled fp32 tensors of ``shapes`` (``None``: ``None``), the backward's atomic
     accumulators: with ``shared``, views of one buffer filled by one ``torch.zeros``
-    (docs/reviews/2026-12-01-step-glue.md, P2: 5 fill launches -> 1 per eager backward, the
-    same bytes), each view's offset a multiple of 16 bytes (the pointer
-    launch's alignment, ``common.ALIGN``: true for every dim the kernel takes, D and Dp in
+    (5 fill launches -> 1 per eager backward, the same bytes), each view's offset a multiple of
+    16 bytes (the pointer launch's alignment, ``common.ALIGN``: true for every dim the kernel takes, D and Dp in
     {64, 128}); separate tensors where an offset would not be, or without ``shared``. On the
     H200 (torch alone, anchor-16K shapes, 210 MB): five fills 64.3 us of GPU time, one 50.0;
     host 38.9 -> 27.8 us (64-row shapes, the views' slicing included)."""
@@ -187,9 +186,8 @@ def zero_buffers(shapes, device: torch.device, shared: bool = True) -> list:
 
 
 def scaled(grad: torch.Tensor, dkl, dtype: torch.dtype) -> torch.Tensor:
-    """``(grad * dkl).to(dtype)`` bit for bit, in one op (docs/reviews/2026-12-01-step-glue.md,
-    P3): ``torch.mul`` computes in the inputs' common dtype (fp32: ``grad`` fp32, ``dkl`` the
-    0-dim fp32 gradient of ``kl``) and rounds once on the store into ``dtype``, as the cast of
+    """``(grad * dkl).to(dtype)`` bit for bit, in one op: ``torch.mul`` computes in the inputs'
+    common dtype (fp32: ``grad`` fp32, ``dkl`` the 0-dim fp32 gradient of ``kl``) and rounds once on the store into ``dtype``, as the cast of
     the fp32 product did: 2 launches instead of 4 per backward, 80 MB less moved at anchor
     16K (~25 us, the audit's estimate). Bitwise checked on CPU (tests/test_glue_host2.py) and
     on the H200 (720 cases: bf16 / fp16 / fp32 out, 60 decades, signed zeros, inf, NaN,

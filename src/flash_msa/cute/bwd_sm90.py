@@ -1,6 +1,6 @@
 """Sparse backward on Hopper (sm_90a) in CuTe DSL: main and proxy gradients in one key-outer pass.
 
-The CuTe backend's ``bwd`` (:func:`bwd`). One CTA per work item = (selection head p, key block,
+The CuTe backend's ``bwd`` kernel (host code: ``cute.backward``). One CTA per work item = (selection head p, key block,
 up to :attr:`BwdSm90.ITEM_TOKENS` query tokens that kept it), the reverse index of
 :mod:`flash_msa.worklist` (docs/algorithm.md, "Main attention: key-outer over a reverse index").
 The CTA has ``block_size / 64`` warpgroups; warpgroup w owns keys ``64 w .. 64 w + 63`` of the
@@ -45,10 +45,11 @@ from the map instead of being the row itself; nothing else changes (padding rows
 entries). Without the map the kernels' code is the one before the map existed (a compile-time
 branch; PTX identical up to the kernel's name, compile_check ``--dump``).
 
-Version 2 (docs/perf-notes.md "CuTe backward v2"): no warp specialization; two gather buffers
+No warp specialization (that is :mod:`.bwd_ws_sm90`, the default where it runs); two gather buffers
 (``gather_stages``) where shared memory allows; fp32 reductions by ``red.global.add.v2.f32``.
-Deterministic mode (:attr:`BwdSm90.deterministic`, :func:`_ordered`): stores into partials
-summed in a fixed order; compiled, not yet verified on a GPU.
+Deterministic mode (:attr:`BwdSm90.deterministic`, ``backward._ordered``): stores into
+partials summed in a fixed order (bitwise equal across runs on the H200,
+tests/test_gpu_cute_bwd.py).
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ class BwdSm90:
     proxy: bool = True  # make the unit proxy gradient dq_proxy, dk_proxy
     # q/dO (and row data) buffers of phase A: 2 = the next (chunk, sub-group)'s gather is
     # issued before this one's MMAs, so its rows land while they run (+5% / +7% / +17% at
-    # anchor 16K / anchor 32K / paper 32K, +18% at paper 128K: docs/perf-notes.md "CuTe
-    # backward v2"); :func:`bwd` uses 1 where two do not fit the shared memory
+    # anchor 16K / anchor 32K / paper 32K, +18% at paper 128K, H200); ``backward.kernel_for``
+    # uses 1 where two do not fit the shared memory
     gather_stages: int = 2
     # deterministic mode (docs/algorithm.md "Deterministic mode"): no fp32 atomics; each item
     # stores its dQ / dQ_proxy rows into per-slot partial rows (``((t - tok0) * heads + h) *

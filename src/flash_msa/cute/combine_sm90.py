@@ -1,9 +1,8 @@
 """The sparse forward's combine on Hopper (sm_90a) in CuTe DSL: merge per-block partials by LSE.
 
-Registered: ``flash_msa/cute/__init__.py``'s ``COMBINE_ON_CUTE`` (on since the ninth session's
-H200 run: tests/test_gpu_cute_combine.py, benchmarks/combine_ab.py) has ``forward_stages`` pass
-``combine=combine_sm90.combine`` where :func:`combine_fits` holds for the call; elsewhere the
-driver borrows Triton's combine.
+The CuTe forward's ``combine`` stage (``cute.forward.forward_stages``) where :func:`combine_fits`
+holds for the call (tests/test_gpu_cute_combine.py on the H200); elsewhere the driver borrows
+Triton's combine.
 
 Driver stage ``combine(o_part, l_part, idx, out, lse)`` of :mod:`flash_msa.sparse_forward` (its
 docstring has the partial-buffer contract). For a chunk of C tokens and a row ``(t, h)``, its K
@@ -33,12 +32,11 @@ measured there), at the paper layout (H 64) 283,136 B per token (2.32 GB for one
 chunk of 128K: 0.48 ms at 4.8 TB/s). The proxy LSE reads ``Hs * K * 8`` B per token (+ Hs * 4
 written): 528 B at Hs 4, K 16 (8.7 MB for 16K tokens: ~2 us of HBM time; its launch costs more).
 
-Measured (H200, benchmarks/results/stage9/combine_ab.log, device ms at anchor 16K / 32K, paper
-128K): the first version (one warp per row, three dependent round trips: index, used LSEs,
+Measured (H200, device ms at anchor 16K / 32K, paper 128K): the first version (one warp per row, three dependent round trips: index, used LSEs,
 partial rows) merged the main rows in 0.279 / 0.562 / 0.570 against Triton's 0.256 / 0.518 /
 0.526; this kernel merges main and proxy rows in 0.257 / 0.518 / 0.523 against Triton's two
 launches' 0.270 / 0.542 / 0.535. Every slot's rows loaded with the index, 8 warps per CTA, two
-rows per warp, the loads in registers: within 1% of it, or slower (docs/perf-notes.md).
+rows per warp, the loads in registers: within 1% of it, or slower.
 
 Design (the main merge: one row per warp, :data:`WARPS` warps per CTA):
 
@@ -92,7 +90,7 @@ from .common import cutlass_dtype, run_typed, stream
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_TOPK = 64  # slots per row: lane s and s + 32 own a slot's weight (the selection's limit)
-# warps per CTA (8: the same device time, within 1%: benchmarks/results/stage9/combine_ab.log)
+# warps per CTA (8: the same device time, within 1%, H200)
 WARPS = 4
 # 16-byte partial-row loads per lane in one cp.async commit group: K 64 at D 128 (32 loads per
 # lane) takes two groups, and the sums of the first start while the second is in flight
@@ -176,7 +174,7 @@ class CombineSm90:
         4-byte rows (:meth:`warp_rows`): the index row, the LSE row and, with the fused
         ``proxy``, the proxy-LSE row, ``32 J`` entries each (``J = ceil(top_k / 32)``). Each
         buffer is a multiple of 128 bytes, so the 16-byte alignment adds nothing (the compiled
-        kernels' allocations match, review of the eighth session)."""
+        kernels' allocations match)."""
         sg = 32 // (head_dim // 8)
         J = (top_k + 31) // 32
         staged = WARPS * 32 * J * (2 + (1 if proxy else 0)) * 4
@@ -531,7 +529,7 @@ def launch_arguments(kernel: CombineSm90, o, lp, idx, out, lse, pl, plse, tokens
     addresses (ints; an absent buffer: any address, never read) as typed pointers, the token
     count, the stream. The pointers' types and alignments depend on ``kernel`` alone, so the
     compile cache keys on the kernel object (:func:`combine`) and the compile check compiles
-    what runs (:func:`compile_combine`)."""
+    what runs (``compile_check.compile_combine``)."""
     gmem = cute.AddressSpace.gmem
     o_type, o_align = (kernel.dtype, O_ALIGN) if kernel.has_o else (Float32, SCALAR_ALIGN)
 

@@ -1,11 +1,10 @@
 """Sparse main forward on Hopper (sm_90a) in CuTe DSL: per-block attention partials, key-outer.
 
-The CuTe backend's ``fwd`` (:func:`fwd`): the kernel :class:`FwdPartialsSm90` makes the
-per-block partials (the driver stage :func:`partials`), the stages of ``cute.forward_stages``
-and Triton's do the rest (the proxy LSE partials: Triton's stage unless
-``cute.PROXY_LSE_ON_CUTE``, "Proxy LSE" below). Checked on an H200 against the Triton kernel
-(same work list, same partial buffers) and the reference (tests/test_gpu_cute.py); the proxy
-LSE part is compiled and not yet run (its GPU tests wait for the next H200 session).
+The CuTe forward's per-block stage (``cute.forward``): the kernel :class:`FwdPartialsSm90` makes
+the per-block partials (the driver stage :func:`partials`) and, in the same launch, the proxy
+LSE partials where :func:`proxy_fits` ("Proxy LSE" below); :class:`FwdKlSm90` makes the KL value
+(the driver stage :func:`kl`). Checked on an H200 against the Triton kernel (same work list,
+same partial buffers) and the reference (tests/test_gpu_cute.py, tests/test_gpu_cute_kl.py).
 
 Same decomposition as the Triton forward (docs/algorithm.md, "Main attention: key-outer over a
 reverse index"): one CTA per work item = (selection head p, key block, up to TW query tokens
@@ -62,11 +61,10 @@ entries (``worklist.build`` drops them), so a row the kernel visits always has a
 the map the kernel compiles to the PTX it had before the field existed (a compile-time branch;
 the map travels in the work-list argument, :class:`MappedWorkItems`, so no argument is added).
 
-Measured variants that left this file (H200, docs/perf-notes.md "CuTe forward partials
-v2-v5", same-run gains of the kept choice, 8 cases): two Q buffers per warpgroup against one
-(-1..+12%), partials staged through shared memory against each thread's 4-byte column-pair
-stores (+6..+19%). The number of warpgroups stays a constructor argument (3 vs 1: +12..+31% at
-the paper head layout, -9..+1%, a tie, at the anchor one).
+Measured variants that left this file (H200, same-run gains of the kept choice, 8 cases): two Q
+buffers per warpgroup against one (-1..+12%), partials staged through shared memory against each
+thread's 4-byte column-pair stores (+6..+19%), 3 consumer warpgroups against 1 (+12..+31% at the
+paper head layout, -9..+1%, a tie, at the anchor one) and 2: 3 ship for every layout.
 """
 
 from __future__ import annotations
@@ -1080,7 +1078,7 @@ class FwdKlSm90(FwdPartialsSm90):
         if head_dim != proxy_head_dim:
             # the q and q_proxy gathers share one double-buffered Q region read through two
             # views whose buffer strides are 64 x D and 64 x Dp elements: with D != Dp their
-            # buffers overlap (a race within and across warpgroups, tests/test_review_kl_cpu.py).
+            # buffers overlap (a race within and across warpgroups: tests/test_review_kl_cpu.py).
             # Triton's stage runs these calls.
             return f"the CuTe KL stage needs D == Dp, not {head_dim} and {proxy_head_dim}"
         if block_size not in (64, 128):
@@ -1448,7 +1446,7 @@ class FwdKlSm90(FwdPartialsSm90):
             mSum[w] = total
 
 
-def _kl_reason(q, k, q_proxy, k_proxy, top_k, cfg, warpgroups=FwdKlSm90.warpgroups) -> str | None:
+def _kl_reason(q, k, q_proxy, k_proxy, top_k, cfg) -> str | None:
     """Why :class:`FwdKlSm90` cannot run this call's KL (``None``: it can)."""
     if q_proxy is None or k_proxy is None:
         return "no proxy"
@@ -1456,7 +1454,7 @@ def _kl_reason(q, k, q_proxy, k_proxy, top_k, cfg, warpgroups=FwdKlSm90.warpgrou
         return f"the proxy must be in q's dtype ({q.dtype})"
     return FwdKlSm90.can_implement(
         cutlass_dtype(q.dtype), q.shape[1], k.shape[1], q_proxy.shape[1], q.shape[2], top_k,
-        cfg.block_size, warpgroups, True, q_proxy.shape[2], k_proxy.shape[1],
+        cfg.block_size, FwdKlSm90.warpgroups, True, q_proxy.shape[2], k_proxy.shape[1],
     )  # fmt: skip
 
 

@@ -420,8 +420,6 @@ def quantize(
     *,
     max_seqlen: int | None = None,
     out: tuple | None = None,
-    warps: int = QuantizeSm90.warps,
-    unroll: int = QuantizeSm90.unroll,
 ) -> quant.Quantized:
     """:func:`flash_msa.quant.quantize` by the kernel: the same :class:`~flash_msa.quant.Quantized`,
     bit for bit (module docstring).
@@ -438,7 +436,6 @@ def quantize(
             from ``cu_seqlens`` (a host synchronization).
         out: ``(q8, q_scale, k8, k_scale)`` to write into (e4m3 ``(T, Hp, Dp)``, fp32 ``(T,
             Hp)``, e4m3 ``(T, Hpk, Dp)``, fp32 ``(T, Hpk)``, contiguous), else new tensors.
-        warps, unroll: the kernel's tuning fields (A/B runs; the defaults are the shipped ones).
     Raises:
         TypeError / ValueError naming the argument (:func:`can_implement`'s reasons too).
     """
@@ -472,7 +469,7 @@ def quantize(
     if max_seqlen < (1 if T else 0):
         raise ValueError(f"CuTe quantize: max_seqlen must be >= 1 for T = {T}, got {max_seqlen}")
     kernel = QuantizeSm90(
-        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, block_size, key_scale, rotate, warps, unroll
+        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, block_size, key_scale, rotate
     )
     e4m3, f32 = quant.E4M3, torch.float32
     want = (((T, Hp, Dp), e4m3), ((T, Hp), f32), ((T, Hpk, Dp), e4m3), ((T, Hpk), f32))
@@ -519,7 +516,7 @@ def launch_arguments(kernel: QuantizeSm90, q, k, cu, q8, q_scale, k8, k_scale, n
     addresses (ints) as typed pointers of the alignments the kernel assumes, the sequence count,
     the key blocks per sequence and the stream. The types depend on ``kernel`` alone, so the
     compile cache keys on the kernel object and the compile check compiles what runs
-    (:func:`compile_quantize`)."""
+    (``compile_check.compile_quantize``)."""
     gmem = cute.AddressSpace.gmem
     e4m3 = cutlass.Float8E4M3FN
     return (
