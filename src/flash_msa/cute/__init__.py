@@ -20,12 +20,15 @@ contract, docs/design.md), and ``FLASH_MSA_BACKEND=cute`` raises
 :class:`~flash_msa.BackendError`; so does a backward outside its limits (``auto`` runs it on
 Triton within the same autograd step). Blackwell (sm_100) kernels are not written.
 
-Modules: kernels (device code: ``*_sm90.py``, a frozen dataclass per kernel, its static
-configuration as fields, ``can_implement`` saying why a configuration cannot run) import only
-:mod:`.common` (shared device and launch helpers) and :mod:`.disk_cache`; the host modules per
-op (:mod:`.selection`, :mod:`.forward`, :mod:`.backward`, :mod:`.warmup`; :mod:`.memo` their remembered
-reasons) import kernels; this dispatch imports the host modules; :mod:`.compile_check` imports
-kernels and nothing imports it.
+Modules, imports pointing one way (tests/test_import_graph.py): kernel modules (``*_sm90.py``:
+a frozen dataclass per kernel, its static configuration as fields, ``can_implement`` saying why
+a configuration cannot run, and the kernel's own launch wrappers) import only :mod:`.common`
+(shared device and launch helpers, :mod:`.disk_cache`) and the package's leaf modules
+(``problem``, ``worklist``, ``quant``, ``cubin``; ``bwd_ws_sm90`` its base class's module); the
+host modules per op (:mod:`.selection`, :mod:`.forward`, :mod:`.backward`, :mod:`.warmup`;
+:mod:`.memo` their remembered reasons) import kernels and pick between them; this dispatch
+imports the host modules; :mod:`.compile_check` imports kernels and host code, and nothing
+imports it.
 
 Kernels are compiled on first use and cached in-process (``common.run_typed``) and on disk
 (:mod:`.disk_cache`: a second process loads instead of compiling; ``FLASH_MSA_CACHE=0`` off)

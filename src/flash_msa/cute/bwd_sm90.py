@@ -68,25 +68,19 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from .. import ordered, worklist
 from ..cubin import SHARED_LIMIT
-from ..problem import Grads, Saved
 from ..worklist import geometry
-from . import row_delta_sm90, worklist_sm90
 from .common import (
-    ALIGN,
     PointerTensors,
     WorkItems,
     acc_as_a,
     acc_rows_cols,
     aligned,
     bound,
-    cutlass_dtype,
     pointer_arguments,
     pointer_tensors,
     row_gather_copy,
     run_typed,
-    specimen_makers,
     stream,
     tma_tiles,
 )

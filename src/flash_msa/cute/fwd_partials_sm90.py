@@ -97,7 +97,6 @@ from .common import (
     pointer_tensors,
     row_gather_copy,
     run_typed,
-    specimen_makers,
     stream,
     tma_tiles,
 )
