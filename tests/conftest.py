@@ -1,6 +1,10 @@
-"""Test configuration: Triton interpreter on CPU-only machines, hypothesis profiles, seeds."""
+"""Test configuration: Triton interpreter on CPU-only machines, a private disk cache, hypothesis
+profiles, seeds."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -8,10 +12,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The CuTe disk cache (on by default) off, whatever the caller's environment says: tests
-# monkeypatch module constants that kernels read while tracing, which its key does not hold; a
-# test of the cache turns it on for its own child processes.
-os.environ["FLASH_MSA_CACHE"] = "0"
+# The disk cache on, as users run it, in a directory of this test session's own (mode 0700,
+# removed at exit): the tests never read or write the user's cache. The first process of the
+# session (pytest, or xdist's controller) makes it; its workers and child processes inherit it
+# through the environment, so a kernel compiled by one of them is loaded by the others (the
+# CuTe compile check's content cache included). A test of the cache points its own child
+# processes elsewhere.
+if "FLASH_MSA_TEST_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="flash_msa-test-cache-")  # (mkdtemp: mode 0700)
+    os.environ["FLASH_MSA_TEST_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ["FLASH_MSA_CACHE_DIR"] = os.environ["FLASH_MSA_TEST_CACHE_DIR"]
+os.environ.pop("FLASH_MSA_CACHE", None)  # on (the default)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -137,19 +137,6 @@ def script_result(p: subprocess.Popen, timeout: float) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def declare_cute_q_map(monkeypatch) -> None:
-    """Declare the query map for the CuTe selection and backward for one test, whatever
-    ``cute.Q_MAP_DECLARED`` says (declared since the eighth session's H200 run; the GPU tests
-    keep calling this so that they test the kernels if the switch is turned off): ``auto``
-    then picks CuTe for a mapped select and bwd where their other limits hold."""
-    import dataclasses
-
-    from flash_msa import cute
-
-    for op in ("select", "bwd"):  # (bwd_kernel_reason reads LIMITS["bwd"] too)
-        monkeypatch.setitem(cute.LIMITS, op, dataclasses.replace(cute.LIMITS[op], q_map=True))
-
-
 @contextlib.contextmanager
 def no_host_sync():
     """The block must not synchronize with the host: CUDA's sync debug mode set to raise on

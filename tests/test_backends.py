@@ -152,7 +152,7 @@ def test_auto_refuses_undeclared_gpus_naming_the_architectures(cap, monkeypatch)
 
 @pytest.mark.parametrize("cap", [*SMALL_SMEM_GPUS, (9, 0)], ids=lambda c: f"sm{c[0]}{c[1]}")
 def test_fp8_selection_auto_on_gpus(cap, monkeypatch):
-    """The fp8 selection on GPUs: CuTe declares it for sm_90 (``cute.FP8_SELECTION_ON_CUTE``),
+    """The fp8 selection on GPUs: CuTe declares it for sm_90 (``LIMITS["select"].fp8_selection``),
     so ``auto`` runs it there where nvidia-cutlass-dsl is importable; Triton does not declare
     it (its fp8 kernel is the CuTe kernel's oracle), so elsewhere (sm_80/86: no e4m3 MMA)
     ``auto`` raises with Triton's reason naming ``selection_precision="fp8"``; torch declares

@@ -17,12 +17,13 @@ ANCHOR = "bf16", 16, 2, 4, 1, 128, 128, 16, 128  # dtype, H, Hkv, Hs, Hpk, D, Dp
 def test_ws_backward_is_the_default_and_keeps_the_teacher_in_registers(tmp_path):
     from cutlass import BFloat16
 
-    from flash_msa.cute.bwd_sm90 import BwdSm90, compile_bwd
+    from flash_msa.cute.backward import kernel_for
     from flash_msa.cute.bwd_ws_sm90 import BwdWsSm90
+    from flash_msa.cute.compile_check import compile_bwd
 
-    assert type(BwdSm90.make(BFloat16, *ANCHOR[1:])) is BwdWsSm90
+    assert type(kernel_for(BFloat16, *ANCHOR[1:])) is BwdWsSm90
     ptx = {}
-    for name, variant in (("ws", None), ("v2", BwdSm90.VARIANTS["v2"])):
+    for name, variant in (("ws", None), ("v2", dict(ws=False))):
         res = compile_bwd(*ANCHOR, 1, 1, variant, dump=str(tmp_path), name=name)
         assert res["stack"] == 0 and res["local"] == 0, (name, res)
         ptx[name] = (tmp_path / f"{name}.ptx").read_text()

@@ -95,32 +95,19 @@ def test_triton_kernels_compile_for_other_targets_within_their_shared_memory(arc
 
 
 def test_cute_kernels_compile_for_sm90_without_spills():
-    """Every configuration of ``flash_msa.cute.compile_check`` (selection, forward partials with
-    1, 2 and 3 warpgroups and with the query map, their KL mode, backward and its KL mode,
-    combine, the fp8 quantize pass, the backward's row delta) compiles without spills; all but
-    the combine, the quantize pass and the row delta (element-wise, no MMA) use wgmma and
-    TMA."""
+    """Every configuration of ``flash_msa.cute.compile_check`` (each shipped kernel: selection,
+    forward partials with the proxy LSE and the query map, the KL kernel, backward, combine,
+    the fp8 quantize pass, the row delta, the work list) compiles without spills; all but the
+    memory-bound ones (no MMA) use wgmma and TMA. Results of unchanged kernels come from the
+    check's content cache (in the session's cache directory, tests/conftest.py); no time limit
+    of its own (CI's limit applies)."""
     pytest.importorskip("cutlass")
     from flash_msa.cute import compile_check
 
-    expected = {name for name, *_ in compile_check.configurations()}
-    expected |= {name for name, *_ in compile_check.fwd_configurations()}
-    expected |= {name for name, *_ in compile_check.bwd_configurations()}
-    expected |= {name for name, *_ in compile_check.kl_configurations()}
-    from flash_msa.cute.combine_sm90 import combine_configurations
-    from flash_msa.cute.quantize_sm90 import quantize_configurations
-    from flash_msa.cute.row_delta_sm90 import row_delta_configurations
-    from flash_msa.cute.worklist_sm90 import worklist_configurations
-
-    expected |= {name for name, *_ in combine_configurations()}
-    expected |= {name for name, *_ in quantize_configurations()}
-    expected |= {name for name, *_ in row_delta_configurations()}
-    expected |= {name for name, *_ in worklist_configurations()}
-    # (1200 s: 179 kernels compiled one after another; on this 2-core CI machine the check
-    # overran 600 s when another compile ran beside the suite's two workers, thirteenth session)
+    expected = {name for name, *_ in compile_check.checks()}
     res = subprocess.run(
-        [sys.executable, "-m", "flash_msa.cute.compile_check"],
-        capture_output=True, text=True, timeout=1200,
+        [sys.executable, "-m", "flash_msa.cute.compile_check", "--jobs", str(os.cpu_count() or 1)],
+        capture_output=True, text=True,
     )  # fmt: skip
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert {r["kernel"] for r in rows} == expected, res.stderr
@@ -205,7 +192,7 @@ def test_cute_kernel_limits_and_shared_memory_arithmetic():
         base.warpgroups = 1
 
 
-def test_cute_backward_limits_and_shared_memory_arithmetic(monkeypatch):
+def test_cute_backward_limits_and_shared_memory_arithmetic():
     """``BwdSm90.can_implement``: the numbers its docstring states, the head layouts it refuses
     (a selection head's main heads over several KV heads), dims and dtypes; the kernel object
     is its whole configuration (the compile cache key); ``bwd_kernel_reason`` on a Problem."""
@@ -221,7 +208,7 @@ def test_cute_backward_limits_and_shared_memory_arithmetic(monkeypatch):
 
     assert BwdSm90.shared_bytes(2, 128, 128, 128, True)["total"] == 182272
     assert BwdSm90.shared_bytes(2, 128, 128, 128, False)["total"] == 117760
-    # the A/B switches: two gather buffers (+33 KB): still fits
+    # two gather buffers (+33 KB): still fits
     assert BwdSm90.shared_bytes(2, 128, 128, 128, True, 2)["total"] == 216064
     assert BwdSm90.can_implement(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 2) is None
     assert "gather_stages" in BwdSm90.can_implement(
@@ -242,7 +229,7 @@ def test_cute_backward_limits_and_shared_memory_arithmetic(monkeypatch):
         BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, main=False, proxy=False)
     base = BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
     changes = dict(main=False, proxy=False, top_k=8, proxy_k_heads=2, gather_stages=1)
-    for name, value in dict(changes, probe="dq_store", deterministic=True).items():
+    for name, value in dict(changes, deterministic=True).items():
         other = dataclasses.replace(base, **{name: value})
         assert other != base and hash(other) != hash(base), name
 
@@ -253,19 +240,21 @@ def test_cute_backward_limits_and_shared_memory_arithmetic(monkeypatch):
         varlen=False, cfg=cfg,
     )  # fmt: skip
     assert cute.bwd_kernel_reason(prob) is None
-    assert "sm_80" in cute.bwd_kernel_reason(dataclasses.replace(prob, capability=(8, 0)))
+    assert "sm_80" in cute.unsupported_reason("bwd", dataclasses.replace(prob, capability=(8, 0)))
     assert "share one KV head" in cute.bwd_kernel_reason(dataclasses.replace(prob, num_kv_heads=8))
     assert cute.unsupported_reason("bwd", prob) is None  # registered: LIMITS["bwd"]
     assert "share one KV head" in cute.unsupported_reason(
         "bwd", dataclasses.replace(prob, num_kv_heads=8)
     )
-    # the CuTe KL stage (on by default): it runs where its kernel can (kl_fits), and the driver
-    # borrows Triton's KL stage elsewhere: the forward is never refused for it
+    # the CuTe KL stage: it runs where its kernel can (kl_fits), and the driver borrows
+    # Triton's KL stage elsewhere: the forward is never refused for it
     spread = dataclasses.replace(prob, num_kv_heads=8)  # a head group on two KV heads
-    monkeypatch.setattr(cute, "KL_ON_CUTE", True)
     assert cute.unsupported_reason("fwd", spread) is None
     assert cute.forward_stages().kl is not None
     assert cute.forward_stages(kl_fits=False).kl is None
+    with_kl = dataclasses.replace(prob, cfg=dataclasses.replace(cfg, compute_kl=True))
+    assert cute.call_stages(with_kl).kl is not None
+    assert cute.call_stages(dataclasses.replace(with_kl, q_map=True)).kl is None  # Triton's
     # a call that asks for the unit proxy gradient (its backward runs on Triton) gets Triton's
     # KL stage, which makes it: the fake implementation's shapes (makes_unit_proxy_grad) then
     # hold whichever stage kl_fits would pick
@@ -276,19 +265,18 @@ def test_cute_backward_limits_and_shared_memory_arithmetic(monkeypatch):
     assert not sparse_forward.borrowed(cute.forward_stages()).kl_makes_proxy_grad
     assert ops.makes_unit_proxy_grad("cute", True, True, True, True)
     assert not ops.makes_unit_proxy_grad("cute", True, True, True, False)
-    monkeypatch.setattr(cute, "KL_ON_CUTE", False)
-    assert cute.forward_stages().kl is None
-    assert ops.makes_unit_proxy_grad("cute", True, True, True, True)
+    assert cute.LIMITS["bwd"].fused_proxy_grad  # the backward makes the proxy gradient
 
 
 def test_cute_warp_specialized_backward_limits():
     """``BwdWsSm90`` (the default): BwdSm90's limits plus its own (block 128, ``Dp == D``, two
     ring stages, no deterministic mode yet), each refused with the reason; its shared memory is
-    BwdSm90's with two gather stages and two q_proxy stages; ``make`` builds it by default where
-    it can run (``ws=True`` forces it), BwdSm90 otherwise."""
+    BwdSm90's with two gather stages and two q_proxy stages; ``backward.kernel_for`` picks it
+    where it can run (``ws=True`` forces it), BwdSm90 otherwise."""
     pytest.importorskip("cutlass")
     from cutlass import BFloat16
 
+    from flash_msa.cute.backward import kernel_for
     from flash_msa.cute.bwd_sm90 import BwdSm90
     from flash_msa.cute.bwd_ws_sm90 import BwdWsSm90
 
@@ -301,37 +289,33 @@ def test_cute_warp_specialized_backward_limits():
     assert "two gather stages" in ok(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 1)
     assert "deterministic" in ok(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, True, 2, True)
     assert "share one KV head" in ok(BFloat16, 8, 4, 2, 1, 64, 64, 8, 128)
-    ws = BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, ws=True)
+    ws = kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, ws=True)
     assert type(ws) is BwdWsSm90 and ws.gather_stages == 2 and ws.cta_threads == 384
     # the default: the warp-specialized kernel where it can run, else BwdSm90 (two stages)
-    assert BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128) == ws
+    assert kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128) == ws
     for args, kw in (
         ((16, 2, 4, 1, 128, 128, 16, 64), {}),  # block 64
         ((8, 1, 4, 1, 64, 128, 3, 128), {}),  # Dp != D
         ((16, 2, 4, 1, 128, 128, 16, 128), dict(deterministic=True)),
-        ((16, 2, 4, 1, 128, 128, 16, 128), dict(gather_stages=1)),
         ((16, 2, 4, 1, 128, 128, 16, 128), dict(ws=False)),
-        ((16, 2, 4, 1, 128, 128, 16, 128, False, False), dict(kl=True)),  # the KL stage
     ):
-        assert type(BwdSm90.make(BFloat16, *args, **kw)) is BwdSm90, (args, kw)
+        kernel = kernel_for(BFloat16, *args, **kw)
+        assert type(kernel) is BwdSm90 and kernel.gather_stages == 2, (args, kw)
     with pytest.raises(ValueError, match="KL value mode"):
         BwdWsSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, False, False, kl=True)
     with pytest.raises(ValueError, match="nothing to make"):
         BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, False, False)
     assert BwdWsSm90.shared_bytes(2, 128, 128, 128, True, 2)["total"] == 216064
     with pytest.raises(ValueError, match="block_size 128"):
-        BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 64, ws=True)
+        kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 64, ws=True)
 
 
 def test_cute_query_map_limits_and_kernels(monkeypatch):
-    """The query map (context parallelism) on CuTe: declared (``cute.Q_MAP_DECLARED``, after
-    its GPU tests passed on the H200): select and bwd take a mapped call (their kernels'
-    ``qmap`` mode), and so does the forward (``cute.FWD_Q_MAP_DECLARED``, since the ninth
-    session), so ``auto`` picks CuTe for every mapped op on sm_90; undeclared (the switches
-    off), every CuTe op
-    refuses a mapped call by name and ``auto`` runs it on Triton; ``qmap`` is part of each
-    kernel object (the compile cache's key), ``BwdSm90.make`` passes it to both backward
-    kernels, and a launch refuses a work list whose map disagrees with its kernel. (No GPU: the
+    """The query map (context parallelism) on CuTe: declared in ``LIMITS``: select, fwd and bwd
+    take a mapped call (their kernels' ``qmap`` mode), so ``auto`` picks CuTe for every mapped
+    op on sm_90; with limits that do not declare it, every CuTe op refuses a mapped call by
+    name and ``auto`` runs it on Triton; ``qmap`` is part of each kernel object (the compile
+    cache's key), ``backward.kernel_for`` passes it to both backward kernels, and a launch refuses a work list whose map disagrees with its kernel. (No GPU: the
     kernels' GPU tests are in tests/test_gpu_cute.py / test_gpu_cute_bwd.py; CPU time about
     1 s.)"""
     pytest.importorskip("cutlass")
@@ -341,6 +325,7 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
     from cutlass import BFloat16
 
     from flash_msa import backends, cute, limits, testing, worklist
+    from flash_msa.cute.backward import kernel_for
     from flash_msa.cute.bwd_sm90 import BwdSm90, launch_items
     from flash_msa.cute.bwd_ws_sm90 import BwdWsSm90
     from flash_msa.cute.select_sm90 import SelectSm90
@@ -355,23 +340,21 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
     mapped = dataclasses.replace(plain, q_map=True)
     for op in ("select", "fwd", "bwd"):
         assert cute.unsupported_reason(op, plain) is None, op
-    assert cute.Q_MAP_DECLARED
+    assert all(cute.LIMITS[op].q_map for op in ("select", "fwd", "bwd"))
     assert backends.choose("select", mapped)[0] == "cute"
     assert backends.choose("bwd", mapped)[0] == "cute"
     assert backends.choose("fwd", mapped)[0] == "cute"
-    with monkeypatch.context() as mp:  # the switches off: every op refuses the map by name
+    with monkeypatch.context() as mp:  # limits without the map: every op refuses it by name
         for name, lim in (
             ("select", cute.LIMITS["select"]), ("bwd", cute.BWD_LIMITS), ("fwd", cute.LIMITS["fwd"])
         ):  # fmt: skip
             off = dataclasses.replace(lim, q_map=False)
             mp.setitem(cute.LIMITS, name, off)
-        mp.setattr(cute, "FWD_Q_MAP_DECLARED", False)
+        cute.clear_memo()
         for op in ("select", "fwd", "bwd"):
             assert "q_map" in (cute.unsupported_reason(op, mapped) or ""), op
             assert backends.choose(op, mapped)[0] == "triton", op
-    from harness import declare_cute_q_map
-
-    declare_cute_q_map(monkeypatch)  # (a no-op now that it is declared; kept for the GPU tests)
+    cute.clear_memo()
     assert cute.unsupported_reason("select", mapped) is None
     assert cute.unsupported_reason("bwd", mapped) is None
     assert cute.bwd_kernel_reason(mapped) is None
@@ -393,12 +376,10 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
     other = dataclasses.replace(sel, qmap=True)
     assert other != sel and hash(other) != hash(sel)
     args = (BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
-    ws = BwdSm90.make(*args, qmap=True)
-    assert type(ws) is BwdWsSm90 and ws.qmap and ws != BwdSm90.make(*args)
-    assert type(BwdSm90.make(*args, qmap=True, ws=False)) is BwdSm90
-    assert BwdSm90.make(*args, qmap=True, deterministic=True).qmap
-    kl = BwdSm90.make(*args[:-1], 128, False, False, kl=True, qmap=True)
-    assert type(kl) is BwdSm90 and kl.qmap and kl.kl
+    ws = kernel_for(*args, qmap=True)
+    assert type(ws) is BwdWsSm90 and ws.qmap and ws != kernel_for(*args)
+    assert type(kernel_for(*args, qmap=True, ws=False)) is BwdSm90
+    assert kernel_for(*args, qmap=True, deterministic=True).qmap
 
     # a launch whose work list's map disagrees with the kernel: refused before anything runs
     cu = testing.cu([100, 60])
@@ -406,20 +387,19 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
     idx = torch.zeros((4, 4, 16), dtype=torch.int32)
     wl = worklist.build(idx, cu, 128, BwdSm90.ITEM_TOKENS, 0, 160, q_map)
     with pytest.raises(ValueError, match="qmap=False for a work list with a query map"):
-        launch_items(BwdSm90.make(*args), (), (), wl, (None,) * 6)
+        launch_items(kernel_for(*args), (), (), wl, (None,) * 6)
     with pytest.raises(ValueError, match="qmap=True for a work list without"):
         launch_items(ws, (), (), wl._replace(q_map=None), (None,) * 6)
 
 
-def test_cute_fp8_selection_host_and_switch(monkeypatch):
+def test_cute_fp8_selection_host(monkeypatch):
     """The CuTe FP8 selection's host code on CPU tensors (no GPU): ``select`` with
     ``selection_precision="fp8"`` quantizes and hands the kernel e4m3 views and the key scales,
     which compile for sm_90a (the launch replaced by ``cute.compile``: the host and kernel
     agree on every argument), per block (the shipped quantization, ``FP8_STAGES``) and per
     token; the refusals (a query map, an fp8 Config on the exact entry, operands that are not
-    e4m3); and the switch: on (since its H200 run), ``LIMITS`` declares ``fp8_selection`` and
-    ``auto`` runs an fp8 selection on CuTe on sm_90 (a mapped one elsewhere: the fp8 kernel has
-    no query map); off, the backend entry refuses fp8 by the switch's name.
+    e4m3); ``LIMITS`` declares ``fp8_selection`` and ``auto`` runs an fp8 selection on CuTe on
+    sm_90 (a mapped one elsewhere: the fp8 kernel has no query map).
     (The kernel's GPU tests: tests/test_gpu_cute_fp8.py. CPU time about 3 s.)"""
     pytest.importorskip("cutlass")
     import dataclasses
@@ -429,7 +409,7 @@ def test_cute_fp8_selection_host_and_switch(monkeypatch):
     from cutlass.cute.runtime import make_fake_stream
 
     from flash_msa import backends, cute, quant, testing
-    from flash_msa.cute import select_sm90
+    from flash_msa.cute import select_sm90, selection
     from flash_msa.problem import Config, Problem
 
     compiled = []
@@ -446,7 +426,7 @@ def test_cute_fp8_selection_host_and_switch(monkeypatch):
     qp, kp = (x[0] for x in testing.make_inputs(1, 429, 1, 1, 4, 1, 1, 128)[:2])
     cfg = Config(block_size=128, softmax_scale=0.1, max_seqlen=300, proxy_scale=128**-0.5,
                  top_k=16, selection_precision="fp8")  # fmt: skip
-    out = select_sm90.select(qp, kp, cu, cfg)
+    out = selection.select(qp, kp, cu, cfg)
     assert out.shape == (429, 4, 16) and out.dtype == torch.int32
     assert compiled[-1].dtype.__name__ == "Float8E4M3FN"
     assert (compiled[-1].key_scale, compiled[-1].stages) == (
@@ -458,7 +438,7 @@ def test_cute_fp8_selection_host_and_switch(monkeypatch):
     select_sm90.select_fp8_into(torch.empty(429, 4, 16, dtype=torch.int32), qz, cu, cfg64)
     assert compiled[-1].key_scale == "token" and compiled[-1].block_size == 64
     with pytest.raises(ValueError, match="q_map"):
-        select_sm90.select(qp, kp, cu, cfg, q_map=torch.arange(429, dtype=torch.int32))
+        selection.select(qp, kp, cu, cfg, q_map=torch.arange(429, dtype=torch.int32))
     with pytest.raises(ValueError, match="exact selection"):
         select_sm90.select_into(torch.empty(429, 4, 16, dtype=torch.int32), qp, kp, cu, cfg)
     with pytest.raises(ValueError, match="quantized.k must be e4m3"):
@@ -466,9 +446,9 @@ def test_cute_fp8_selection_host_and_switch(monkeypatch):
         select_sm90.select_fp8_into(torch.empty(429, 4, 16, dtype=torch.int32), bad, cu, cfg64)
     assert len(compiled) == 2
 
-    # on since its H200 run: declared, so auto runs an fp8 selection on CuTe on sm_90, but
-    # not a mapped one (the fp8 kernel has no query map); switched off, the entry refuses it
-    assert cute.FP8_SELECTION_ON_CUTE and cute.LIMITS["select"].fp8_selection
+    # declared, so auto runs an fp8 selection on CuTe on sm_90, but not a mapped one (the fp8
+    # kernel has no query map)
+    assert cute.LIMITS["select"].fp8_selection
     prob = Problem(
         device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, num_heads=16,
         num_kv_heads=2, head_dim=128, num_sel_heads=4, num_proxy_k_heads=1, proxy_head_dim=128,
@@ -482,9 +462,6 @@ def test_cute_fp8_selection_host_and_switch(monkeypatch):
     assert backends.choose("select", mapped)[0] != "cute"
     odd = dataclasses.replace(prob, num_proxy_k_heads=3)  # the fp8 kernel's own check
     assert "multiple" in cute.unsupported_reason("select", odd)
-    monkeypatch.setattr(cute, "FP8_SELECTION_ON_CUTE", False)
-    with pytest.raises(backends.BackendError, match="FP8_SELECTION_ON_CUTE"):
-        cute.select(qp, kp, cu, cfg)
 
 
 def test_cute_view_signature_has_the_static_layout():
@@ -529,6 +506,8 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
     from flash_msa.cute import fwd_partials_sm90
     from flash_msa.problem import Config
 
+    import cutlass
+
     reason = fwd_partials_sm90.head_geometry_reason
     assert reason(16, 2, 4) is None  # anchor
     assert reason(64, 4, 4) is None  # paper
@@ -561,7 +540,7 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
     with pytest.raises(ValueError, match="l_part"):
         fwd_partials_sm90.partials(q, k, k, WL, o_ok, l_ok.transpose(0, 1), cfg)
     with pytest.raises(ValueError, match="warpgroups"):
-        fwd_partials_sm90.partials(q, k, k, WL, o_ok, l_ok, cfg, warpgroups=4)
+        fwd_partials_sm90.FwdPartialsSm90(cutlass.BFloat16, H, Hkv, 4, D, 4, 64, 4)
     with pytest.raises(ValueError, match="divide one another"):
         q24 = torch.zeros(T, 24, D, dtype=torch.bfloat16)
         k3 = torch.zeros(T, 3, D, dtype=torch.bfloat16)
@@ -569,9 +548,8 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
         fwd_partials_sm90.partials(q24, k3, k3, WL, o_ok, l_ok, cfg)
 
 
-def test_cute_proxy_lse_switch_and_host_checks(monkeypatch):
-    """``cute.PROXY_LSE_ON_CUTE`` (on since its H200 run) and ``proxy_fits`` decide whether the CuTe
-    partials make the proxy LSE partials (the driver's ``partials_make_proxy``; else Triton's
+def test_cute_proxy_lse_fit_and_host_checks():
+    """``proxy_fits`` decides whether the CuTe partials make the proxy LSE partials (the driver's ``partials_make_proxy``; else Triton's
     ``proxy_partials`` is borrowed), and ``partials`` refuses proxy inputs it cannot take
     before any launch (no GPU needed)."""
     pytest.importorskip("cutlass")
@@ -581,12 +559,10 @@ def test_cute_proxy_lse_switch_and_host_checks(monkeypatch):
     from flash_msa.cute import fwd_partials_sm90
     from flash_msa.problem import Config
 
-    assert cute.PROXY_LSE_ON_CUTE
     assert cute.forward_stages().partials_make_proxy
     assert not cute.forward_stages(proxy_fits=False).partials_make_proxy
-    monkeypatch.setattr(cute, "PROXY_LSE_ON_CUTE", False)
-    assert not cute.forward_stages().partials_make_proxy
-    assert sparse_forward.borrowed(cute.forward_stages()).proxy_partials is not None
+    no_proxy = cute.forward_stages(proxy_fits=False)
+    assert sparse_forward.borrowed(no_proxy).proxy_partials is not None  # Triton's
 
     T, H, Hkv, Hs, D, K = 8, 16, 2, 4, 128, 4
     cfg = Config(
@@ -622,3 +598,29 @@ def test_cute_proxy_lse_switch_and_host_checks(monkeypatch):
         fwd_partials_sm90.partials(q, k, k, WL, o, lp.half(), cfg, 0, (qp, kp, pl))
     with pytest.raises(ValueError, match="q_proxy must be"):  # not an IndexError
         fwd_partials_sm90.partials(q, k, k, WL, o, lp, cfg, 0, (qp[:, 0], kp, pl))
+
+
+def test_cute_compile_check_keeps_results_by_content(tmp_path, monkeypatch):
+    """The compile check's content cache: a kernel compiled once is read back (no compile), an
+    other configuration is compiled, a ``--dump`` always compiles (its files), and with the
+    disk cache off every call compiles."""
+    pytest.importorskip("cutlass")
+    from flash_msa.cute import compile_check
+
+    monkeypatch.setenv("FLASH_MSA_CACHE_DIR", str(tmp_path / "cache"))
+    real, compiled = compile_check._compile_kernel, []
+
+    def counting(kernel, *args, **kw):
+        compiled.append(kernel)
+        return real(kernel, *args, **kw)
+
+    monkeypatch.setattr(compile_check, "_compile_kernel", counting)
+    cfg = ("bf16", 16, 4, 16, 128, True)
+    first = compile_check.compile_combine(*cfg)
+    assert compile_check.compile_combine(*cfg) == first and len(compiled) == 1
+    compile_check.compile_combine("fp16", 16, 4, 16, 128, True)
+    assert len(compiled) == 2
+    compile_check.compile_combine(*cfg, dump=str(tmp_path), name="c")
+    assert len(compiled) == 3 and (tmp_path / "c.cubin").is_file()
+    monkeypatch.setenv("FLASH_MSA_CACHE", "0")
+    assert compile_check.compile_combine(*cfg) == first and len(compiled) == 4

@@ -1,6 +1,6 @@
 """CPU checks of the CuTe combine stage (``flash_msa/cute/combine_sm90.py``; its numerics are
 tested on the GPU: tests/test_gpu_cute_combine.py): the main merge, the LSE-only mode and the
-fused proxy LSE compile for sm_90a without spills (the full list is ``combine_configurations``,
+fused proxy LSE compile for sm_90a without spills (the full list is ``compile_check.combine_configurations``,
 run by the CuTe compile check), the limits, the host's refusals of bad buffers, naming the
 argument, and what the host passes to a launch (addresses, token count; its CPU time). CPU time
 on the 2-core machine: ~2 s in pytest, ~1 s of it the three compiles (plus the session start)."""
@@ -16,7 +16,7 @@ cutlass = pytest.importorskip("cutlass")
 
 
 def test_configurations_compile_for_sm90_without_spills():
-    from flash_msa.cute.combine_sm90 import combine_configurations, compile_combine
+    from flash_msa.cute.compile_check import combine_configurations, compile_combine
 
     names = [name for name, *_ in combine_configurations()]
     assert len(names) == len(set(names)) == 24 + 4 + 4
@@ -129,5 +129,5 @@ def test_host_passes_the_buffers_addresses(monkeypatch):
     for _ in range(n):
         combine_sm90.combine(o_part, l_part, idx, out, lse, (pl_part, plse))
     us = (time.perf_counter() - t0) / n * 1e6
+    # (reported, not asserted: ~25 us measured alone; speed is no test's verdict)
     print(f"host path of a fused call without the launch: {us:.1f} us")
-    assert us < 200  # a bound for a loaded 2-core machine: ~25 us measured alone

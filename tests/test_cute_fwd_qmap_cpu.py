@@ -2,8 +2,8 @@
 context parallelism; its numerics are tested on the GPU: tests/test_gpu_cute.py -k q_map): the
 mapped kernels compile for sm_90a within the register budget (no spills but the paper layout's
 known 8 bytes), the field is part of the kernel object (so of the compile cache's key), the host
-refuses a kernel / work-list mismatch and a bad map naming it, and the switch
-``FWD_Q_MAP_DECLARED`` decides whether the CuTe forward takes a map. CPU time on the 2-core
+refuses a kernel / work-list mismatch and a bad map naming it, and the limits and stage picks
+declare the map. CPU time on the 2-core
 machine: ~17 s in pytest, 15 s of it the two compiles (plus the session start)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ cutlass = pytest.importorskip("cutlass")
 from flash_msa import testing, worklist  # noqa: E402
 from flash_msa.problem import Config  # noqa: E402
 
-PAPER = "bf16", 64, 4, 4, 128, 16, 128, 3  # dtype, H, Hkv, Hs, D, K, block, warpgroups
+PAPER = "bf16", 64, 4, 4, 128, 16, 128  # dtype, H, Hkv, Hs, D, K, block
 
 
 @pytest.mark.parametrize(
@@ -87,19 +87,13 @@ def test_host_refuses_a_kernel_and_list_mismatch_and_a_bad_map():
         fp.launch(mapped, q, k, v, wl._replace(q_map=wl.q_map[:-1]), o, lse, cfg)
 
 
-def test_the_switch_decides_whether_the_forward_takes_a_map(monkeypatch):
-    """On (the shipped value since its H200 run): the stages declare the map (the driver then
-    runs the mapped kernel; cute/__init__.py's forward_stages reads the switch); off: ``fwd``
-    refuses a map naming the switch, and ``cute.forward_stages`` does not declare it."""
+def test_the_forward_declares_the_map():
+    """``LIMITS["fwd"]`` and every stage pick declare the map (the driver then runs the mapped
+    kernel), and a mapped call's KL is Triton's stage (the CuTe KL kernel has no map)."""
     from flash_msa import cute
-    from flash_msa.cute import fwd_partials_sm90 as fp
 
-    assert cute.FWD_Q_MAP_DECLARED is True and cute.LIMITS["fwd"].q_map
+    assert cute.LIMITS["fwd"].q_map
     assert cute.forward_stages().q_map
-    monkeypatch.setattr(cute, "FWD_Q_MAP_DECLARED", False)
-    assert not cute.forward_stages().q_map
     q, k, v, idx, cu, wl, *_, cfg = _case()
-    with pytest.raises(ValueError, match="FWD_Q_MAP_DECLARED"):
-        fp.fwd(q, k, v, idx, cu, cfg, q_map=wl.q_map)
-    monkeypatch.setattr(cute, "FWD_Q_MAP_DECLARED", True)
-    assert cute.forward_stages().q_map
+    mapped = cute.stages_for(q, k, None, None, idx, cfg, mapped=True)
+    assert mapped.q_map and mapped.kl is None

@@ -16,7 +16,7 @@ from harness import config, packed_inputs
 
 
 def _stand_in(H, Hs, K, block, written):
-    """A ``launch(wl, outs, tok0, w0, w1)`` for ``bwd_sm90._ordered`` writing, for every entry
+    """A ``launch(wl, outs, tok0, w0, w1)`` for ``backward._ordered`` writing, for every entry
     and item of the range, the rows and tiles the deterministic kernel writes (its index
     formulas): 1 into each of the entry's dQ partial rows ``((t - tok0) H + h) K + slot`` (h
     over the selection head's G heads) and dQ_proxy rows ``((t - tok0) Hs + p) K + slot``; 1 / 2
@@ -52,12 +52,12 @@ def _stand_in(H, Hs, K, block, written):
 
 @pytest.mark.parametrize("budget", [1 << 30, 300_000], ids=["one-chunk", "chunks-and-ranges"])
 def test_cute_deterministic_glue_sums_every_partial_once(budget, monkeypatch):
-    """``bwd_sm90._ordered`` with the stand-in kernel: dq[t, h] and dq_proxy[t, p] are the
+    """``backward._ordered`` with the stand-in kernel: dq[t, h] and dq_proxy[t, p] are the
     count of (t, p)'s valid slots, each key's dK / dV / dK_proxy the number of items (over the
     selection heads of its key head) that hold its block, times 1 / 2 / 3; partial buffers
     NaN-poisoned, through several token chunks and item ranges (small budget) and in one."""
     pytest.importorskip("cutlass")
-    from flash_msa.cute import bwd_sm90
+    from flash_msa.cute import backward
 
     monkeypatch.setattr(ordered, "PARTIAL_BYTES", budget)
     real_empty = torch.empty
@@ -70,7 +70,7 @@ def test_cute_deterministic_glue_sums_every_partial_once(budget, monkeypatch):
     idx = reference.select(qp, kp, cu, cfg)  # (T, Hs, K), -1 where a token has fewer blocks
     written: dict = {}
     launch = _stand_in(H, Hs, K, block, written)
-    dq, dk, dv, dqp, dkp = bwd_sm90._ordered(launch, q, k, qp, kp, idx, cu, cfg, True, True)
+    dq, dk, dv, dqp, dkp = backward._ordered(launch, q, k, qp, kp, idx, cu, cfg, True, True)
 
     launches = written.pop("launches")
     if budget < 1 << 30:  # the small budget really splits tokens and items
@@ -108,7 +108,8 @@ def _specimens():
     from cutlass import BFloat16
     from cutlass.cute.runtime import make_fake_stream
 
-    from flash_msa.cute import bwd_sm90, fwd_partials_sm90, select_sm90
+    from flash_msa.cute import bwd_sm90, compile_check, fwd_partials_sm90, select_sm90
+    from flash_msa.cute.backward import kernel_for
 
     fp, s = fwd_partials_sm90, make_fake_stream()
     out = []
@@ -124,12 +125,12 @@ def _specimens():
         scalars = (1.0, 1.0, 1) if isinstance(kernel, fp.FwdKlSm90) else (1.0, 0, 1, 1.0)
         out.append((fp, kernel, lambda k, t, a=scalars: fp.launch_arguments(k, t, a, s)))
     for kernel in (
-        bwd_sm90.BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128),
-        bwd_sm90.BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, qmap=True, ws=False),
+        kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128),
+        kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, qmap=True, ws=False),
     ):
         launch = lambda k, t: bwd_sm90.launch_arguments(k, t, (1.0,) * 4, 1, 0, s)  # noqa: E731
         out.append((bwd_sm90, kernel, launch))
-    return [(m, k, m.specimen_tensors(k), f) for m, k, f in out]
+    return [(m, k, compile_check.specimens(k), f) for m, k, f in out]
 
 
 def _layout_text(shape, stride) -> str:

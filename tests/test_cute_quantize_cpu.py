@@ -81,7 +81,7 @@ def test_kernel_order_of_the_rotation_is_the_reference_order(Dp):
 
 
 def test_configurations_compile_for_sm90_without_spills():
-    from flash_msa.cute.quantize_sm90 import compile_quantize, quantize_configurations
+    from flash_msa.cute.compile_check import compile_quantize, quantize_configurations
 
     names = [name for name, *_ in quantize_configurations()]
     assert len(names) == len(set(names)) == 9
@@ -143,18 +143,16 @@ def test_host_refuses_bad_arguments_naming_them():
             quantize(*args, **kw)
 
 
-def test_select_fp8_branch_takes_the_kernel_only_when_switched_on(monkeypatch):
-    """``select_sm90.select`` with ``selection_precision="fp8"`` (the kernel launch replaced):
-    the torch pass while ``QUANTIZE_ON_CUTE`` is off or the call does not fit, the CuTe pass
-    with the Config's ``max_seqlen`` when on (the shipped state since its H200 run) and it fits
-    (``can_implement`` patched: these tensors are on the CPU)."""
-    from flash_msa.cute import quantize_sm90, select_sm90
+def test_select_fp8_branch_takes_the_kernel_where_it_fits(monkeypatch):
+    """``selection.select`` with ``selection_precision="fp8"`` (the kernel launch replaced):
+    the torch pass where the CuTe pass does not fit the call (``can_implement``: these CPU
+    tensors), the CuTe pass with the Config's ``max_seqlen`` where it fits (``can_implement``
+    patched)."""
+    from flash_msa.cute import quantize_sm90, selection
     from flash_msa.problem import Config
 
-    assert quantize_sm90.QUANTIZE_ON_CUTE is True
-    monkeypatch.setattr(quantize_sm90, "QUANTIZE_ON_CUTE", False)
     calls = []
-    monkeypatch.setattr(select_sm90, "select_fp8_into", lambda idx, qz, cu, cfg: qz)
+    monkeypatch.setattr(selection, "select_fp8_into", lambda idx, qz, cu, cfg: qz)
     for module, name in ((quantize_sm90, "cute"), (quant, "torch")):  # (quant: select's too)
         monkeypatch.setattr(
             module, "quantize", lambda *a, name=name, **kw: calls.append((name, a[3], kw))
@@ -163,10 +161,8 @@ def test_select_fp8_branch_takes_the_kernel_only_when_switched_on(monkeypatch):
     qp, kp = (x[0] for x in testing.make_inputs(1, 429, 1, 1, 4, 1, 1, 128)[:2])
     cfg = Config(block_size=64, softmax_scale=0.1, max_seqlen=300, proxy_scale=128**-0.5,
                  top_k=16, selection_precision="fp8")  # fmt: skip
-    select_sm90.select(qp, kp, cu, cfg)
-    monkeypatch.setattr(quantize_sm90, "QUANTIZE_ON_CUTE", True)
-    select_sm90.select(qp, kp, cu, cfg)  # CPU tensors: can_implement refuses
+    selection.select(qp, kp, cu, cfg)  # CPU tensors: can_implement refuses
     monkeypatch.setattr(quantize_sm90, "can_implement", lambda *a: None)
-    select_sm90.select(qp, kp, cu, dataclasses.replace(cfg, max_seqlen=333))
-    assert [c[0] for c in calls] == ["torch", "torch", "cute"]
-    assert calls[2][1:] == (64, dict(max_seqlen=333))
+    selection.select(qp, kp, cu, dataclasses.replace(cfg, max_seqlen=333))
+    assert [c[0] for c in calls] == ["torch", "cute"]
+    assert calls[1][1:] == (64, dict(max_seqlen=333))

@@ -14,22 +14,19 @@ cutlass = pytest.importorskip("cutlass")
 
 def test_configurations_compile_for_sm90_without_spills_with_128_bit_loads(tmp_path):
     from flash_msa.cubin import resources, sass_counts
-    from flash_msa.cute.row_delta_sm90 import (
-        RowDeltaSm90,
-        compile_row_delta,
-        row_delta_configurations,
-    )
+    from flash_msa.cute.compile_check import compile_row_delta, row_delta_configurations
+    from flash_msa.cute.row_delta_sm90 import RowDeltaSm90
 
     cfgs = list(row_delta_configurations())
     names = [name for name, *_ in cfgs]
-    assert len(names) == len(set(names)) == 4 + 2
-    for name, dtype, D, tuning in cfgs:
-        res = compile_row_delta(dtype, D, tuning, dump=str(tmp_path), name=name)
+    assert len(names) == len(set(names)) == 4
+    for name, dtype, D in cfgs:
+        res = compile_row_delta(dtype, D, dump=str(tmp_path), name=name)
         assert res["stack"] == 0 and res["local"] == 0, (name, res)  # spills show up as stack
         stem = tmp_path / name.replace(" ", "_")
         ptx = open(f"{stem}.ptx").read()
         cubin = open(f"{stem}.cubin", "rb").read()
-        unroll = (tuning or {}).get("unroll", RowDeltaSm90.unroll)
+        unroll = RowDeltaSm90.unroll
         # every load is one 16-byte vector load: two per pass (dout, out), nothing narrower
         assert ptx.count("ld.global.v4.b32") == 2 * unroll, name
         assert ptx.count("ld.global") == 2 * unroll, name

@@ -38,7 +38,7 @@ pytest.importorskip("cutlass")
 
 import cutlass  # noqa: E402
 
-from flash_msa.cute import select_sm90  # noqa: E402
+from flash_msa.cute import compile_check, select_sm90  # noqa: E402
 from flash_msa.cute.select_sm90 import SelectSm90  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def test_shared_memory_with_the_ring_and_refusals():
 # compiled (sm_90a, no GPU)
 # ---------------------------------------------------------------------------------------------
 def _compile(tmp_path, name, *cfg, **kw):
-    res = select_sm90.compile_select(*cfg, dump=str(tmp_path), name=name, **kw)
+    res = compile_check.compile_select(*cfg, dump=str(tmp_path), name=name, **kw)
     return res, (tmp_path / f"{name}.ptx").read_text()
 
 

@@ -208,10 +208,9 @@ def _fresh(cute, op, prob):
 def test_cute_remembered_reasons_are_fresh_ones(monkeypatch):
     """Every op's reason for a spread of problems (refusals, borrowed Triton stages, warmup,
     query map, fp8) is the same remembered as computed fresh, and a remembered stage pick
-    follows the switches and the stage functions it hands out."""
+    follows what its fit checks read (a query map, the slots per row)."""
     pytest.importorskip("cutlass")
     from flash_msa import cute
-    from flash_msa.cute import fwd_partials_sm90
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's limits answer for borrowed stages
     cute.clear_memo()
@@ -224,20 +223,12 @@ def test_cute_remembered_reasons_are_fresh_ones(monkeypatch):
             seen.add(remembered[0] is None)
     assert seen == {True, False}  # (the spread has refusals and accepted calls)
     kl = _hopper(compute_kl=True)
-    assert cute.call_stages(kl).kl is not None
-    monkeypatch.setattr(cute, "KL_ON_CUTE", False)
-    assert cute.call_stages(kl).kl is None
-    monkeypatch.setattr(cute, "COMBINE_ON_CUTE", False)
-    assert cute.call_stages(kl).combine is None
-    assert "combine" in sparse_forward.borrowed_names(cute.call_stages(kl))
-    monkeypatch.undo()
+    assert cute.call_stages(kl).kl is not None and cute.call_stages(kl).combine is not None
+    assert cute.call_stages(_hopper(compute_kl=True, q_map=True)).kl is None  # Triton's
+    wide = _hopper(compute_kl=True, top_k=128)  # over the CuTe combine's 64 slots
+    assert cute.call_stages(wide).combine is None
+    assert "combine" in sparse_forward.borrowed_names(cute.call_stages(wide))
     assert cute.call_stages(kl).combine is not None and cute.call_stages(kl).kl is not None
-
-    def other_partials(*args):
-        raise AssertionError("not run")
-
-    monkeypatch.setattr(fwd_partials_sm90, "partials", other_partials)
-    assert cute.call_stages(kl).partials is other_partials
 
 
 def test_cute_repeated_resolve_recomputes_nothing(monkeypatch):
@@ -247,11 +238,12 @@ def test_cute_repeated_resolve_recomputes_nothing(monkeypatch):
     bounded memo stays right when it is cleared for room."""
     pytest.importorskip("cutlass")
     from flash_msa import cute
+    from flash_msa.cute import forward, memo
 
     monkeypatch.delenv("FLASH_MSA_BACKEND", raising=False)
     cute.clear_memo()
-    picks, real = [], cute.forward_stages
-    monkeypatch.setattr(cute, "forward_stages", lambda *a: picks.append(a) or real(*a))
+    picks, real = [], forward.forward_stages
+    monkeypatch.setattr(forward, "forward_stages", lambda *a: picks.append(a) or real(*a))
     prob = _hopper()
     for _ in range(3):
         assert [backends.resolve(op, prob)[0] for op in ("select", "fwd", "bwd")] == ["cute"] * 3
@@ -268,8 +260,8 @@ def test_cute_repeated_resolve_recomputes_nothing(monkeypatch):
     assert len(picks) == 1
     backends.resolve("fwd", _hopper(top_k=8))
     assert len(picks) == 2
-    monkeypatch.setattr(cute, "MEMO_ENTRIES", 2)
+    monkeypatch.setattr(memo, "MEMO_ENTRIES", 2)
     for kw in _PROBLEMS[:6]:
         prob = _hopper(**kw)
         assert cute.unsupported_reason("fwd", prob) == _fresh(cute, "fwd", prob)
-        assert len(cute._MEMO) <= 2
+        assert len(memo._MEMO) <= 2

@@ -26,7 +26,7 @@ from cutlass import BFloat16  # noqa: E402
 from cutlass.cute.runtime import make_fake_stream  # noqa: E402
 
 from flash_msa import problem, reference  # noqa: E402
-from flash_msa.cute import bwd_sm90, common  # noqa: E402
+from flash_msa.cute import backward, bwd_sm90, common, compile_check  # noqa: E402
 from flash_msa.problem import Saved  # noqa: E402
 from harness import config, incoming, packed_inputs  # noqa: E402
 
@@ -43,8 +43,8 @@ def fresh_pointers(monkeypatch):
 
 
 def _bwd_specimens(tokens=8):
-    kernel = bwd_sm90.BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
-    return bwd_sm90.launch_tensor_names(kernel), bwd_sm90.specimen_tensors(kernel, tokens)
+    kernel = backward.kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
+    return bwd_sm90.launch_tensor_names(kernel), compile_check.specimens(kernel, tokens)
 
 
 def _described(result):
@@ -164,7 +164,7 @@ def _bits(x):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_scaled_is_the_multiply_then_cast(dtype):
-    """``bwd_sm90.scaled(g, dkl, dtype)`` and ``(g * dkl).to(dtype)`` have the same bits: fp32
+    """``backward.scaled(g, dkl, dtype)`` and ``(g * dkl).to(dtype)`` have the same bits: fp32
     ``g`` over 60 decades (signed zeros, infinities, NaN, subnormal and overflowing results),
     ``dkl`` a 0-dim fp32 tensor as autograd hands it (``harness.incoming``) and edge weights;
     a contiguous result of ``g``'s shape."""
@@ -178,7 +178,7 @@ def test_scaled_is_the_multiply_then_cast(dtype):
         ]
         for w in weights:
             old = (g * w).to(dtype)
-            new = bwd_sm90.scaled(g, w, dtype)
+            new = backward.scaled(g, w, dtype)
             assert new.dtype == dtype and new.shape == g.shape and new.is_contiguous()
             assert torch.equal(_bits(new), _bits(old)), (trial, float(w))
 
@@ -188,7 +188,7 @@ def test_scaled_keeps_a_differentiable_dkl():
     result carries the graph (``out=`` would refuse it)."""
     g = torch.randn(5, 2, 64)
     w = torch.tensor(0.75, requires_grad=True)
-    new = bwd_sm90.scaled(g, w, torch.bfloat16)
+    new = backward.scaled(g, w, torch.bfloat16)
     assert new.requires_grad and torch.equal(_bits(new), _bits((g * w.detach()).bfloat16()))
 
 
@@ -209,7 +209,7 @@ def test_zero_buffers_share_one_aligned_fill(D, Dp):
         for main, proxy in ((True, True), (True, False), (False, True)):
             shapes = ((T, H, D), (Tk, Hkv, D), (Tk, Hkv, D)) if main else (None,) * 3
             shapes += ((T, Hs, Dp), (Tk, Hpk, Dp)) if proxy else (None,) * 2
-            bufs = bwd_sm90.zero_buffers(shapes, torch.device("cpu"))
+            bufs = backward.zero_buffers(shapes, torch.device("cpu"))
             made = [b for b in bufs if b is not None]
             assert [b is None for b in bufs] == [s is None for s in shapes]
             assert len({b.untyped_storage().data_ptr() for b in made}) == 1
@@ -229,7 +229,7 @@ def test_zero_buffers_fall_back_where_a_view_would_be_misaligned():
     ``shared=False``: separate zero tensors, each its own storage."""
     for shapes, shared in ((((1, 1, 3), (2, 1, 3), None, None, None), True),
                            ((((4, 2, 64),) * 3 + (None, None)), False)):  # fmt: skip
-        bufs = bwd_sm90.zero_buffers(shapes, torch.device("cpu"), shared)
+        bufs = backward.zero_buffers(shapes, torch.device("cpu"), shared)
         assert [b is None for b in bufs] == [s is None for s in shapes]
         bufs = [b for b in bufs if b is not None]
         assert len({b.untyped_storage().data_ptr() for b in bufs}) == len(bufs)
@@ -263,7 +263,7 @@ def _backward_call(D, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("parts", ["both", "main", "proxy"])
 def test_backward_host_path_on_stand_ins(monkeypatch, fresh_pointers, D, dtype, parts):
-    """``bwd_sm90.bwd`` (non-deterministic) with the launch replaced by a writer of known fp32
+    """``backward.bwd`` (non-deterministic) with the launch replaced by a writer of known fp32
     values into its five accumulators (after the real ``launch_arguments`` built the pointer
     launch, which ``run_typed`` records): the accumulators it handed over were zero, 16-byte
     aligned and views of one storage; the gradients are, bit for bit, what the old host code
@@ -289,8 +289,8 @@ def test_backward_host_path_on_stand_ins(monkeypatch, fresh_pointers, D, dtype, 
                 x.copy_(val)
         written.append(vals)
 
-    monkeypatch.setattr(bwd_sm90, "launch_items", launch_items)
-    grads = bwd_sm90.bwd(dout, dkl, saved, cu, cfg)
+    monkeypatch.setattr(backward, "launch_items", launch_items)
+    grads = backward.bwd(dout, dkl, saved, cu, cfg)
     assert len(launched) == len(written) == 1
     likes = (saved.q, saved.k, saved.v, saved.q_proxy, saved.k_proxy)
     storages = set()
@@ -305,7 +305,7 @@ def test_backward_host_path_on_stand_ins(monkeypatch, fresh_pointers, D, dtype, 
         storages.add(g.untyped_storage().data_ptr())
     assert len(storages) == sum(v is not None for v in written[0])
     kept = dict(fresh_pointers)
-    bwd_sm90.bwd(dout, dkl, saved, cu, cfg)  # the allocator may hand out other addresses here
+    backward.bwd(dout, dkl, saved, cu, cfg)  # the allocator may hand out other addresses here
     assert launched[1][0] is launched[0][0] or len(fresh_pointers) == len(kept) + 1
 
 

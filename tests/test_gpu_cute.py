@@ -249,7 +249,7 @@ PARTIAL_CASES = [  # lengths, H, Hkv, Hp, D, block, top_k, chunk (first token, e
 
 @pytest.mark.parametrize("case", PARTIAL_CASES, ids=["anchor", "varlen-chunk", "paper"])
 def test_cute_forward_partials_match_reference(case):
-    """The driver stage ``partials`` with ``FwdPartialsSm90(warpgroups=1, 2, 3)``: every
+    """The driver stage ``partials`` (``FwdPartialsSm90`` with its shipped warpgroups): every
     kept (token, head, slot) row of a query chunk by the rule against the reference's attention
     over that slot's block; rows of unused slots stay unwritten (poisoned)."""
     _cute()
@@ -267,16 +267,13 @@ def test_cute_forward_partials_match_reference(case):
     exact, same = (
         {n: x[c0:c1][kept] for n, x in r.items()} for r in _slot_references(q, k, v, idx, cu, cfg)
     )
-    for warpgroups in (1, 2, 3):
-        mine = dict(
-            o_part=testing.poisoned((c1 - c0, H, top_k, D), q.dtype, "cuda"),
-            l_part=testing.poisoned((c1 - c0, H, top_k), torch.float32, "cuda"),
-        )
-        fwd_partials_sm90.partials(
-            q, k, v, wl, mine["o_part"], mine["l_part"], cfg, c0, warpgroups=warpgroups
-        )
-        assert mine["l_part"][~kept].isnan().all() and mine["o_part"][~kept].isnan().all()
-        check({n: x[kept] for n, x in mine.items()}, exact, same, label=f"wg{warpgroups} ")
+    mine = dict(
+        o_part=testing.poisoned((c1 - c0, H, top_k, D), q.dtype, "cuda"),
+        l_part=testing.poisoned((c1 - c0, H, top_k), torch.float32, "cuda"),
+    )
+    fwd_partials_sm90.partials(q, k, v, wl, mine["o_part"], mine["l_part"], cfg, c0)
+    assert mine["l_part"][~kept].isnan().all() and mine["o_part"][~kept].isnan().all()
+    check({n: x[kept] for n, x in mine.items()}, exact, same)
 
 
 def _fwd_case(lengths, H, Hkv, Hp, D, b, top_k, dtype, seed):
@@ -303,18 +300,14 @@ def test_cute_forward_op_matches_reference(dtype):
     check(results(mine), *references(qp, kp, q, k, v, idx, cu, cfg), FWD)
 
 
-@pytest.mark.parametrize("kl_stage", ["triton", "cute"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_cute_forward_proxy_gradient_in_kl_pass_matches_reference(dtype, kl_stage, monkeypatch):
+def test_cute_forward_proxy_gradient_in_kl_pass_matches_reference(dtype):
     """Training's path when the backward runs on Triton: the CuTe forward with
     ``proxy_grad=True`` makes the unit proxy gradient in its KL pass, the Triton stage's even
-    where the CuTe KL stage would run (``cute.KL_ON_CUTE``; it cannot make the gradient:
+    where the CuTe KL stage would run (it cannot make the gradient:
     ``sparse_forward.with_proxy_grad``), and the Triton backward scales it by ``dkl``. Every
     forward output, all five gradients of ``testing.training_loss`` and the unit gradient by
-    the rule, with the switch either way."""
-    from flash_msa import cute
-
-    monkeypatch.setattr(cute, "KL_ON_CUTE", kl_stage == "cute")
+    the rule."""
     cute_be = _cute()
     triton_be = backends.load("triton")[0]
     qp, kp, q, k, v, cu, cfg, idx = _fwd_case((2500, 700), 16, 2, 4, 128, 128, 8, dtype, 6)
@@ -396,7 +389,7 @@ def test_cute_forward_is_sync_free_and_graph_capturable():
 
 
 # ---------------------------------------------------------------------------------------------
-# forward: the proxy LSE partials in the CuTe partials' launch (cute.PROXY_LSE_ON_CUTE)
+# forward: the proxy LSE partials in the CuTe partials' launch (fwd_partials_sm90.proxy_fits)
 # ---------------------------------------------------------------------------------------------
 # lengths, H, Hkv, Hp, Hpk, D, Dp, block, top_k: the backward's layouts (harness.CUTE_LAYOUTS)
 # and Dp < D
@@ -490,17 +483,15 @@ def test_cute_proxy_partials_leave_the_main_partials_unchanged(layout):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("layout", ["anchor", "paper", "Hp>Hpk>1-b64", "Dp>D", "Dp<D"])
 def test_cute_forward_op_with_proxy_lse_on_cute_matches_reference(layout, dtype, monkeypatch):
-    """The CuTe forward op with ``cute.PROXY_LSE_ON_CUTE`` on: its partials make the proxy LSE
-    partials (Triton's ``proxy_partials`` stage, patched to fail, never runs); out, lse, proxy
-    LSE and KL by the rule against the reference, every buffer poisoned."""
-    from flash_msa import cute
+    """The CuTe forward op where ``proxy_fits``: its partials make the proxy LSE partials
+    (Triton's ``proxy_partials`` stage, patched to fail, never runs); out, lse, proxy LSE and KL
+    by the rule against the reference, every buffer poisoned."""
     from flash_msa.cute import fwd_partials_sm90
     from flash_msa.triton_ref import sparse_fwd
 
     def not_this_stage(*args, **kwargs):
-        raise AssertionError("Triton's proxy_partials ran: the switch did not take")
+        raise AssertionError("Triton's proxy_partials ran: the CuTe partials did not make them")
 
-    monkeypatch.setattr(cute, "PROXY_LSE_ON_CUTE", True)
     monkeypatch.setattr(sparse_fwd, "proxy_partials", not_this_stage)
     cute_be = _cute()
     lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = PROXY_LAYOUTS[layout]
@@ -760,28 +751,27 @@ def _mapped_fwd_references(xs, idx, cu, cfg, q_map):
     + [("anchor", "permuted", torch.float16), ("Hp>Hpk>1-b64", "zigzag", torch.float16)],
 )
 def test_cute_forward_op_q_map_matches_reference(layout, kind, dtype, monkeypatch):
-    """The CuTe forward op with a map (``fwd_partials_sm90.fwd(..., q_map)`` through the
-    driver) with ``FWD_Q_MAP_DECLARED`` patched on: its stages declare the map, the mapped
+    """The CuTe forward op with a map (``cute.forward.fwd(..., q_map)`` through the driver):
+    its stages declare the map, the mapped
     partials make the proxy LSE partials (Triton's stage, patched to fail, never runs); out,
     lse, proxy LSE and KL by the rule against the reference with the map on the mapped rows,
     padding rows exactly ``out = 0``, ``lse = proxy_lse = -inf``; every buffer poisoned."""
     from flash_msa import cute
-    from flash_msa.cute import fwd_partials_sm90
+    from flash_msa.cute import forward, fwd_partials_sm90
     from flash_msa.triton_ref import sparse_fwd
 
     def not_this_stage(*args, **kwargs):
         raise AssertionError("Triton's proxy_partials ran: the CuTe partials did not make them")
 
-    monkeypatch.setattr(cute, "FWD_Q_MAP_DECLARED", True)
     monkeypatch.setattr(sparse_fwd, "proxy_partials", not_this_stage)
     _cute()
-    assert cute.forward_stages().q_map, "cute.forward_stages must read FWD_Q_MAP_DECLARED"
+    assert cute.forward_stages().q_map
     xs, cu, q_map, cfg, idx = _mapped_fwd_case(layout, kind, dtype, seed=13)
     qp, kp, q, k, v = xs
     assert fwd_partials_sm90.proxy_fits(q, k, qp, kp, idx, cfg)
     with pytest.MonkeyPatch.context() as mp:
         _poison_new_buffers(mp)
-        mine = results(fwd_partials_sm90.fwd(q, k, v, idx, cu, cfg, qp, kp, q_map=q_map))
+        mine = results(forward.fwd(q, k, v, idx, cu, cfg, qp, kp, q_map=q_map))
     exact, same = _mapped_fwd_references(xs, idx, cu, cfg, q_map)
     real, pad = q_map >= 0, q_map < 0
     for name in FWD:

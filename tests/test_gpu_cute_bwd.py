@@ -1,9 +1,9 @@
-"""GPU tests of the CuTe backward (``flash_msa/cute/bwd_sm90.py``) on Hopper: all five gradients
+"""GPU tests of the CuTe backward (``flash_msa/cute/backward.py``) on Hopper: all five gradients
 of ``testing.training_loss`` by the rule against the exact reference, next to the Triton
 backward (the oracle of the fast path) on the same saved forward; drawn sizes, head layouts,
 blocks and dtypes; the main-only and proxy-only variants; the layouts it refuses. With a query
-map (context parallelism): the backward of every kernel and mode, and its KL mode, against the
-reference and Triton with the same map, and the emulated CP step with ``auto``."""
+map (context parallelism): the backward of every kernel and mode against the reference and
+Triton with the same map, and the emulated CP step with ``auto``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from harness import (
     GRADS,
     check,
     config,
-    declare_cute_q_map,
     incoming,
     packed_inputs,
     references,
@@ -33,6 +32,17 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+
+
+def cute_bwd(dout, dkl, saved, cu, cfg, *, q_map=None, variant=None):
+    """The CuTe backward op's sparse body with kernel choice ``variant``: ``ws`` (True / False:
+    that kernel, ``backward.kernel_for``'s argument) and ``deterministic`` (the Config's)."""
+    from flash_msa.cute import backward
+
+    variant = variant or {}
+    if variant.get("deterministic"):
+        cfg = dataclasses.replace(cfg, deterministic=True)
+    return backward.bwd(dout, dkl, saved, cu, cfg, q_map=q_map, ws=variant.get("ws"))
 
 
 def _backends():
@@ -77,13 +87,9 @@ def _run(
     dout, dkl = (dout if main else None), (dkl if proxy else None)
     exact, same = references(qp, kp, q, k, v, idx, cu, cfg, dout, dkl)
     names = [n for n in GRADS if n in exact and exact[n] is not None]
-    from flash_msa.cute import bwd_sm90
-
-    def cute_bwd(*args):
-        return bwd_sm90.bwd(*args, **(variant or {}))
-
     for name, fn in (("cute", cute_bwd), ("triton", triton_be.bwd)):
-        grads = fn(dout, dkl, saved, cu, cfg)
+        kw = dict(variant=variant) if name == "cute" else {}
+        grads = fn(dout, dkl, saved, cu, cfg, **kw)
         mine = results(fwd, grads)
         for n in GRADS:  # a part not asked for is not made
             assert (n in mine) == (n in names), (name, n)
@@ -91,7 +97,7 @@ def _run(
 
 
 def bwd_fits(case, variant) -> bool:
-    """Whether the kernel with switches ``variant`` can run ``case`` (shared memory)."""
+    """Whether the kernel of ``variant`` (:func:`cute_bwd`) can run ``case``."""
     from cutlass import BFloat16
 
     from flash_msa.cute.bwd_sm90 import BwdSm90
@@ -101,8 +107,7 @@ def bwd_fits(case, variant) -> bool:
         from flash_msa.cute.bwd_ws_sm90 import BwdWsSm90
 
         return BwdWsSm90.can_implement(BFloat16, H, Hkv, Hp, Hpk, D, Dp, top_k, b) is None
-    stages = variant.get("gather_stages", 1)
-    return BwdSm90.can_implement(BFloat16, H, Hkv, Hp, Hpk, D, Dp, top_k, b, True, stages) is None
+    return BwdSm90.can_implement(BFloat16, H, Hkv, Hp, Hpk, D, Dp, top_k, b, True, 1) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -113,33 +118,21 @@ def test_cute_bwd_matches_reference_and_triton(case, dtype):
     _run(*case, dtype, seed=1)
 
 
-def _variants() -> dict:
-    """``BwdSm90.VARIANTS`` but the default (the A/B switches' combinations), or ``{}`` where
-    the CuTe stack is missing (the tests then skip)."""
-    try:
-        from flash_msa.cute.bwd_sm90 import BwdSm90
-    except ImportError:
-        return {}
-    return {n: v for n, v in BwdSm90.VARIANTS.items() if v}
-
-
-VARIANTS = _variants()
+# the kernel choices besides the default pick: the fallback BwdSm90 where the warp-specialized
+# kernel would run, and deterministic mode
+VARIANTS = {"v2": dict(ws=False), "deterministic": dict(deterministic=True)}
 
 
 @pytest.mark.parametrize("case", ["anchor", "paper", "Hp>Hpk>1-b64", "G2=1", "Dp>D", "D=64-b128"])
 @pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
 def test_cute_bwd_variants_match_reference(variant, case):
-    """Each A/B switch of the kernel (and all of them together) by the rule, on layouts with
+    """Each kernel choice (:data:`VARIANTS`) by the rule, on layouts with
     one and several KV sub-groups, varlen with empty and one-token sequences, block 64, Dp > D,
     and two warpgroups with dQ on warpgroup 0 alone (D = 64, block 128)."""
     if not bwd_fits(CASES[case], variant):
         pytest.skip(f"{variant} cannot run this layout (can_implement)")
     _run(*CASES[case], torch.bfloat16, seed=3, variant=variant)
-    if variant in (
-        VARIANTS["stages1"],
-        VARIANTS["v2"],
-        VARIANTS["deterministic"],
-    ):
+    if variant in (VARIANTS["v2"], VARIANTS["deterministic"]):
         _run(*CASES[case], torch.bfloat16, seed=3, main=False, variant=variant)
 
 
@@ -149,7 +142,6 @@ def test_cute_bwd_deterministic_same_bits(monkeypatch):
     new buffers NaN-filled; by the rule against the reference (the variant tests), and close to
     the atomic default."""
     from flash_msa import ordered
-    from flash_msa.cute import bwd_sm90
 
     _backends()
     monkeypatch.setattr(ordered, "PARTIAL_BYTES", 1 << 20)
@@ -167,9 +159,9 @@ def test_cute_bwd_deterministic_same_bits(monkeypatch):
     saved = Saved(q, k, v, fwd.out, fwd.lse, idx, qp, kp, fwd.proxy_lse, None)
     dout, dkl = incoming(q, Hp, 5)
     variant = dict(deterministic=True)
-    first = bwd_sm90.bwd(dout, dkl, saved, cu, cfg, **variant)
-    again = bwd_sm90.bwd(dout, dkl, saved, cu, cfg, **variant)
-    atomic = bwd_sm90.bwd(dout, dkl, saved, cu, cfg)
+    first = cute_bwd(dout, dkl, saved, cu, cfg, variant=variant)
+    again = cute_bwd(dout, dkl, saved, cu, cfg, variant=variant)
+    atomic = cute_bwd(dout, dkl, saved, cu, cfg)
     for n, a, b2, c in zip(GRADS, first, again, atomic):
         assert torch.equal(a, b2), f"{n} differs between two deterministic runs"
         scale = c.float().abs().max().item()
@@ -186,8 +178,6 @@ def test_cute_bwd_ws_teacher_in_registers_is_bitwise_the_slab(case):
     gets at most two fp32 atomic additions onto zero, which commute exactly. The key
     gradients sum more terms (every selection head's items, both chunks) in the atomics'
     run-time order: close, not bitwise (on the H200 ``dk`` differed by one bf16 ulp)."""
-    from flash_msa.cute import bwd_sm90
-
     _backends()
     _, H, Hkv, Hp, Hpk, D, Dp, b, _ = CASES[case]
     lengths = (256, 200, 129, 64, 256)
@@ -199,8 +189,8 @@ def test_cute_bwd_ws_teacher_in_registers_is_bitwise_the_slab(case):
     fwd = backends.load("triton")[0].fwd(q, k, v, idx, cu, cfg, qp, kp)
     saved = Saved(q, k, v, fwd.out, fwd.lse, idx, qp, kp, fwd.proxy_lse, None)
     dout, dkl = incoming(q, Hp, 11)
-    ws = dict(zip(GRADS, bwd_sm90.bwd(dout, dkl, saved, cu, cfg)))
-    slab = dict(zip(GRADS, bwd_sm90.bwd(dout, dkl, saved, cu, cfg, ws=False)))
+    ws = dict(zip(GRADS, cute_bwd(dout, dkl, saved, cu, cfg)))
+    slab = dict(zip(GRADS, cute_bwd(dout, dkl, saved, cu, cfg, variant=dict(ws=False))))
     for n in GRADS:
         a, c = ws[n], slab[n]
         assert torch.isfinite(a).all(), n
@@ -254,10 +244,10 @@ def test_cute_bwd_hypothesis(data):
 
 
 _SANITIZED = """
-import sys, torch
+import dataclasses, sys, torch
 sys.path.insert(0, "tests")
 from flash_msa import reference, backends
-from flash_msa.cute import bwd_sm90
+from flash_msa.cute import backward
 from flash_msa.problem import Saved
 from harness import config, incoming, packed_inputs
 variant = eval(sys.argv[1])
@@ -269,7 +259,9 @@ idx = reference.select(qp, kp, cu, cfg)
 f = backends.load("triton")[0].fwd(q, k, v, idx, cu, cfg, qp, kp)
 dout, dkl = incoming(q, 4, 0)
 saved = Saved(q, k, v, f.out, f.lse, idx, qp, kp, f.proxy_lse, None)
-bwd_sm90.bwd(dout, dkl, saved, cu, cfg, **variant)
+if variant.get("deterministic"):
+    cfg = dataclasses.replace(cfg, deterministic=True)
+backward.bwd(dout, dkl, saved, cu, cfg, ws=variant.get("ws"))
 torch.cuda.synchronize()
 print("sanitized run done")
 """
@@ -298,11 +290,11 @@ def test_cute_bwd_under_compute_sanitizer(tool, variant):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")]))
     from cutlass import BFloat16
 
-    from flash_msa.cute.bwd_sm90 import BwdSm90
+    from flash_msa.cute.backward import kernel_for
 
     # the filter names the class of the kernel bwd() builds for this variant (a filter matching
     # no kernel would sanitize nothing and pass): the default is the warp-specialized one
-    kname = type(BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 2, 128, **variant)).__name__
+    kname = type(kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 2, 128, **variant)).__name__
     assert variant or kname == "BwdWsSm90", kname
     run = subprocess.run(
         [tool_bin, "--tool", tool, "--kernel-name", f"kns={kname}", "--error-exitcode", "3",
@@ -394,9 +386,7 @@ def _mapped_case(case, kind, dtype, seed):
     q_map = _q_map(kind, lengths, b, seed)
     qp_l, q_l = _local_rows(qp, q_map), _local_rows(q, q_map)
     prob = _problem(q_l, k, qp_l, kp, cfg, len(lengths))
-    with pytest.MonkeyPatch.context() as mp:  # (not declared for `auto` until these pass)
-        declare_cute_q_map(mp)
-        assert cute_be.unsupported_reason("bwd", dataclasses.replace(prob, q_map=True)) is None
+    assert cute_be.unsupported_reason("bwd", dataclasses.replace(prob, q_map=True)) is None
     idx = reference.select(qp_l, kp, cu, cfg, q_map=q_map)
     real = q_map >= 0
     idx[~real] = idx[int(torch.nonzero(real)[0])].clone()
@@ -405,19 +395,17 @@ def _mapped_case(case, kind, dtype, seed):
 
 
 def _mapped_run(case, kind, dtype, seed, *, main=True, proxy=True, variant=None):
-    """The CuTe backward with the map (kernel switches ``variant``) and the Triton backward
+    """The CuTe backward with the map (kernel choice ``variant``) and the Triton backward
     with it, on the Triton forward's saved tensors, by the rule; padding rows' dq, dq_proxy
     exactly 0. New buffers start NaN-poisoned (deterministic mode's partials)."""
-    from flash_msa.cute import bwd_sm90
-
     _, triton_be = _backends()
     (qp, kp, q, k, v), cu, q_map, cfg, idx, f = _mapped_case(case, kind, dtype, seed)
     saved = Saved(q, k, v, f.out, f.lse, idx, qp, kp, f.proxy_lse, None)
     dout, dkl = incoming(q, qp.shape[1], seed)
     dout, dkl = (dout if main else None), (dkl if proxy else None)
     exact, same = _mapped_references(qp, kp, q, k, v, idx, cu, cfg, dout, dkl, q_map)
-    for name, fn in (("cute", bwd_sm90.bwd), ("triton", triton_be.bwd)):
-        kw = dict(variant or {}) if name == "cute" else {}
+    for name, fn in (("cute", cute_bwd), ("triton", triton_be.bwd)):
+        kw = dict(variant=variant) if name == "cute" else {}
         with pytest.MonkeyPatch.context() as mp:
             _poison_new_buffers(mp)
             g = fn(dout, dkl, saved, cu, cfg, q_map=q_map, **kw)
@@ -448,7 +436,7 @@ def test_cute_bwd_q_map_fp16():
 @pytest.mark.parametrize("case", ["anchor", "Hp>Hpk>1-b64"])
 @pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
 def test_cute_bwd_q_map_variants(variant, case):
-    """Each A/B switch (v2, one gather stage, deterministic mode) with a query map, and the
+    """Each kernel choice (v2, deterministic mode) with a query map, and the
     main-only and proxy-only parts."""
     if not bwd_fits(CASES[case], variant):
         pytest.skip(f"{variant} cannot run this layout (can_implement)")
@@ -457,30 +445,10 @@ def test_cute_bwd_q_map_variants(variant, case):
     _mapped_run(CASES[case], "random", torch.bfloat16, seed=15, proxy=False, variant=variant)
 
 
-@pytest.mark.parametrize("case", ["anchor", "paper", "Hp>Hpk>1-b64"])
-def test_cute_kl_stage_q_map_matches_triton(case):
-    """The KL mode (``bwd_sm90.kl``, the forward's KL stage) on a work list with a query map:
-    the sum of Triton's KL stage on the same work list and LSEs (relative 1e-3), bitwise equal
-    across runs."""
-    from flash_msa.cute import bwd_sm90
-
-    _, triton_be = _backends()
-    (qp, kp, q, k, v), cu, q_map, cfg, idx, f = _mapped_case(
-        CASES[case], "random", torch.bfloat16, 16
-    )
-    wl = worklist.build(idx, cu, cfg.block_size, worklist.ITEM_TOKENS, 0, k.shape[0], q_map)
-    mine = bwd_sm90.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg)
-    again = bwd_sm90.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg)
-    theirs = triton_be.forward_stages().kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg)
-    assert torch.equal(mine, again) and torch.isfinite(mine)
-    rel = (mine - theirs).abs().item() / max(theirs.abs().item(), 1e-6)
-    assert rel < 1e-3, (mine.item(), theirs.item())
-
-
 @pytest.mark.parametrize("P", [2, 3])
 def test_q_map_emulated_cp_on_cuda_auto(P, monkeypatch):
     """tests/test_distributed.py::test_q_map_emulated_cp on one GPU in bf16 with ``auto``
-    (every op on CuTe: the forward's map declared since the ninth session), anchor heads:
+    (every op on CuTe), anchor heads:
     each "rank"'s local queries against the whole batch's keys, no communication. bf16 runs
     that select independently may differ by a near-tie block (an O(1) change of a row), so, as
     tests/test_distributed.py's ``_real_worker`` does: each rank's selection against the single
@@ -492,7 +460,6 @@ def test_q_map_emulated_cp_on_cuda_auto(P, monkeypatch):
 
     cute_be, _ = _backends()
     monkeypatch.setenv("FLASH_MSA_BACKEND", "auto")
-    declare_cute_q_map(monkeypatch)  # (declared since these passed; kept if the switch is off)
     lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = (3000, 777, 5200), 16, 2, 4, 1, 128, 128, 128, 8
     (qp, kp, q, k, v), cu = packed_inputs(
         lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=torch.bfloat16, device="cuda", seed=17

@@ -184,10 +184,10 @@ def _poison_new_buffers(mp):
 @pytest.mark.parametrize("case", CUTE_LAYOUTS.values(), ids=CUTE_LAYOUTS.keys())
 @pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launches"])
 def test_cute_forward_with_the_cute_combine_matches_reference(case, dtype, fused):
-    """The sparse-forward driver with the CuTe partials and the CuTe combine (the stages
-    ``cute.forward_stages`` would give with the switch on; the rest borrowed from Triton):
-    out, lse, proxy LSE and KL by the rule against the fp64 reference; out and lse next to the
-    CuTe forward as registered (Triton's combine) within the rule's tolerance of each other."""
+    """The sparse-forward driver with the CuTe partials and the CuTe combine, its proxy merge in
+    the same launch or not (the stages passed explicitly; the rest borrowed from Triton): out,
+    lse, proxy LSE and KL by the rule against the fp64 reference; out and lse next to the CuTe
+    forward as registered within the rule's tolerance of each other."""
     combine_sm90 = _combine_module()
     cute_be, why = backends.load("cute")
     assert cute_be is not None, why
@@ -200,7 +200,7 @@ def test_cute_forward_with_the_cute_combine_matches_reference(case, dtype, fused
     cfg = config(max(lengths), D, Dp, b, top_k)
     idx = reference.select(qp, kp, cu, cfg)
     assert combine_sm90.combine_fits(dtype, H, Hp, top_k, D)
-    stages = sparse_forward.Stages(  # fused: as cute.forward_stages gives it with the switch on
+    stages = sparse_forward.Stages(  # fused: as cute.forward_stages gives it
         partials=partials, combine=combine_sm90.combine, combine_makes_proxy=fused
     )
     with pytest.MonkeyPatch.context() as mp:

@@ -1,7 +1,7 @@
-"""GPU tests of the CuTe FP8 selection (``selection_precision="fp8"``, issue 15; ``pytest -m gpu``
-on Hopper with nvidia-cutlass-dsl): ``SelectSm90`` with e4m3 operands and key scales, called
-directly (``select_sm90.select_fp8_into`` / ``select``; registered for ``auto`` since these
-passed on the H200 in the eighth session, ``cute.FP8_SELECTION_ON_CUTE``).
+"""GPU tests of the CuTe FP8 selection (``selection_precision="fp8"``; ``pytest -m gpu`` on Hopper
+with nvidia-cutlass-dsl): ``SelectSm90`` with e4m3 operands and key scales, called directly
+(``select_sm90.select_fp8_into`` / ``selection.select``; declared for ``auto`` in
+``LIMITS["select"].fp8_selection``).
 
 Every check compares index sets on **identical quantized operands** (``quant.quantize`` once,
 given to every implementation): the Triton fp8 oracle (``triton_ref/selection_fp8.py``, the same
@@ -150,24 +150,22 @@ def test_cute_fp8_select_applies_the_key_scales(key_scale):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cute_fp8_select_op_quantizes_then_selects(dtype, monkeypatch):
-    """``select_sm90.select`` with ``selection_precision="fp8"`` (the backend op's body): the
+    """``selection.select`` with ``selection_precision="fp8"`` (the backend op's body): the
     quantize pass with the shipped choices (block scale, rotation) and the kernel, against the
     reference's fp8 selection of the same inputs (which quantizes them the same way); the
-    backend entry runs it while ``cute.FP8_SELECTION_ON_CUTE`` is on and refuses it when off."""
+    backend entry runs it."""
     from flash_msa import cute
 
-    select_sm90 = _select_sm90()
+    _select_sm90()
+    from flash_msa.cute import selection
     qp, kp, cu, cfg, qz = _case((7000, 900), 4, 1, 128, 128, 16, dtype, 5, "local")
-    got = select_sm90.select(qp, kp, cu, cfg)
+    got = selection.select(qp, kp, cu, cfg)
     _check_format(got, cu, cfg.block_size)
     assert _mismatch(got, reference.select(qp, kp, cu, cfg), qz, cu, cfg) == 0
     assert torch.equal(got, _cute_fp8(qz, cu, cfg))  # quant.quantize: the same operands
-    exact = select_sm90.select(qp, kp, cu, dataclasses.replace(cfg, selection_precision="bf16"))
+    exact = selection.select(qp, kp, cu, dataclasses.replace(cfg, selection_precision="bf16"))
     assert not torch.equal(got, exact)  # the precision reached the kernel
     assert torch.equal(cute.select(qp, kp, cu, cfg), got)
-    monkeypatch.setattr(cute, "FP8_SELECTION_ON_CUTE", False)
-    with pytest.raises(backends.BackendError, match="FP8_SELECTION_ON_CUTE"):
-        cute.select(qp, kp, cu, cfg)
 
 
 def test_cute_fp8_select_keeps_ties_in_block_order():
@@ -215,26 +213,30 @@ def test_cute_fp8_select_hypothesis_runtime_sizes(data):
 
 def test_cute_fp8_select_is_sync_free():
     """The op (quantize pass and kernel) makes no host synchronization, and repeats itself."""
-    select_sm90 = _select_sm90()
+    _select_sm90()
+    from flash_msa.cute.selection import select
+
     qp, kp, cu, cfg, _ = _case((3000, 700), 4, 1, 128, 128, 16, torch.bfloat16)
-    first = select_sm90.select(qp, kp, cu, cfg)  # compiles
+    first = select(qp, kp, cu, cfg)  # compiles
     with no_host_sync():
-        again = select_sm90.select(qp, kp, cu, cfg)
+        again = select(qp, kp, cu, cfg)
     assert torch.equal(first, again)
 
 
 def test_cute_fp8_select_is_graph_capturable():
     """The op captured in a CUDA graph and replayed on new inputs equals an eager call."""
-    select_sm90 = _select_sm90()
+    _select_sm90()
+    from flash_msa.cute.selection import select
+
     qp, kp, cu, cfg, _ = _case((3000, 700), 4, 1, 128, 128, 16, torch.bfloat16)
-    select_sm90.select(qp, kp, cu, cfg)  # compiles outside the capture
+    select(qp, kp, cu, cfg)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = select_sm90.select(qp, kp, cu, cfg)
+        captured = select(qp, kp, cu, cfg)
     qp.copy_(torch.randn_like(qp))
     graph.replay()
-    assert torch.equal(captured, select_sm90.select(qp, kp, cu, cfg))
+    assert torch.equal(captured, select(qp, kp, cu, cfg))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,36 +334,34 @@ def test_cute_quantize_edge_values(key_scale, Dp):
             _assert_bitwise(got, want)
 
 
-def test_cute_quantize_tuning_variants_are_bitwise_equal():
-    """Every variant benchmarks/cute_select_ab.py times (``quantize_sm90.VARIANTS``) writes the
-    torch pass's bytes."""
-    qs = _quantize_sm90()
-    qp, kp, cu, _, _ = _case((5000, 300, 1), 4, 1, 128, 128, 16, torch.bfloat16, 3, "gain")
-    want = quant.quantize(qp, kp, cu, 128)
-    for tuning in qs.VARIANTS.values():
-        _assert_bitwise(qs.quantize(qp, kp, cu, 128, out=_poisoned_like(want), **tuning), want)
-
-
 def test_cute_fp8_select_op_with_the_cute_quantize_pass(monkeypatch):
-    """``select_sm90.select`` (fp8) with ``quantize_sm90.QUANTIZE_ON_CUTE`` on (off until this
-    passed on the H200): the same indices as with the torch pass (the operands are the same
-    bits), no host synchronization, and a CUDA graph capture replays it on new inputs."""
-    select_sm90, qs = _select_sm90(), _quantize_sm90()
+    """``selection.select`` (fp8) with the CuTe quantize pass (where it fits) against the torch
+    pass (its named fallback, taken where ``quantize_sm90.can_implement`` refuses; forced here
+    by patching it): the same indices (the operands are the same bits), no host
+    synchronization, and a CUDA graph capture replays it on new inputs."""
+    _select_sm90()
+    from flash_msa.cute import selection
+
+    qs = _quantize_sm90()
     qp, kp, cu, cfg, _ = _case((7000, 900), 4, 1, 128, 128, 16, torch.bfloat16, 5, "local")
-    torch_pass = select_sm90.select(qp, kp, cu, cfg)
-    monkeypatch.setattr(qs, "QUANTIZE_ON_CUTE", True)
+
+    def torch_pass():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(qs, "can_implement", lambda *a: "forced: the torch pass")
+            return selection.select(qp, kp, cu, cfg)
+
+    before = torch_pass()
     calls = []
     real = qs.quantize
     monkeypatch.setattr(qs, "quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    got = select_sm90.select(qp, kp, cu, cfg)
-    assert calls and torch.equal(got, torch_pass)
+    got = selection.select(qp, kp, cu, cfg)
+    assert calls and torch.equal(got, before)
     with no_host_sync():
-        again = select_sm90.select(qp, kp, cu, cfg)
+        again = selection.select(qp, kp, cu, cfg)
     assert torch.equal(again, got)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = select_sm90.select(qp, kp, cu, cfg)
+        captured = selection.select(qp, kp, cu, cfg)
     qp.copy_(torch.randn_like(qp))
     graph.replay()
-    monkeypatch.setattr(qs, "QUANTIZE_ON_CUTE", False)
-    assert torch.equal(captured, select_sm90.select(qp, kp, cu, cfg))
+    assert torch.equal(captured, torch_pass())

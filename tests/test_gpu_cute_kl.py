@@ -1,8 +1,8 @@
-"""GPU tests of the CuTe KL stage (``flash_msa/cute/bwd_sm90.py``: ``kl``, the fused backward's
-kernel in its KL mode) on Hopper: the forward's KL value with the stage on (``cute.KL_ON_CUTE``)
-by the rule against the exact reference, next to the Triton forward's; the stage's sum alone
-against Triton's stage on the same work list, final LSEs and items split to the kernel's size;
-bitwise equal across runs (one fp32 sum per item, added in a fixed order)."""
+"""GPU tests of the CuTe KL stage (``flash_msa/cute/fwd_partials_sm90.py``: ``kl``, the
+``FwdKlSm90`` kernel) on Hopper: the forward's KL value by the rule against the exact reference,
+next to the Triton forward's and to the CuTe forward with Triton's KL stage passed explicitly;
+the stage's sum alone against Triton's stage on the same work list and final LSEs; bitwise
+equal across runs (one fp32 sum per item, added in a fixed order)."""
 
 from __future__ import annotations
 
@@ -35,18 +35,21 @@ def _setup(case, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_cute_kl_stage_matches_triton_and_reference(case, dtype, monkeypatch):
-    """The KL of the CuTe forward with the stage on, by the rule against the fp64 reference
-    (and the Triton forward's on the same indices); the stage's sum against Triton's stage on
-    the same work list and LSEs (relative 1e-3: both fp32 sums of the same terms); two runs
-    bitwise equal; the outputs other than the KL unchanged by the switch."""
-    cute_be, triton_be, (qp, kp, q, k, v), cu, cfg, idx = _setup(case, dtype, seed=5)
-    from flash_msa import cute
-    from flash_msa.cute import bwd_sm90
+def test_cute_kl_stage_matches_triton_and_reference(case, dtype):
+    """The KL of the CuTe forward, by the rule against the fp64 reference (and the Triton
+    forward's on the same indices); where the CuTe stage fits, its sum against Triton's stage
+    on the same work list and LSEs (relative 1e-3: both fp32 sums of the same terms), two runs
+    bitwise equal, and the outputs other than the KL the same as with Triton's KL stage passed
+    to the driver."""
+    import dataclasses
 
+    from flash_msa import sparse_forward
+    from flash_msa.cute import fwd_partials_sm90 as fp
+
+    cute_be, triton_be, (qp, kp, q, k, v), cu, cfg, idx = _setup(case, dtype, seed=5)
     exact, same = references(qp, kp, q, k, v, idx, cu, cfg)
-    off = cute_be.fwd(q, k, v, idx, cu, cfg, qp, kp)
-    monkeypatch.setattr(cute, "KL_ON_CUTE", True)
+    picked = cute_be.stages_for(q, k, qp, kp, idx, cfg)
+    off = sparse_forward.fwd(dataclasses.replace(picked, kl=None), q, k, v, idx, cu, cfg, qp, kp)
     on = cute_be.fwd(q, k, v, idx, cu, cfg, qp, kp)
     tri = triton_be.fwd(q, k, v, idx, cu, cfg, qp, kp)
     for name, f in (("cute kl stage", on), ("triton", tri)):
@@ -54,10 +57,13 @@ def test_cute_kl_stage_matches_triton_and_reference(case, dtype, monkeypatch):
     for a, b in ((on.out, off.out), (on.lse, off.lse), (on.proxy_lse, off.proxy_lse)):
         assert torch.equal(a, b)
 
+    if not fp.kl_fits(q, k, qp, kp, idx, cfg):
+        assert picked.kl is None  # Triton's stage (e.g. D != Dp)
+        return
     T = q.shape[0]
     wl = worklist.build(idx, cu, cfg.block_size, worklist.ITEM_TOKENS, 0, T)
-    mine = bwd_sm90.kl(q, k, qp, kp, on.lse, on.proxy_lse, wl, cfg)
-    again = bwd_sm90.kl(q, k, qp, kp, on.lse, on.proxy_lse, wl, cfg)
+    mine = fp.kl(q, k, qp, kp, on.lse, on.proxy_lse, wl, cfg)
+    again = fp.kl(q, k, qp, kp, on.lse, on.proxy_lse, wl, cfg)
     theirs = triton_be.forward_stages().kl(q, k, qp, kp, on.lse, on.proxy_lse, wl, cfg)
     assert torch.equal(mine, again)
     assert torch.isfinite(mine)
@@ -68,18 +74,18 @@ def test_cute_kl_stage_matches_triton_and_reference(case, dtype, monkeypatch):
 def test_cute_kl_stage_refuses_the_unit_gradient():
     """This backend's backward makes the proxy gradient: the KL stage refuses to."""
     cute_be, triton_be, (qp, kp, q, k, v), cu, cfg, idx = _setup(CASES["anchor"], torch.bfloat16, 1)
-    from flash_msa.cute import bwd_sm90
+    from flash_msa.cute import fwd_partials_sm90 as fp
 
     f = triton_be.fwd(q, k, v, idx, cu, cfg, qp, kp)
     wl = worklist.build(idx, cu, cfg.block_size, worklist.ITEM_TOKENS, 0, q.shape[0])
     unit = (torch.zeros(qp.shape, device="cuda"), torch.zeros(kp.shape, device="cuda"))
     with pytest.raises(ValueError, match="unit"):
-        bwd_sm90.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg, unit)
+        fp.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg, unit)
 
 
 # ---------------------------------------------------------------------------------------------
 # the KL stage on the forward partials' kernel (fwd_partials_sm90: FwdKlSm90, kl; the CuTe
-# forward's kl stage): its sum against the reference and bwd_sm90.kl, and in the driver
+# forward's kl stage): its sum against the reference and Triton's stage, and in the driver
 # ---------------------------------------------------------------------------------------------
 # the CUTE layouts with D == Dp (G = H / Hs: anchor 4, paper 16, Hp>Hpk>1-b64 2, G2=1 1,
 # D=64-b128 4; empty and one-token sequences; Dp > D is refused: FwdKlSm90.can_implement) and
@@ -109,10 +115,8 @@ def _fwd_mode_setup(case, dtype, seed, kind):
 def test_cute_kl_fwd_mode_stage(case, dtype, kind):
     """``fwd_partials_sm90.kl`` (FwdKlSm90, the driver's 256-token items): its sum over the
     rows, as the forward's KL (sum / (Hs T)), by the rule against the fp64 reference on the
-    same indices; against ``bwd_sm90.kl`` on the same work list and final LSEs (relative
-    1e-3: fp32 sums of the same terms in another order); two runs bitwise equal; the other
-    warpgroup counts the shared memory allows within 1e-4 of the default's."""
-    from flash_msa.cute import bwd_sm90
+    same indices; against Triton's KL stage on the same work list and final LSEs (relative
+    1e-3: fp32 sums of the same terms in another order); two runs bitwise equal."""
     from flash_msa.cute import fwd_partials_sm90 as fp
 
     cute_be, (qp, kp, q, k, v), cu, cfg, idx = _fwd_mode_setup(case, dtype, 11, kind)
@@ -126,15 +130,10 @@ def test_cute_kl_fwd_mode_stage(case, dtype, kind):
     assert torch.equal(mine, again)
     assert torch.isfinite(mine)
     check({"kl": mine / (Hs * T)}, exact, same, ["kl"], label="cute fwd-mode kl stage ")
-    theirs = bwd_sm90.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg)
+    triton_kl = backends.load("triton")[0].forward_stages().kl
+    theirs = triton_kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg)
     rel = (mine - theirs).abs().item() / max(theirs.abs().item(), 1e-6)
     assert rel < 1e-3, (mine.item(), theirs.item())
-    H, D, Dp = q.shape[1], q.shape[2], qp.shape[2]
-    for wgs in (1, 3):
-        if fp._kl_reason(q, k, qp, kp, wl.slots, cfg, wgs) is None:
-            other = fp.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg, warpgroups=wgs)
-            rel = (other - mine).abs().item() / max(mine.abs().item(), 1e-6)
-            assert rel < 1e-4, (wgs, other.item(), mine.item(), H, D, Dp)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -163,10 +162,9 @@ def test_cute_kl_fwd_mode_in_the_driver(case, dtype):
     assert grad.proxy_grad is not None
 
 
-def test_cute_kl_fwd_mode_refuses_the_unit_gradient_and_hands_over_a_query_map():
-    """``fwd_partials_sm90.kl`` refuses the unit gradient; a work list with a query map goes to
-    ``bwd_sm90.kl`` (the same bits)."""
-    from flash_msa.cute import bwd_sm90
+def test_cute_kl_fwd_mode_refuses_the_unit_gradient_and_a_query_map():
+    """``fwd_partials_sm90.kl`` refuses the unit gradient and a work list with a query map
+    (``kl_fits`` is false for a mapped call: the forward borrows Triton's stage)."""
     from flash_msa.cute import fwd_partials_sm90 as fp
 
     cute_be, (qp, kp, q, k, v), cu, cfg, idx = _fwd_mode_setup(
@@ -180,7 +178,6 @@ def test_cute_kl_fwd_mode_refuses_the_unit_gradient_and_hands_over_a_query_map()
         fp.kl(q, k, qp, kp, f.lse, f.proxy_lse, wl, cfg, unit)
     q_map = torch.arange(T, dtype=torch.int32, device="cuda")  # the identity map
     mapped = wl._replace(q_map=q_map)
-    assert torch.equal(
-        fp.kl(q, k, qp, kp, f.lse, f.proxy_lse, mapped, cfg),
-        bwd_sm90.kl(q, k, qp, kp, f.lse, f.proxy_lse, mapped, cfg),
-    )
+    with pytest.raises(ValueError, match="q_map"):
+        fp.kl(q, k, qp, kp, f.lse, f.proxy_lse, mapped, cfg)
+    assert not fp.kl_fits(q, k, qp, kp, idx, cfg, mapped=True)

@@ -10,7 +10,7 @@ other view: a warpgroup's next gather lands on the tile its current MMA reads (D
 in sQ buffer 1 = [4096, 8192)), and across warpgroups (warpgroup 0's q_proxy buffer 1 = sQ
 buffers 2 and 3, warpgroup 1's). The forward partials' own proxy part does not have this
 problem: it runs after a CTA barrier, with only the sQp view in use. Fixed by refusing D != Dp
-(``FwdKlSm90.can_implement``; the stage then hands the call to ``bwd_sm90.kl``).
+(``FwdKlSm90.can_implement``; the forward then borrows Triton's KL stage).
 
 The test traces the host (``__call__``, as ``compile_check.compile_kl`` does) up to the kernel
 launch and reads the layouts it hands the kernel. It asserts the invariant the kernel relies on
@@ -31,7 +31,7 @@ class _Traced(Exception):
     pass
 
 
-def _kernel_layouts(monkeypatch, D, Dp, block=128, wgs=2):
+def _kernel_layouts(monkeypatch, D, Dp, block=128):
     """The (sQ, sQp) layouts ``FwdKlSm90.__call__`` passes to ``kl_kernel`` (anchor heads)."""
     import cutlass.cute as cute
 
@@ -47,9 +47,9 @@ def _kernel_layouts(monkeypatch, D, Dp, block=128, wgs=2):
             seen["qp"] = (sQp_layout.outer.shape, sQp_layout.outer.stride, cute.cosize(sQp_layout))
             raise _Traced
 
-    monkeypatch.setattr(f, "FwdKlSm90", Probe)
+    monkeypatch.setattr(compile_check, "FwdKlSm90", Probe)
     with pytest.raises(Exception) as info:
-        compile_check.compile_kl("bf16", 16, 2, 4, 1, D, Dp, 16, block, wgs)
+        compile_check.compile_kl("bf16", 16, 2, 4, 1, D, Dp, 16, block)
     assert "q" in seen, info.value  # (the trace reached the launch)
     return seen["q"], seen["qp"]
 
@@ -82,7 +82,7 @@ def test_equal_dims_share_buffers_one_to_one(monkeypatch):
 @pytest.mark.parametrize("D, Dp", [(64, 128), (128, 64)])
 def test_unequal_dims_are_refused(D, Dp):
     """The overlap the views would have with D != Dp (buffer strides 64 x D and 64 x Dp) is
-    avoided by refusing those layouts: ``kl_fits`` is false, so ``bwd_sm90.kl`` runs them."""
+    avoided by refusing those layouts: ``kl_fits`` is false, so Triton's KL stage runs them."""
     from cutlass import BFloat16
 
     from flash_msa.cute.fwd_partials_sm90 import FwdKlSm90

@@ -22,7 +22,8 @@ pytest.importorskip("cutlass")
 from cutlass import BFloat16  # noqa: E402
 from cutlass.cute.runtime import make_fake_stream  # noqa: E402
 
-from flash_msa.cute import bwd_sm90, common, fwd_partials_sm90, select_sm90  # noqa: E402
+from flash_msa.cute import bwd_sm90, common, compile_check, fwd_partials_sm90, select_sm90  # noqa: E402
+from flash_msa.cute.backward import kernel_for  # noqa: E402
 
 
 def _layouts():
@@ -73,7 +74,7 @@ def _launch_cases():
     fp = fwd_partials_sm90
     fwd = fp.FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 16, 128, proxy=True, qmap=True)
     kl = fp.FwdKlSm90(BFloat16, 16, 2, 4, 128, 16, 128, 2, True, 128, 1)
-    bwd = bwd_sm90.BwdSm90.make(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
+    bwd = kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
     sel = select_sm90.SelectSm90(BFloat16, 128, 4, 1, 16, 128, qmap=True)
     return [
         (fp, fwd, lambda k, t: fp.launch_arguments(k, t, (1.5, 7, 9, 2.5), s),
@@ -92,7 +93,7 @@ def test_launch_arguments_follow_call_signature(case):
     (``PointerTensors``, one per tensor name), then each scalar under its parameter's name with
     its annotated type, the stream where ``stream`` stands."""
     module, kernel, launch, want = _launch_cases()[case]
-    tensors = module.specimen_tensors(kernel)
+    tensors = compile_check.specimens(kernel)
     bound, args = launch(kernel, tensors)
     params = list(inspect.signature(type(kernel).__call__).parameters.values())[1:]
     assert len(args) == len(params)
@@ -123,7 +124,7 @@ def test_gapped_view_is_a_value_error_naming_the_tensor():
     message here: pytest's traceback would repr the DSL's half-made view, and that repr
     segfaults, nvidia-cutlass-dsl here.)"""
     kernel = select_sm90.SelectSm90(BFloat16, 128, 4, 1, 16, 128)
-    tensors = select_sm90.specimen_tensors(kernel, tokens=8)
+    tensors = compile_check.specimens(kernel, tokens=8)
     q = torch.zeros(8, 3 * 4 * 128, dtype=torch.bfloat16).view(8, 3, 4, 128).unbind(1)[0]
     error = None
     try:

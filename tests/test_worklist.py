@@ -265,14 +265,16 @@ def test_lists_match_only_their_own_call():
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the ordered sums of unwritten tiles
 @pytest.mark.parametrize("det", [False, True])
 def test_cute_backward_cuts_the_carried_lists(monkeypatch, det):
-    """The CuTe backward's host code (``bwd_sm90.bwd``, kernel launches replaced by a recorder;
+    """The CuTe backward's host code (``backward.bwd``, kernel launches replaced by a recorder;
     deterministic mode: one chunk) launches on the carried lists cut at its 128-entry items,
     the work list a fresh build gives, without sorting; without lists it sorts as before."""
     pytest.importorskip("cutlass")
-    from flash_msa.cute import bwd_sm90
+    import dataclasses
+
+    from flash_msa.cute import backward, bwd_sm90
 
     launched = []
-    monkeypatch.setattr(bwd_sm90, "launch_items", lambda *a, **kw: launched.append(a[3]))
+    monkeypatch.setattr(backward, "launch_items", lambda *a, **kw: launched.append(a[3]))
     lengths, H, Hkv, Hs, Hpk, D, block, K = (130, 0, 70), 8, 2, 4, 1, 64, 64, 2
     (qp, kp, q, k, v), cu = packed_inputs(
         lengths, H, Hkv, Hs, Hpk, D, D, dtype=torch.bfloat16, device="cpu", seed=1
@@ -284,11 +286,11 @@ def test_cute_backward_cuts_the_carried_lists(monkeypatch, det):
     saved = Saved(q, k, v, torch.zeros_like(q), stats[0], idx, qp, kp, stats[1], None)
     carrying = worklist.carry(saved, worklist.lists(idx, cu, block))
     calls = _count_sorts(monkeypatch)
-    variant = {"deterministic": True} if det else {}
-    bwd_sm90.bwd(torch.zeros_like(q), torch.ones(()), carrying, cu, cfg, **variant)
+    cfg = dataclasses.replace(cfg, deterministic=det)
+    backward.bwd(torch.zeros_like(q), torch.ones(()), carrying, cu, cfg)
     assert calls == [] and len(launched) == 1
     want = worklist.build(idx, cu, block, bwd_sm90.BwdSm90.ITEM_TOKENS)
     for a, b in zip(launched[0], want):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-    bwd_sm90.bwd(torch.zeros_like(q), torch.ones(()), saved, cu, cfg, **variant)
+    backward.bwd(torch.zeros_like(q), torch.ones(()), saved, cu, cfg)
     assert calls[-1] == T and len(launched) == 2

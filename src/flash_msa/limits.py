@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import backends
 from .problem import Problem
 
 OPS = ("select", "fwd", "bwd", "warmup")
@@ -44,6 +45,9 @@ class Limits:
     # selects in fp8 (``Problem.selection_precision == "fp8"``: e4m3 proxy operands with fp32
     # scales, an approximate selection; flash_msa.quant); checked for the "select" op only
     fp8_selection: bool = False
+    # the backward makes the proxy gradient itself, so the forward need not
+    # (``Forward.proxy_grad``); read for the "bwd" op
+    fused_proxy_grad: bool = False
     note: str = ""  # what the table should also say (e.g. stages run by another backend)
 
 
@@ -155,8 +159,6 @@ def rows(name: str, declared: dict) -> list[tuple[str, str]]:
 
 def markdown() -> str:
     """The README's backend table, from every importable backend's ``LIMITS``."""
-    from . import backends
-
     lines = ["| backend | ops | declared limits |", "|---|---|---|"]
     for name in backends.MODULES:
         module, why = backends.load(name)

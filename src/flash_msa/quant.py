@@ -1,4 +1,4 @@
-"""FP8 (e4m3) quantization of the proxy operands for approximate selection (issue 15).
+"""FP8 (e4m3) quantization of the proxy operands for approximate selection.
 
 ``selection_precision="fp8"`` ranks key blocks by scores of e4m3 operands with fp32
 accumulation: what an FP8 tensor-core selection computes. This module is the quantize pass
@@ -39,7 +39,7 @@ docs/algorithm.md, "FP8 selection: semantics and recall"):
   spread (random 97.43 -> 97.42 %, local 98.69 -> 98.53 %). The cost is a ``Dp x Dp`` product
   per token and head in the quantize pass.
 
-``selection_precision="fp8_rerank"`` (issue 15's recall gate): the fp8 selection of
+``selection_precision="fp8_rerank"`` (the 99 % recall gate): the fp8 selection of
 :func:`candidate_top_k` blocks (``top_k + RERANK_EXTRA``), then their exact block scores (the
 fp32 causal block max of ``proxy_scale * q_proxy . k_proxy`` from the input-dtype operands, the
 score ``"bf16"`` ranks) keep ``top_k`` by the selection's rules (:func:`refine`). It equals the
@@ -76,9 +76,8 @@ PRECISIONS = ("bf16", "fp8", "fp8_rerank")
 # 99.66-100 % on the structured cases, 99.28-99.73 % on random (below the 99 % gate's margin
 # at S 8192); m = 4 gives 99.87-100 % everywhere, above bf16's own recall of the fp32
 # selection (99.68-99.91 %). Each extra block costs 2 * Dp * b FLOPs per (row, proxy head).
-# At paper 128K (1024 blocks, top_k 16) the structured inputs need more: H200 sweep (tenth
-# session, benchmarks/results/stage10/fp8_rerank_sweep.log, `fp8_rerank_time.py --extra 4 8 16
-# 32`), recall of the bf16 selection random / local: m = 4 99.22 / 96.35 %, m = 8 99.91 /
+# At paper 128K (1024 blocks, top_k 16) the structured inputs need more: H200 sweep
+# (`benchmarks/fp8_rerank_time.py --extra 4 8 16 32`), recall of the bf16 selection random / local: m = 4 99.22 / 96.35 %, m = 8 99.91 /
 # 98.25 %, m = 16 99.999 / 99.53 %, m = 32 100 / 99.91 %; the whole select 19.7 / 16.9, 21.1 /
 # 17.6, 23.7 / 18.8, 33.7 / 27.5 ms (bf16 14.1 / 11.2, fp8 12.0 / 8.7). m = 16 is the smallest
 # that passes the 99 % gate on the structured inputs at 128K. It caps fp8_rerank's top_k at

@@ -35,7 +35,7 @@ the index row. The KL stage reads the final ``lse`` and ``proxy_lse`` of the chu
 
 A backend that does not have a stage yet leaves it ``None``: the driver then runs the Triton
 backend's stage in its place (:func:`borrowed`), and :func:`borrowed_reason` adds that stage's
-limits to the backend's own. The CuTe backend supplies every stage (``cute.forward_stages``);
+limits to the backend's own. The CuTe backend supplies every stage (``cute.forward.forward_stages``);
 it leaves one out, and so borrows Triton's, only where its kernel cannot run the call (its
 ``*_fits``; the README's backend table says so).
 
@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from . import worklist
+from . import backends, ordered, worklist
 from .problem import Config, Forward, Problem
 
 PARTIAL_BYTES = 2 << 30  # the partial-output buffer of one query chunk stays below 2 GiB
@@ -111,8 +111,6 @@ BORROWED_FROM = "triton"
 
 
 def _lender() -> Stages:
-    from . import backends
-
     module, why = backends.load(BORROWED_FROM)
     if module is None:
         raise RuntimeError(f"the {BORROWED_FROM} backend's forward stages are needed: {why}")
@@ -176,8 +174,6 @@ def borrowed_reason(stages: Stages, problem: Problem) -> str | None:
     proxy, kl = problem.proxy_head_dim > 0, problem.cfg.compute_kl
     if not borrowed_names(stages, proxy, kl):
         return None
-    from . import backends
-
     why = backends.reason_not(BORROWED_FROM, "fwd", problem)
     return None if why is None else f"its {BORROWED_FROM} forward stages cannot run: {why}"
 
@@ -282,15 +278,14 @@ def fwd(
         return f  # chunked (long context) and sorted per chunk: each chunk's lists are gone
     if not keeps(sorted_lists, q, k, v):
         return f  # too large to keep
-    if cfg.deterministic:  # the ordered backwards sort per chunk of their own when their dQ
-        from . import ordered  # partials (>= H K D fp32 per row) need chunks: nothing to keep
-
-        if ordered.token_chunk(T, H * K * D * 4) < T:
-            return f
+    # the ordered backwards sort per chunk of their own when their dQ partials (>= H K D fp32
+    # per row) need chunks: nothing to keep
+    if cfg.deterministic and ordered.token_chunk(T, H * K * D * 4) < T:
+        return f
     return worklist.carry(f, sorted_lists)
 
 
-# One sort per chunked forward (P1 of docs/reviews/2026-12-01-fwd-after-partials.md): a chunked
+# One sort per chunked forward: a chunked
 # forward (C < T) sorts its work list once over all rows (worklist.lists(..., chunk=C)) instead
 # of once per chunk, cuts each chunk's work list from it (worklist.chunk_items: the same items,
 # so out, lse and proxy_lse are bitwise those of the per-chunk sorts), runs the KL stage once
@@ -298,8 +293,8 @@ def fwd(
 # fp32 summation order only, the same bits every run) and keeps the lists for the backward
 # (which then does not sort). Paper 128K (16 chunks): 1 sort instead of 16, 67 torch ops of
 # driver glue instead of 464 (counted on CPU with stub stages: tests/test_one_sort.py).
-# Decided by the twelfth session's H200 A/B (same run, verified bitwise against the per-chunk
-# sorts; benchmarks/results/stage12/): the CuTe forward op at paper 128K 70.42 -> 66.02 ms
+# Measured on the H200 (same run, verified bitwise against the per-chunk sorts): the CuTe
+# forward op at paper 128K 70.42 -> 66.02 ms
 # random, 65.29 -> 64.17 local (predicted 64-66); the bench's training step 173.6 -> 170.1 ms
 # with the KL, 153.9 -> 152.3 without. The per-chunk sort stays only as the fallback where
 # :func:`one_sort` says no (memory; deterministic mode with a unit proxy gradient).

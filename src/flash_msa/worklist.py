@@ -43,7 +43,7 @@ ITEM_TOKENS = 256  # tokens per work item: K/V (and dK/dV) stay on chip over the
 
 # Transient device bytes per (row, selection head, slot) entry at the peak of :func:`lists`'
 # sort (keys, the stable sort's values and scratch): 40, counted for the CuTe warmup's lists
-# (the tenth session's review: 24 undercounted the sort's buffers). Read by the budgets of the
+# (24, the count without the sort's scratch, undercounted them). Read by the budgets of the
 # warmup's lists (cute/warmup.py) and of the forward's one sort (sparse_forward.one_sort).
 SORT_BYTES_PER_ENTRY = 40
 

@@ -1,6 +1,6 @@
 """Sparse backward on Hopper (sm_90a) in CuTe DSL: main and proxy gradients in one key-outer pass.
 
-The CuTe backend's ``bwd`` (:func:`bwd`). One CTA per work item = (selection head p, key block,
+The CuTe backend's ``bwd`` kernel (host code: ``cute.backward``). One CTA per work item = (selection head p, key block,
 up to :attr:`BwdSm90.ITEM_TOKENS` query tokens that kept it), the reverse index of
 :mod:`flash_msa.worklist` (docs/algorithm.md, "Main attention: key-outer over a reverse index").
 The CTA has ``block_size / 64`` warpgroups; warpgroup w owns keys ``64 w .. 64 w + 63`` of the
@@ -45,10 +45,11 @@ from the map instead of being the row itself; nothing else changes (padding rows
 entries). Without the map the kernels' code is the one before the map existed (a compile-time
 branch; PTX identical up to the kernel's name, compile_check ``--dump``).
 
-Version 2 (docs/perf-notes.md "CuTe backward v2"): no warp specialization; two gather buffers
+No warp specialization (that is :mod:`.bwd_ws_sm90`, the default where it runs); two gather buffers
 (``gather_stages``) where shared memory allows; fp32 reductions by ``red.global.add.v2.f32``.
-Deterministic mode (:attr:`BwdSm90.deterministic`, :func:`_ordered`): stores into partials
-summed in a fixed order; compiled, not yet verified on a GPU.
+Deterministic mode (:attr:`BwdSm90.deterministic`, ``backward._ordered``): stores into
+partials summed in a fixed order (bitwise equal across runs on the H200,
+tests/test_gpu_cute_bwd.py).
 """
 
 from __future__ import annotations
@@ -67,25 +68,19 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from .. import ordered, worklist
 from ..cubin import SHARED_LIMIT
-from ..problem import Grads, Saved
 from ..worklist import geometry
-from . import row_delta_sm90, worklist_sm90
 from .common import (
-    ALIGN,
     PointerTensors,
     WorkItems,
     acc_as_a,
     acc_rows_cols,
     aligned,
     bound,
-    cutlass_dtype,
     pointer_arguments,
     pointer_tensors,
     row_gather_copy,
     run_typed,
-    specimen_makers,
     stream,
     tma_tiles,
 )
@@ -114,23 +109,20 @@ class BwdSm90:
     proxy: bool = True  # make the unit proxy gradient dq_proxy, dk_proxy
     # q/dO (and row data) buffers of phase A: 2 = the next (chunk, sub-group)'s gather is
     # issued before this one's MMAs, so its rows land while they run (+5% / +7% / +17% at
-    # anchor 16K / anchor 32K / paper 32K, +18% at paper 128K: docs/perf-notes.md "CuTe
-    # backward v2"); :func:`bwd` uses 1 where two do not fit the shared memory
+    # anchor 16K / anchor 32K / paper 32K, +18% at paper 128K, H200); ``backward.kernel_for``
+    # uses 1 where two do not fit the shared memory
     gather_stages: int = 2
-    # measurement only ("" in production): "no_dq_red" leaves out the dQ / dQ_proxy
-    # reductions, "dq_store" writes them by plain stores (wrong sums): how much of the time the
-    # fp32 reductions into L2 take (docs/perf-notes.md "CuTe backward v2")
-    probe: str = ""
     # deterministic mode (docs/algorithm.md "Deterministic mode"): no fp32 atomics; each item
     # stores its dQ / dQ_proxy rows into per-slot partial rows (``((t - tok0) * heads + h) *
     # K + slot``: one writer each) and its dK / dV / dK_proxy tile into a per-item tile (row
     # ``item * block + key``), which flash_msa.ordered adds in a fixed order (bwd(): chunks of
     # tokens, ranges of items)
     deterministic: bool = False
-    # the KL value (the forward's KL stage, :func:`kl`): phase A builds the teacher, phase B
-    # adds ``t (ln t - ln p)`` over the item's visible (row, key) pairs and stores the item's
-    # sum (fixed order: a thread's pairs, then the warp's lanes, then the CTA's warps) into
-    # ``mKL[item]``; with ``proxy`` False no gradient is made. One launch's items partition
+    # the KL value (no host caller: the forward's KL stage is fwd_partials_sm90.FwdKlSm90,
+    # 2.5x faster at paper 128K; the launch tensor ``kl`` of every configuration is this
+    # mode's output): phase A builds the teacher, phase B adds ``t (ln t - ln p)`` over the
+    # item's visible (row, key) pairs and stores the item's sum (fixed order: a thread's pairs,
+    # then the warp's lanes, then the CTA's warps) into ``mKL[item]``; with ``proxy`` False no gradient is made. One launch's items partition
     # the rows' kept keys, so the buffer's sum is the KL sum of the work list's rows.
     kl: bool = False
     # query rows through a query map (module docstring): the row data's token is
@@ -142,16 +134,6 @@ class BwdSm90:
     # (TMA descriptors' boxes, the rows' strides), so two layouts are two kernel objects.
     # ``()`` for a configuration not yet bound to a launch's tensors (it cannot be compiled)
     views: tuple = ()
-
-    # the A/B switches' combinations (tests/test_gpu_cute_bwd.py checks each by the rule,
-    # benchmarks/bwd_ab.py times them as "cute <name>")
-    VARIANTS: ClassVar[dict] = {
-        "default": {},
-        "v2": dict(ws=False),  # one MMA warpgroup per 64 keys, no producer (the fallback)
-        "stages1": dict(gather_stages=1),
-        # deterministic mode (not an A/B switch: checked and timed beside the others)
-        "deterministic": dict(deterministic=True),
-    }
 
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
     THREADS: ClassVar[int] = 128  # threads per warpgroup
@@ -243,36 +225,10 @@ class BwdSm90:
             self.head_dim, self.proxy_head_dim, self.top_k, self.block_size, self.teacher,
             self.gather_stages, self.deterministic,
         )  # fmt: skip
-        if self.probe not in ("", "no_dq_red", "dq_store"):
-            raise ValueError(f"CuTe backward: unknown probe {self.probe!r}")
         if why is not None:
             raise ValueError(f"CuTe backward: {why}")
         if not (self.main or self.proxy or self.kl):
             raise ValueError("CuTe backward: nothing to make (main, proxy and kl all False)")
-
-    @classmethod
-    def make(cls, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main=True, proxy=True, **variant):
-        """The kernel for a configuration with ``variant``'s switches: the warp-specialized
-        kernel (:mod:`.bwd_ws_sm90`) where it can run this configuration (1.08x / 1.04x /
-        1.16x / 1.14x this class's at anchor 16K / anchor 32K / paper 32K / paper 128K,
-        docs/perf-notes.md "CuTe backward v3"), else this class's, with two gather buffers
-        where they fit the shared memory (measured faster). ``ws=True`` / ``ws=False`` forces
-        one (the A/B); an explicit ``gather_stages`` or ``kl`` means this class's."""
-        from .bwd_ws_sm90 import BwdWsSm90
-
-        ws = variant.pop("ws", None)
-        if ws is None:
-            ws = not ({"gather_stages", "kl"} & variant.keys()) and BwdWsSm90.can_implement(
-                dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, proxy, 2,
-                variant.get("deterministic", False),
-            ) is None  # fmt: skip
-        if ws:
-            return BwdWsSm90(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
-        if "gather_stages" not in variant:
-            slab = proxy or variant.get("kl", False)  # the teacher slab's shared memory
-            two = cls.can_implement(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, slab, 2) is None
-            variant = dict(variant, gather_stages=2 if two else 1)
-        return BwdSm90(dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, **variant)
 
     @property
     def teacher(self) -> bool:
@@ -875,7 +831,7 @@ class BwdSm90:
         c_rc = acc_rows_cols(thr.partition_C(cute.make_identity_tensor((ROWS, dim))))
         r0, r1 = c_rc[0, 0][0], c_rc[1, 0][0]
         f = 2 if self.deterministic else 1  # the row's partial row, or its gradient row
-        mode = {"": "red", "no_dq_red": "none", "dq_store": "store"}[self.probe]
+        mode = "red"
         if cutlass.const_expr(self.deterministic):
             mode = "store"
         self.red_rows(
@@ -908,24 +864,22 @@ class BwdSm90:
         """``out[base_i + col] += coef * acc[i, col]`` for this thread's columns of its two
         accumulator rows ``i`` (a warpgroup MMA's thread holds rows r and r + 8, column pairs
         ``8 j + 2 (lane % 4)``) where ``ok_i``, by ``red.global.add.v2.f32`` per pair (``mode``
-        "red"), or ``out[...] = ...`` by 8-byte stores ("store": deterministic partials, the
-        ``dq_store`` probe), or nothing ("none": the ``no_dq_red`` probe)."""
+        "red"), or ``out[...] = ...`` by 8-byte stores ("store": deterministic partials)."""
         red = dict(op="add", dtype="f32", sem="relaxed", scope="gpu")
         assert cute.size(a_rc, mode=[0]) == 2
         pair = cute.make_rmem_tensor(2, Float32)
-        if cutlass.const_expr(mode != "none"):
-            for i, base, ok in ((0, base0, ok0), (1, base1, ok1)):
-                if ok:
-                    for jj in cutlass.range_constexpr(cute.size(a_rc, mode=[1]) // 2):
-                        pair[0] = a_rc[i, 2 * jj] * coef
-                        pair[1] = a_rc[i, 2 * jj + 1] * coef
-                        off = base + c_rc[i, 2 * jj][1]
-                        if cutlass.const_expr(mode == "store"):  # (8-byte aligned: even column)
-                            off = cute.assume(off, divby=2)
-                            dst = cute.make_tensor(mOut.iterator + off, cute.make_layout(2))
-                            dst.store(pair.load())
-                        else:
-                            cute.arch.red(mOut.iterator + off, pair.load(), **red)
+        for i, base, ok in ((0, base0, ok0), (1, base1, ok1)):
+            if ok:
+                for jj in cutlass.range_constexpr(cute.size(a_rc, mode=[1]) // 2):
+                    pair[0] = a_rc[i, 2 * jj] * coef
+                    pair[1] = a_rc[i, 2 * jj + 1] * coef
+                    off = base + c_rc[i, 2 * jj][1]
+                    if cutlass.const_expr(mode == "store"):  # (8-byte aligned: even column)
+                        off = cute.assume(off, divby=2)
+                        dst = cute.make_tensor(mOut.iterator + off, cute.make_layout(2))
+                        dst.store(pair.load())
+                    else:
+                        cute.arch.red(mOut.iterator + off, pair.load(), **red)
 
     @cute.jit
     def phase_b(
@@ -1051,157 +1005,6 @@ class BwdSm90:
             mOut[w] = total
 
 
-# ---------------------------------------------------------------------------------------------
-# host: the backward op
-# ---------------------------------------------------------------------------------------------
-def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg, *, q_map=None, **variant) -> Grads:
-    """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup): the main
-    gradients when ``dout`` is given, the proxy gradients (``dkl`` times the unit gradient made
-    here; the forward's ``Saved.proxy_grad`` is not used) when ``dkl`` is given, in one launch
-    of :class:`BwdSm90`. ``variant``: the kernel's A/B switches (``BwdSm90.VARIANTS``: tests and
-    ``benchmarks/bwd_ab.py``; the defaults are the measured choice). Deterministic mode
-    (``cfg.deterministic`` or ``variant["deterministic"]``): :func:`_ordered`.
-    ``q_map``: ``None`` or the forward's ``(Tq,)`` int32 query map: ``dq``/``dq_proxy`` then
-    have ``Tq`` rows (0 for a padding row), ``dk``/``dv``/``dk_proxy`` the keys' ``T``.
-    The work list is cut from the forward's sorted lists when ``saved`` carries them
-    (:func:`flash_msa.worklist.carried`; not in deterministic mode over several chunks), else
-    built. Limits: ``flash_msa.cute.unsupported_reason("bwd", ...)``."""
-    q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, _ = saved
-    main, proxy = dout is not None, dkl is not None
-    if not (main or proxy):
-        return Grads(None, None, None, None, None)
-    T, H, D = q.shape  # query rows (Tq with a query map)
-    Tk, Hkv = k.shape[:2]  # the keys' tokens: T without a query map
-    if q_map is not None and (
-        q_map.shape != (T,) or q_map.dtype != torch.int32 or q_map.device != q.device
-    ):  # (the kernel reads it by pointer: a host tensor or a short one must not reach it)
-        raise ValueError(
-            f"CuTe backward: q_map must be an int32 ({T},) tensor on {q.device}, got "
-            f"{q_map.dtype} {tuple(q_map.shape)} on {q_map.device}"
-        )
-    Hs, K = indices.shape[1:]
-    Hpk, Dp = (k_proxy.shape[1], k_proxy.shape[2]) if proxy else (Hs, D)
-    det = bool(variant.pop("deterministic", False) or cfg.deterministic)
-    kept = worklist.carried(saved)  # the forward's sorted lists, if it kept them
-    if not worklist.matches(kept, indices, cu_seqlens, cfg.block_size, Tk, q_map):
-        kept = None
-    kernel = BwdSm90.make(
-        cutlass_dtype(q.dtype),
-        H,
-        Hkv,
-        Hs,
-        Hpk,
-        D,
-        Dp,
-        K,
-        cfg.block_size,
-        main,
-        proxy,
-        deterministic=det,
-        qmap=q_map is not None,
-        **variant,
-    )  # raises ValueError with the reason if the kernel cannot run this configuration
-    dummy = unused_buffer(q.device)  # fp32 inputs of a part not made
-    # (contiguous: the launch bakes every stride in, mode 0's size aside; a tensor laid out
-    # otherwise is copied once here, where its CuTe view had a run-time stride before)
-    qv = aligned(q.contiguous()).view(T * H, D)
-    kv = aligned(k.contiguous()).permute(0, 2, 1)  # (T, D, Hkv): a TMA box = one head's block
-    lse_t = aligned(lse.contiguous()).view(-1)
-    if main:
-        dout = dout.contiguous()
-        # (T, H): one CuTe pass where it runs (row_delta_sm90: paper 128K 0.97 ms on the H200
-        # against 7.9 ms for problem.row_delta's fp32 temporary and its sum), else torch's
-        delta = row_delta_sm90.delta(dout, out)
-        dO, vt = aligned(dout).view(T * H, D), aligned(v.contiguous()).permute(0, 2, 1)
-        main_args = (dO, kv, vt, lse_t, delta.view(-1))
-    else:
-        main_args = (qv, kv, kv, lse_t, dummy.view(-1))
-    if proxy:
-        proxy_args = (
-            aligned(q_proxy.contiguous()).view(T * Hs, Dp),
-            aligned(k_proxy.contiguous()).permute(0, 2, 1),
-            aligned(proxy_lse.contiguous()).view(-1),
-        )
-        pscale = cfg.proxy_scale
-    else:
-        proxy_args = (qv, kv, lse_t)
-        pscale = 1.0
-    scalars = (
-        cfg.softmax_scale,
-        cfg.softmax_scale * LOG2E,
-        pscale * LOG2E,
-        pscale / (Hs * T),  # coef = 1 / (Hs T): the unit KL gradient, times pscale
-    )
-
-    def launch(wl, outs, tok0=0, w0=0, w1=None):
-        """One launch over items ``w0 .. w1`` of ``wl`` into ``outs`` (dq, dk, dv, dqp, dkp
-        buffers; ``None``: a part not made)."""
-        launch_items(
-            kernel, (qv, *main_args, *proxy_args), scalars, wl, (*outs, None), tok0, w0, w1
-        )
-
-    if det:
-        dq, dk, dv, dqp, dkp = _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg,
-                                        main, proxy, q_map, kept)  # fmt: skip
-    else:
-        shapes = ((T, H, D), (Tk, Hkv, D), (Tk, Hkv, D)) if main else (None,) * 3
-        shapes += ((T, Hs, Dp), (Tk, Hpk, Dp)) if proxy else (None,) * 2
-        # one buffer if the cast below copies every main gradient (a returned view of it would
-        # share storage with the others: the custom op refuses aliased outputs); the proxy
-        # pair is always new (the dkl product's own tensors)
-        copied = not main or torch.float32 not in (q.dtype, k.dtype, v.dtype)
-        dq, dk, dv, dqp, dkp = zero_buffers(shapes, q.device, shared=copied)
-        if T > 0:  # (no tokens: zero gradients, no launch)
-            # (the CuTe build: worklist_sm90, the torch glue's values in 2 launches for the
-            # cut, where the torch ops cost ~0.3 ms of host time at anchor 16K)
-            if kept is not None:  # one sort per step: the forward's lists, this kernel's items
-                wl = worklist_sm90.items(kept, BwdSm90.ITEM_TOKENS)
-            else:
-                wl = worklist_sm90.items(
-                    worklist_sm90.lists(indices, cu_seqlens, cfg.block_size, 0, Tk, q_map),
-                    BwdSm90.ITEM_TOKENS,
-                )
-            outs = [None if x is None else x.view(-1, x.shape[-1]) for x in (dq, dk, dv, dqp, dkp)]
-            launch(wl, outs)  # 2-D fp32 views: > 2**31 elements at 1M tokens
-    if proxy:
-        dqp, dkp = scaled(dqp, dkl, q_proxy.dtype), scaled(dkp, dkl, k_proxy.dtype)
-
-    return Grads.cast((dq, dk, dv, dqp, dkp), (q, k, v, q_proxy, k_proxy))
-
-
-def zero_buffers(shapes, device: torch.device, shared: bool = True) -> list:
-    """Zero-filled fp32 tensors of ``shapes`` (``None``: ``None``), the backward's atomic
-    accumulators: with ``shared``, views of one buffer filled by one ``torch.zeros``
-    (docs/reviews/2026-12-01-step-glue.md, P2: 5 fill launches -> 1 per eager backward, the
-    same bytes), each view's offset a multiple of 16 bytes (the pointer
-    launch's alignment, ``common.ALIGN``: true for every dim the kernel takes, D and Dp in
-    {64, 128}); separate tensors where an offset would not be, or without ``shared``. On the
-    H200 (torch alone, anchor-16K shapes, 210 MB): five fills 64.3 us of GPU time, one 50.0;
-    host 38.9 -> 27.8 us (64-row shapes, the views' slicing included)."""
-    sizes = [0 if x is None else math.prod(x) for x in shapes]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    if not shared or any(o * 4 % ALIGN for o, n in zip(offsets, sizes) if n):
-        return [None if x is None else torch.zeros(x, dtype=torch.float32, device=device)
-                for x in shapes]  # fmt: skip
-    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-    views = zip(shapes, offsets, sizes)
-    return [None if x is None else flat[o : o + n].view(x) for x, o, n in views]
-
-
-def scaled(grad: torch.Tensor, dkl, dtype: torch.dtype) -> torch.Tensor:
-    """``(grad * dkl).to(dtype)`` bit for bit, in one op (docs/reviews/2026-12-01-step-glue.md,
-    P3): ``torch.mul`` computes in the inputs' common dtype (fp32: ``grad`` fp32, ``dkl`` the
-    0-dim fp32 gradient of ``kl``) and rounds once on the store into ``dtype``, as the cast of
-    the fp32 product did: 2 launches instead of 4 per backward, 80 MB less moved at anchor
-    16K (~25 us, the audit's estimate). Bitwise checked on CPU (tests/test_glue_host2.py) and
-    on the H200 (720 cases: bf16 / fp16 / fp32 out, 60 decades, signed zeros, inf, NaN,
-    subnormals, overflow). A contiguous result, as the cast's. Where ``dkl``
-    needs a gradient (a ``create_graph`` backward) ``out=`` is refused: the plain expression."""
-    if torch.is_grad_enabled() and getattr(dkl, "requires_grad", False):
-        return (grad * dkl).to(dtype)
-    return torch.mul(grad, dkl, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
-
-
 _UNUSED: dict = {}
 
 
@@ -1291,193 +1094,3 @@ def launch_arguments(kernel: BwdSm90, tensors, scalars, num_blocks: int, tok0: i
 # the disk cache's text for the argument types: fixed by the kernel object (its views) and
 # this module's source (both in the disk key); launches go through common.run_typed
 LAUNCH_SIGNATURE = "bwd_sm90.launch_arguments"
-
-
-def kl_fits(q, k, q_proxy, k_proxy, indices, cfg) -> bool:
-    """Whether :func:`kl`'s kernel can run this call's KL (a proxy, and the head layout, dims,
-    block and shared memory that ``BwdSm90.can_implement`` accepts)."""
-    if q_proxy is None or not cfg.compute_kl:
-        return False
-    return (
-        BwdSm90.can_implement(
-            cutlass_dtype(q.dtype),
-            q.shape[1],
-            k.shape[1],
-            q_proxy.shape[1],
-            k_proxy.shape[1],
-            q.shape[2],
-            q_proxy.shape[2],
-            indices.shape[2],
-            cfg.block_size,
-            True,
-            1,
-        )  # fmt: skip
-        is None
-    )
-
-
-def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
-    """Driver stage ``kl`` (:mod:`flash_msa.sparse_forward`): the fp32 0-dim sum of the per-row
-    KL terms ``sum_keys t (ln t - ln p)`` of work list ``wl``'s rows (t: the group mean of the
-    main probabilities, p: the proxy's, both over the row's kept keys, from the final ``lse``
-    and ``proxy_lse``), by :class:`BwdSm90` in its KL mode (``main`` and ``proxy`` False:
-    phase A builds the teacher from S alone, phase B the proxy scores and the terms; no
-    gradient), one fp32 sum per work item added by ``torch.sum`` (the same order every run).
-    ``unit`` must be ``None``: this backend's backward makes the proxy gradient
-    (``FUSED_PROXY_GRAD``). With a query map (``wl.q_map``) the rows are query rows (the
-    kernel's ``qmap`` mode). ``wl``'s items (``wl.item_tokens`` entries at most) are cut to the
-    kernel's ``ITEM_TOKENS`` (:func:`flash_msa.worklist.split_items`)."""
-    if unit is not None:
-        raise ValueError("unit: the CuTe KL stage does not make the proxy gradient")
-    T, H, D = q.shape
-    Hs, Dp = q_proxy.shape[1:]
-    Hkv, Hpk = k.shape[1], k_proxy.shape[1]
-    kernel = BwdSm90.make(
-        cutlass_dtype(q.dtype), H, Hkv, Hs, Hpk, D, Dp, wl.slots, cfg.block_size, False, False,
-        kl=True, qmap=wl.q_map is not None,
-    )  # fmt: skip
-    wl = worklist.split_items(wl, BwdSm90.ITEM_TOKENS)
-    sums = torch.zeros((max(wl.num_items, 1),), dtype=torch.float32, device=q.device)
-    if wl.num_items == 0:
-        return sums.sum()
-    qv = aligned(q.contiguous()).view(T * H, D)  # (contiguous: see bwd)
-    kv = aligned(k.contiguous()).permute(0, 2, 1)
-    lse_t = aligned(lse.contiguous()).view(-1)
-    dummy = unused_buffer(q.device).view(-1)
-    inputs = (
-        qv, qv, kv, kv, lse_t, dummy,
-        aligned(q_proxy.contiguous()).view(-1, Dp),
-        aligned(k_proxy.contiguous()).permute(0, 2, 1),
-        aligned(proxy_lse.contiguous()).view(-1),
-    )  # fmt: skip
-    pscale = cfg.proxy_scale
-    scalars = (cfg.softmax_scale, cfg.softmax_scale * LOG2E, pscale * LOG2E, 0.0)
-    launch_items(kernel, inputs, scalars, wl, (None,) * 5 + (sums,))
-    return sums.sum()
-
-
-def _ordered(
-    launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg, main, proxy, q_map=None, kept=None
-):
-    """The deterministic backward: ``(dq, dk, dv, dqp, dkp)`` (fp32 but ``dq``, ``None`` where
-    not made), by :func:`bwd`'s ``launch`` of the deterministic kernel and the fixed-order sums
-    of :mod:`flash_msa.ordered`, as the Triton backward does (triton_ref/sparse_bwd.py).
-
-    Over chunks of C query tokens (one work list each): the kernel stores dQ / dQ_proxy row
-    partials ``(C, heads, K, dim)`` (fp32: one row per (token, head, slot), an item's CTA
-    holding the whole block: one key part) and, per range of work items, dK / dV / dK_proxy
-    tiles ``(items, 1, block, dim)`` (every sub-group of an item shares its key head: one tile),
-    which ``ordered.item_sum`` adds after each range (per key head: its selection heads in
-    order, each list's items in token order); ``ordered.slot_sum`` then sums the chunk's row
-    partials over slots in order. C and the ranges keep each buffer within
-    ``ordered.PARTIAL_BYTES``. With ``q_map`` the chunks are chunks of query rows (padding
-    rows: no entries, zero dQ rows) and the key gradients have the keys' ``T``. ``kept``: the
-    forward's sorted lists of the whole call (:func:`flash_msa.worklist.matches`) or ``None``;
-    used when C covers every token (one chunk), else each chunk builds its own."""
-    T, H, D = q.shape
-    Tk, Hkv = k.shape[:2]  # the keys' tokens: T without a query map
-    Hs, K = indices.shape[1:]
-    block = cfg.block_size
-    f32 = dict(dtype=torch.float32, device=q.device)
-    dq = dk = dv = dqp = dkp = None
-    per_token = per_item = 0
-    if main:
-        dq = torch.empty_like(q)  # slot_sum writes every row
-        dk = torch.zeros((Tk, Hkv, D), **f32)
-        dv = torch.zeros((Tk, Hkv, D), **f32)
-        per_token += H * K * D * 4
-        per_item += 2 * block * D * 4
-    if proxy:
-        Hpk, Dp = k_proxy.shape[1:]
-        dqp = torch.empty((T, Hs, Dp), **f32)
-        dkp = torch.zeros((Tk, Hpk, Dp), **f32)
-        per_token += Hs * K * Dp * 4
-        per_item += block * Dp * 4
-    if T == 0:
-        return dq, dk, dv, dqp, dkp
-    C = ordered.token_chunk(T, per_token)
-    dq_part = torch.empty((C, H, K, D), **f32) if main else None
-    dqp_part = torch.empty((C, Hs, K, Dp), **f32) if proxy else None
-    tiles, cap = None, 0
-    for c0 in range(0, T, C):
-        c1 = min(T, c0 + C)
-        idx = indices[c0:c1]
-        if q_map is not None:  # padding rows: no keys, whatever their slots hold (slot_sum)
-            idx = worklist.drop_padding_rows(idx, q_map[c0:c1])
-        if kept is not None and C >= T:  # one chunk: the forward's lists, this kernel's items
-            wl = worklist_sm90.items(kept, BwdSm90.ITEM_TOKENS)
-        else:
-            sl = worklist_sm90.lists(idx, cu_seqlens, block, c0, Tk, q_map)
-            wl = worklist_sm90.items(sl, BwdSm90.ITEM_TOKENS)
-        items = ordered.list_items(wl)
-        ranges = ordered.item_ranges(wl.num_items, per_item)
-        most = max((w1 - w0 for w0, w1 in ranges), default=0)
-        if most > cap:  # dK, dV, dK_proxy tiles of one range, and their 2-D views
-            cap = most
-            tiles = [torch.empty((cap, 1, block, D), **f32) if main else None for _ in range(2)]
-            tiles.append(torch.empty((cap, 1, block, Dp), **f32) if proxy else None)
-            flat = [None if x is None else x.view(-1, x.shape[-1]) for x in tiles]
-        rows = [
-            None if x is None else x[: c1 - c0].view(-1, x.shape[-1]) for x in (dq_part, dqp_part)
-        ]
-        for w0, w1 in ranges:
-            launch(wl, (rows[0], flat[0], flat[1], rows[1], flat[2]), c0, w0, w1)
-            n = w1 - w0
-            if main:
-                parts = (tiles[0][:n], tiles[1][:n])
-                ordered.item_sum(parts, (dk, dv), items, w0, w1, wl, groups=Hs // Hkv, per_item=1)
-            if proxy:
-                ordered.item_sum(
-                    (tiles[2][:n],), (dkp,), items, w0, w1, wl, groups=Hs // Hpk, per_item=1
-                )
-        tok0 = torch.full((1,), c0, dtype=torch.int64, device=q.device)
-        if main:
-            part = dq_part[: c1 - c0]
-            ordered.slot_sum(part, dq, tok0, slots=K, parts=1, idx=idx, group=H // Hs)
-        if proxy:
-            ordered.slot_sum(dqp_part[: c1 - c0], dqp, tok0, slots=K, parts=1, idx=idx, group=1)
-    return dq, dk, dv, dqp, dkp
-
-
-# ---------------------------------------------------------------------------------------------
-# compile check (no GPU): for flash_msa.cute.compile_check
-# ---------------------------------------------------------------------------------------------
-def specimen_tensors(kernel: BwdSm90, tokens: int = 4) -> tuple:
-    """CPU stand-ins (zero-filled) of a launch's tensors in the layouts :func:`bwd` passes,
-    for ``tokens`` tokens (the work list's sizes too): the ``(T*H, D)`` / ``(T*Hs, Dp)`` rows,
-    the ``(T, D, Hkv)`` / ``(T, Dp, Hpk)`` views of contiguous keys, the fp32 rows' data and
-    outputs, the work list (and the map of a ``qmap`` kernel). Only their layouts matter to a
-    compile (:func:`compile_bwd`)."""
-    T, H, Hkv, Hs = tokens, kernel.heads, kernel.kv_heads, kernel.sel_heads
-    Hpk, D, Dp = kernel.proxy_k_heads, kernel.head_dim, kernel.proxy_head_dim
-    x, z, keys = specimen_makers(kernel.dtype, T)
-
-    i32, i64 = torch.int32, torch.int64
-    return (
-        z(T * H, D, dtype=x), z(T * H, D, dtype=x), keys(Hkv, D), keys(Hkv, D), z(T * H),
-        z(T * H), z(T * Hs, Dp, dtype=x), keys(Hpk, Dp), z(T * Hs),
-        z(T, dtype=i64), z(T, dtype=i32), z(T, dtype=i64), z(T, dtype=i64), z(T, dtype=i32),
-        z(T, dtype=i32),
-        z(T * H, D), z(T * Hkv, D), z(T * Hkv, D), z(T * Hs, Dp), z(T * Hpk, Dp), z(T),
-    ) + ((z(T, dtype=i32),) if kernel.qmap else ())  # fmt: skip
-
-
-def compile_bwd(
-    dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, variant=None, *, dump=None, name=""
-) -> dict:
-    """Compile :meth:`BwdSm90.make`'s kernel for a configuration (``dtype`` "bf16" / "fp16",
-    ``variant`` its switches) for sm_90a on the launch arguments :func:`launch_items` passes
-    (:func:`launch_arguments` of :func:`specimen_tensors`; the configurations:
-    ``compile_check.bwd_configurations``); returns ``compile_check.compile_kernel``'s report
-    (``dump``: a folder for ``<name>.ptx`` / ``.cubin``)."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    from .compile_check import compile_kernel
-
-    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
-    kernel = BwdSm90.make(
-        dt, H, Hkv, Hs, Hpk, D, Dp, K, block, bool(main), bool(proxy), **(variant or {})
-    )
-    tensors = specimen_tensors(kernel)
-    kernel, args = launch_arguments(kernel, tensors, (1.0, 1.0, 1.0, 1.0), 1, 0, make_fake_stream())
-    return compile_kernel(kernel, *args, dump=dump, name=name)

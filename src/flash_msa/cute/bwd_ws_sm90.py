@@ -2,12 +2,11 @@
 
 The computation is :class:`~flash_msa.cute.bwd_sm90.BwdSm90`'s (same work items, phases, tiles,
 MMAs, teacher slab and reductions: that module's docstring); what changes is who waits for what.
-The v2 profile (docs/perf-notes.md "CuTe backward v2") showed one CTA per SM whose 8 warps all
+BwdSm90's profile (ncu, H200) showed one CTA per SM whose 8 warps all
 stop at every step of one serial chain per 64-row chunk: the row data (``perm`` -> LSE / Delta
 loads), the gathers, four CTA-wide barriers. Here the CTA has three warpgroups (the default
-backward where it can run, :meth:`BwdSm90.make`: 1.08x / 1.04x / 1.16x / 1.14x BwdSm90 at
-anchor 16K / anchor 32K / paper 32K / paper 128K, whole ``bwd`` op, docs/perf-notes.md "CuTe
-backward v3"):
+backward where it can run, ``backward.kernel_for``: 1.08x / 1.04x / 1.16x / 1.14x BwdSm90 at
+anchor 16K / anchor 32K / paper 32K / paper 128K, whole ``bwd`` op, H200):
 
 * warpgroup 0, the **producer** (``setmaxnreg`` down to :attr:`PRODUCER_REGS`): the K/V TMA,
   then for every (chunk, sub-group) of phase A and every chunk of phase B, into a two-stage ring
@@ -29,18 +28,16 @@ Stage ``s = i % 2`` of iteration ``i`` (phase A's iterations, then phase B's) is
 K_proxy replaces V in shared memory after phase A: the consumers meet at ``DS_READY``, then one
 thread issues its TMA.
 
-At G2 = 4 phase A's teacher is kept in registers (design note
-docs/reviews/2026-12-01-bwd-consumer-schedule.md, alternative A): the (token, key)
+At G2 = 4 phase A's teacher is kept in registers: the (token, key)
 pairs a thread holds are the same in every sub-group r of a chunk (row = token-major), so each
 thread sums its tokens' head sums over r = 0 .. R - 1 in 8 registers (the same additions in the
 same order as BwdSm90's slab load-add-store chain: the same bits; tests/test_gpu_cute_bwd.py
 checks it against BwdSm90 where the atomic reductions commute) and stores them once per chunk,
 after r = R - 1, at addresses from one per-item offset plus constants; a lane pair splits the
 tokens by selects instead of a branch (:meth:`BwdSm90.teacher_add`). Why: the per-sub-group
-slab update was ~30 % of the consumers' stall samples at paper 32K (ncu, the design note's
-section 1.3); on the H200 (``benchmarks/bwd_ab.py``, one run, 2026-12-01, the slab update as the
-A/B's other side) the whole ``bwd`` op went 24.65 -> 22.20 ms at paper 32K, 99.6 -> 92.5 ms at
-paper 128K and 4.76 -> 4.32 ms at anchor 16K (benchmarks/results/stage11/ab/). ptxas serializes
+slab update was ~30 % of the consumers' stall samples at paper 32K (ncu); on the H200 (one run,
+against the slab update) the whole ``bwd`` op went 24.65 -> 22.20 ms at paper 32K, 99.6 -> 92.5
+ms at paper 128K and 4.76 -> 4.32 ms at anchor 16K. ptxas serializes
 the paper kernel's wgmmas with it (C7512) and it is faster all the same. The slab stays
 thread-private until phase B (read across threads only after the consumers' ``DS_READY``
 meeting that ends phase A), so the flush needs no barrier.
@@ -319,7 +316,7 @@ class BwdWsSm90(BwdSm90):
         ``bar.warp.sync``, the first version, is not covered by the PTX memory model's
         synchronizing operations: racecheck reported 12 hazards. A named barrier per warpgroup
         then one arrival each, correct by the model but reported by racecheck, ran within 1% of
-        this in the same run on the H200 and left: docs/perf-notes.md, "CuTe backward v4".)"""
+        this in the same run on the H200 and left.)"""
         cute.arch.mbarrier_arrive(empty)
 
     @cute.jit

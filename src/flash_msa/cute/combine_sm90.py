@@ -1,9 +1,8 @@
 """The sparse forward's combine on Hopper (sm_90a) in CuTe DSL: merge per-block partials by LSE.
 
-Registered: ``flash_msa/cute/__init__.py``'s ``COMBINE_ON_CUTE`` (on since the ninth session's
-H200 run: tests/test_gpu_cute_combine.py, benchmarks/combine_ab.py) has ``forward_stages`` pass
-``combine=combine_sm90.combine`` where :func:`combine_fits` holds for the call; elsewhere the
-driver borrows Triton's combine.
+The CuTe forward's ``combine`` stage (``cute.forward.forward_stages``) where :func:`combine_fits`
+holds for the call (tests/test_gpu_cute_combine.py on the H200); elsewhere the driver borrows
+Triton's combine.
 
 Driver stage ``combine(o_part, l_part, idx, out, lse)`` of :mod:`flash_msa.sparse_forward` (its
 docstring has the partial-buffer contract). For a chunk of C tokens and a row ``(t, h)``, its K
@@ -33,12 +32,11 @@ measured there), at the paper layout (H 64) 283,136 B per token (2.32 GB for one
 chunk of 128K: 0.48 ms at 4.8 TB/s). The proxy LSE reads ``Hs * K * 8`` B per token (+ Hs * 4
 written): 528 B at Hs 4, K 16 (8.7 MB for 16K tokens: ~2 us of HBM time; its launch costs more).
 
-Measured (H200, benchmarks/results/stage9/combine_ab.log, device ms at anchor 16K / 32K, paper
-128K): the first version (one warp per row, three dependent round trips: index, used LSEs,
+Measured (H200, device ms at anchor 16K / 32K, paper 128K): the first version (one warp per row, three dependent round trips: index, used LSEs,
 partial rows) merged the main rows in 0.279 / 0.562 / 0.570 against Triton's 0.256 / 0.518 /
 0.526; this kernel merges main and proxy rows in 0.257 / 0.518 / 0.523 against Triton's two
 launches' 0.270 / 0.542 / 0.535. Every slot's rows loaded with the index, 8 warps per CTA, two
-rows per warp, the loads in registers: within 1% of it, or slower (docs/perf-notes.md).
+rows per warp, the loads in registers: within 1% of it, or slower.
 
 Design (the main merge: one row per warp, :data:`WARPS` warps per CTA):
 
@@ -85,13 +83,14 @@ import torch
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
+from cutlass.cute.runtime import make_ptr
 
 from .common import cutlass_dtype, run_typed, stream
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_TOPK = 64  # slots per row: lane s and s + 32 own a slot's weight (the selection's limit)
-# warps per CTA (8: the same device time, within 1%: benchmarks/results/stage9/combine_ab.log)
+# warps per CTA (8: the same device time, within 1%, H200)
 WARPS = 4
 # 16-byte partial-row loads per lane in one cp.async commit group: K 64 at D 128 (32 loads per
 # lane) takes two groups, and the sums of the first start while the second is in flight
@@ -175,7 +174,7 @@ class CombineSm90:
         4-byte rows (:meth:`warp_rows`): the index row, the LSE row and, with the fused
         ``proxy``, the proxy-LSE row, ``32 J`` entries each (``J = ceil(top_k / 32)``). Each
         buffer is a multiple of 128 bytes, so the 16-byte alignment adds nothing (the compiled
-        kernels' allocations match, review of the eighth session)."""
+        kernels' allocations match)."""
         sg = 32 // (head_dim // 8)
         J = (top_k + 31) // 32
         staged = WARPS * 32 * J * (2 + (1 if proxy else 0)) * 4
@@ -530,9 +529,7 @@ def launch_arguments(kernel: CombineSm90, o, lp, idx, out, lse, pl, plse, tokens
     addresses (ints; an absent buffer: any address, never read) as typed pointers, the token
     count, the stream. The pointers' types and alignments depend on ``kernel`` alone, so the
     compile cache keys on the kernel object (:func:`combine`) and the compile check compiles
-    what runs (:func:`compile_combine`)."""
-    from cutlass.cute.runtime import make_ptr
-
+    what runs (``compile_check.compile_combine``)."""
     gmem = cute.AddressSpace.gmem
     o_type, o_align = (kernel.dtype, O_ALIGN) if kernel.has_o else (Float32, SCALAR_ALIGN)
 
@@ -618,52 +615,3 @@ def combine(o_part, l_part, idx, out, lse, proxy=None):
         out.copy_(out_buf)
     if proxy is not None and plse_buf is not proxy_lse:
         proxy_lse.copy_(plse_buf)
-
-
-# ---------------------------------------------------------------------------------------------
-# compile check (no GPU): hooked into flash_msa.cute.compile_check
-# ---------------------------------------------------------------------------------------------
-def combine_configurations():
-    """(name, dtype, H, Hs, K, D, has_o, proxy) of the combine kernels the CuTe compile check
-    compiles: bf16 and fp16, D 64 and 128, K 8, 16 and 64, H 16 (anchor) and 64 (paper) over
-    Hs 4; the LSE-only mode (the proxy LSE: H = Hs; once with H > Hs); the fused proxy LSE at
-    the anchor and paper layouts."""
-    for dtype in ("bf16", "fp16"):
-        for D in (64, 128):
-            for K in (8, 16, 64):
-                for H in (16, 64):
-                    name = f"combine {dtype} H={H} Hs=4 K={K} D={D}"
-                    yield name, dtype, H, 4, K, D, True, False
-    for K in (8, 16, 64):
-        yield f"combine lse-only H=4 Hs=4 K={K}", None, 4, 4, K, 0, False, False
-    yield "combine lse-only H=16 Hs=4 K=16", None, 16, 4, 16, 0, False, False
-    for dtype in ("bf16", "fp16"):
-        for H in (16, 64):
-            name = f"combine {dtype} H={H} Hs=4 K=16 D=128 +proxy"
-            yield name, dtype, H, 4, 16, 128, True, True
-
-
-def compile_combine(dtype, H, Hs, K, D, has_o, proxy=False, *, dump=None, name=""):
-    """Compile :class:`CombineSm90` (``proxy``: the fused proxy LSE) for sm_90a on the launch
-    arguments :func:`combine` passes (:func:`launch_arguments`, dummy addresses); returns
-    cuobjdump's ``{"reg", "stack", "local"}`` (spills show as stack) like ``compile_check``'s
-    other kernels, with ``wgmma``/``tma`` False. ``dump``: a folder for ``<name>.ptx`` /
-    ``.cubin`` (``compile_check.compile_kernel``)."""
-    from .compile_check import compile_memory_bound, kernel_dtype
-
-    kernel = CombineSm90(kernel_dtype(dtype), H, Hs, K, D, has_o, proxy)
-    return compile_memory_bound(kernel, launch_arguments, 7, dump=dump, name=name)
-
-
-def _main(argv: list[str]) -> int:
-    """``python -m flash_msa.cute.combine_sm90``: compile :func:`combine_configurations`, one
-    JSON line each; exit 1 on a spill."""
-    from .compile_check import report
-
-    return report(combine_configurations(), compile_combine)
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(_main(sys.argv[1:]))

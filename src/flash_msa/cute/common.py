@@ -15,6 +15,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float16, Int32
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.runtime import from_dlpack, make_ptr
 
 from . import disk_cache
 
@@ -79,8 +80,6 @@ def cute_tensor(t: torch.Tensor):
 
     The mode order is given outermost first by descending stride, ties to the lower mode (what
     CuTe deduces; ``Tensor.dim_order()`` differs when a size-1 mode repeats a stride)."""
-    from cutlass.cute.runtime import from_dlpack
-
     order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
     ct = from_dlpack(t, assumed_align=ALIGN)
     ct = ct.mark_compact_shape_dynamic(mode=0, stride_order=order, divisibility=1)
@@ -177,9 +176,7 @@ def pointer_arguments(module: str, names: tuple, tensors: tuple, device: torch.d
     outermost mode is mode 0, e.g. contiguous ones). Kept per exact launch (module, device and
     every tensor's address, sizes, strides, dtype and device): a repeated launch gets the same
     objects (:data:`POINTER_CACHE_SIZE` launches, least recently used dropped first)."""
-    from cutlass.cute.runtime import make_ptr
-
-    # Why a cache (docs/reviews/2026-12-01-step-glue.md, P7): the result is a function of the
+    # Why a cache: the result is a function of the
     # module (the ValueError's text) and, per tensor, of its address, sizes, strides,
     # dtype and device (view, pointer and mode-0 size; the device check), all in the key, so a
     # hit is the result a fresh call gives, and only tensors that passed the checks are ever
@@ -242,7 +239,7 @@ _POINTERS: collections.OrderedDict = collections.OrderedDict()
 
 
 def specimen_makers(kernel_dtype, tokens: int):
-    """``(x, z, keys)`` for a kernel's ``specimen_tensors`` (CPU stand-ins of a launch's tensors,
+    """``(x, z, keys)`` for a kernel's specimen tensors (``compile_check``: CPU stand-ins of a launch's tensors,
     whose layouts alone matter to a compile): ``x`` the torch dtype of the kernel's bf16 / fp16
     element type, ``z(*shape, dtype=fp32)`` a zero tensor, ``keys(heads, dim)`` the ``(tokens,
     dim, heads)`` view of contiguous ``(tokens, heads, dim)`` keys of dtype ``x`` (a TMA box
@@ -314,7 +311,7 @@ def stream(device: torch.device) -> RawStream:
     """torch's current stream on ``device``, for a launch. (torch's raw-handle accessor: the H200
     host's step timing measured ~17 us a call for ``cuda.CUstream(torch.cuda.current_stream(
     device).cuda_stream)``, a Python stream object and a cuda-python wrapper per launch;
-    benchmarks/host_breakdown.py, stage13.)"""
+    benchmarks/host_breakdown.py.)"""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return RawStream(torch._C._cuda_getCurrentRawStream(index))
 
@@ -333,7 +330,7 @@ def run_typed(kernel, device: torch.device, args: tuple, signature: str, ffi=Non
     call is one C function call instead of the DSL executor's Python argument packing. The
     H200 host (benchmarks/host_breakdown.py --launch-ab, the row-delta kernel, 5 arguments):
     10.9 us a launch through the executor, 4.1 through TVM-FFI; inside the anchor-16K eager
-    step the five launches' ``run_typed`` took 410 us in all (stage13/c1).
+    step the five launches' ``run_typed`` took 410 us in all.
 
     ``ffi``: the call's values when the caller has them already (``ffi_args(args)``, e.g. the
     ints it would build ``args`` from: cute/worklist_sm90.py); ``args`` may then be a function

@@ -64,6 +64,8 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
+import cutlass.cute as cute
+
 log = logging.getLogger("flash_msa")
 
 DIR_ENV = "FLASH_MSA_CACHE_DIR"
@@ -324,8 +326,6 @@ def _runtime_loaded() -> None:
     launch function's CUDA runtime symbols against it (without this, 4.8.1 fails with
     "Symbols not found: _cudaLaunchKernelEx, ..."); done before a load too, as
     FlashAttention-4's cache does before loading its objects."""
-    import cutlass.cute as cute
-
     try:
         for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
             if os.path.exists(lib):
@@ -535,8 +535,6 @@ class DslObjects:
         return _object_bytes(fn, options, folder)
 
     def load(self, path: str, options: str):
-        import cutlass.cute as cute
-
         _runtime_loaded()
         return cute.runtime.load_module(path, enable_tvm_ffi=_tvm_ffi(options))[PREFIX]
 
@@ -747,8 +745,6 @@ def compiled(kernel, args: tuple, signature, target: str, options: str | None = 
     the device's architecture (part of the key), ``options`` the compile options string (e.g.
     ``"--gpu-arch sm_90a"`` to compile without a GPU). Appends ``(kernel class, "loaded" or
     "compiled", seconds)`` to :data:`events`."""
-    import cutlass.cute as cute
-
     t0 = time.perf_counter()
     n = stats["compiled"]
 

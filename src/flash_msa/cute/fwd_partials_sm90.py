@@ -1,11 +1,10 @@
 """Sparse main forward on Hopper (sm_90a) in CuTe DSL: per-block attention partials, key-outer.
 
-The CuTe backend's ``fwd`` (:func:`fwd`): the kernel :class:`FwdPartialsSm90` makes the
-per-block partials (the driver stage :func:`partials`), the stages of ``cute.forward_stages``
-and Triton's do the rest (the proxy LSE partials: Triton's stage unless
-``cute.PROXY_LSE_ON_CUTE``, "Proxy LSE" below). Checked on an H200 against the Triton kernel
-(same work list, same partial buffers) and the reference (tests/test_gpu_cute.py); the proxy
-LSE part is compiled and not yet run (its GPU tests wait for the next H200 session).
+The CuTe forward's per-block stage (``cute.forward``): the kernel :class:`FwdPartialsSm90` makes
+the per-block partials (the driver stage :func:`partials`) and, in the same launch, the proxy
+LSE partials where :func:`proxy_fits` ("Proxy LSE" below); :class:`FwdKlSm90` makes the KL value
+(the driver stage :func:`kl`). Checked on an H200 against the Triton kernel (same work list,
+same partial buffers) and the reference (tests/test_gpu_cute.py, tests/test_gpu_cute_kl.py).
 
 Same decomposition as the Triton forward (docs/algorithm.md, "Main attention: key-outer over a
 reverse index"): one CTA per work item = (selection head p, key block, up to TW query tokens
@@ -62,11 +61,10 @@ entries (``worklist.build`` drops them), so a row the kernel visits always has a
 the map the kernel compiles to the PTX it had before the field existed (a compile-time branch;
 the map travels in the work-list argument, :class:`MappedWorkItems`, so no argument is added).
 
-Measured variants that left this file (H200, docs/perf-notes.md "CuTe forward partials
-v2-v5", same-run gains of the kept choice, 8 cases): two Q buffers per warpgroup against one
-(-1..+12%), partials staged through shared memory against each thread's 4-byte column-pair
-stores (+6..+19%). The number of warpgroups stays a constructor argument (3 vs 1: +12..+31% at
-the paper head layout, -9..+1%, a tie, at the anchor one).
+Measured variants that left this file (H200, same-run gains of the kept choice, 8 cases): two Q
+buffers per warpgroup against one (-1..+12%), partials staged through shared memory against each
+thread's 4-byte column-pair stores (+6..+19%), 3 consumer warpgroups against 1 (+12..+31% at the
+paper head layout, -9..+1%, a tie, at the anchor one) and 2: 3 ship for every layout.
 """
 
 from __future__ import annotations
@@ -99,7 +97,6 @@ from .common import (
     pointer_tensors,
     row_gather_copy,
     run_typed,
-    specimen_makers,
     stream,
     tma_tiles,
 )
@@ -807,10 +804,7 @@ class FwdPartialsSm90:
 # ---------------------------------------------------------------------------------------------
 # host: the partials of one query chunk over a work list
 # ---------------------------------------------------------------------------------------------
-def partials(
-    q, k, v, wl, o_part, l_part, cfg, tok0=0, proxy=None, *,
-    warpgroups: int = FwdPartialsSm90.warpgroups,
-):  # fmt: skip
+def partials(q, k, v, wl, o_part, l_part, cfg, tok0=0, proxy=None):
     """Driver stage ``partials`` (:mod:`flash_msa.sparse_forward`, which states the buffers'
     contract): fill ``o_part (C, H, K, D)`` and ``l_part (C, H, K)`` for packed tokens
     ``tok0 .. tok0 + C`` from work list ``wl`` (:func:`flash_msa.worklist.build`); with
@@ -818,8 +812,7 @@ def partials(
     in the same launch (``FwdPartialsSm90(proxy=True)``; :func:`proxy_fits` says where it
     can run). With the work list's query map ``wl.q_map`` (``worklist.build(..., q_map)``) the
     rows ``tok0 .. tok0 + C`` are query rows (``q``, ``q_proxy``: ``Tq`` rows; ``k``, ``v``,
-    ``k_proxy``: the keys' ``T``), run by ``FwdPartialsSm90(qmap=True)``. ``warpgroups``: the
-    kernel's constructor argument (A/B runs and tests; the default is the measured choice)."""
+    ``k_proxy``: the keys' ``T``), run by ``FwdPartialsSm90(qmap=True)``."""
     H, D = q.shape[1:]
     Hkv = k.shape[1]
     variant = {}
@@ -829,8 +822,8 @@ def partials(
         variant = dict(proxy=True, proxy_head_dim=q_proxy.shape[2], proxy_k_heads=k_proxy.shape[1])
     # (raises ValueError with the reason if the kernel cannot run this configuration)
     kernel = FwdPartialsSm90(
-        cutlass_dtype(q.dtype), H, Hkv, wl.heads, D, wl.slots, cfg.block_size, warpgroups,
-        **variant, qmap=wl.q_map is not None,
+        cutlass_dtype(q.dtype), H, Hkv, wl.heads, D, wl.slots, cfg.block_size,
+        FwdPartialsSm90.warpgroups, **variant, qmap=wl.q_map is not None,
     )  # fmt: skip
     launch(kernel, q, k, v, wl, o_part, l_part, cfg, tok0, proxy)
 
@@ -982,44 +975,14 @@ def proxy_fits(q, k, q_proxy, k_proxy, indices, cfg) -> bool:
     return why is None
 
 
-def fwd(
-    q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False, *,
-    q_map=None,
-):  # fmt: skip
-    """Backend op ``fwd`` for given indices: the sparse-forward driver
-    (:mod:`flash_msa.sparse_forward`) with :func:`partials` as its per-block attention stage
-    (and its proxy LSE partials where ``cute.PROXY_LSE_ON_CUTE`` and :func:`proxy_fits`), the
-    KL stage and combine of ``cute.forward_stages``; the others are borrowed from the Triton
-    backend through the driver. Limits: ``flash_msa.cute.unsupported_reason("fwd", ...)``.
-
-    ``q_map``: ``None`` or ``(Tq,)`` int32, the contract's query map (``q``, ``q_proxy``,
-    ``indices`` and the outputs have ``Tq`` rows): the driver hands it to the stages in the
-    work list; it runs where ``cute.forward_stages`` declares the map (``cute.FWD_Q_MAP_DECLARED``),
-    else ValueError."""
-    from .. import sparse_forward
-    from . import stages_for
-
-    stages = stages_for(q, k, q_proxy, k_proxy, indices, cfg)
-    if q_map is not None and not stages.q_map:
-        raise ValueError(
-            "q_map: the CuTe forward's query map is off until its H200 run "
-            "(flash_msa.cute.FWD_Q_MAP_DECLARED)"
-        )
-    return sparse_forward.fwd(
-        stages, q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad, q_map=q_map
-    )
-
-
 # ---------------------------------------------------------------------------------------------
-# the KL value on this kernel (issue 14): FwdKlSm90, the driver stage kl
+# the KL value on this kernel: FwdKlSm90, the driver stage kl
 # ---------------------------------------------------------------------------------------------
-# The KL stage on the forward partials' kernel (:class:`FwdKlSm90`, :func:`kl`), the CuTe
-# forward's ``kl`` stage (``cute.forward_stages``) since its H200 run (ninth session,
-# benchmarks/results/stage9/): tests/test_gpu_cute_kl.py passed; benchmarks/kl_ab.py, the KL
-# stage alone, same run: 1.11 / 2.03 / 4.98 / 17.5 ms against 2.17 / 3.66 / 12.11 / 43.75 for
-# ``bwd_sm90.kl`` and 3.56 / 7.29 / 18.48 / 73.96 for Triton's at anchor 16K / 32K, paper 32K /
-# 128K; sums equal to 6e-7 relative. (Its switch, KL_FWD_MODE, left the code in the thirteenth
-# session.) The calls this kernel cannot run (a query map, D != Dp) go to ``bwd_sm90.kl``.
+# The CuTe forward's ``kl`` stage (``cute.forward.forward_stages``; tests/test_gpu_cute_kl.py on
+# the H200). The KL stage alone, H200: 1.11 / 2.03 / 4.98 / 17.5 ms at anchor 16K / 32K, paper
+# 32K / 128K, against 2.17 / 3.66 / 12.11 / 43.75 for the fused backward's kernel in a KL mode
+# and 3.56 / 7.29 / 18.48 / 73.96 for Triton's stage; sums equal to 6e-7 relative. The calls
+# this kernel cannot run (a query map, D != Dp) take Triton's stage (``kl_fits``).
 
 LOG2E = 1.4426950408889634
 TINY = 1.1754944e-38  # the smallest normal fp32: lg2.approx.ftz takes a subnormal t for 0
@@ -1063,7 +1026,7 @@ class FwdKlSm90(FwdPartialsSm90):
     order, the warp's lanes by butterfly shuffles, the CTA's warps in order (thread 0), times
     ln 2: the same bits every run. Limits (:meth:`can_implement`): bf16 / fp16, D and Dp 64 or
     128, block 64 or 128, G = H / Hs a power of two <= 16 whose heads share one KV head, Hs a
-    multiple of Hpk; no query map (:func:`kl` hands a mapped call to ``bwd_sm90.kl``).
+    multiple of Hpk; no query map (the forward borrows Triton's stage for a mapped call).
 
     Resources (sm_90a, 2 warpgroups = 256 threads; compile_check "fwd kl"): shared memory
     (:meth:`kl_shared_bytes`) 4 Q buffers of 64 x max(D, Dp) + K and k_proxy tiles + 2 log2 p'
@@ -1114,8 +1077,8 @@ class FwdKlSm90(FwdPartialsSm90):
         if head_dim != proxy_head_dim:
             # the q and q_proxy gathers share one double-buffered Q region read through two
             # views whose buffer strides are 64 x D and 64 x Dp elements: with D != Dp their
-            # buffers overlap (a race within and across warpgroups; review of the eighth
-            # session, tests/test_review_kl_cpu.py). bwd_sm90.kl runs these calls.
+            # buffers overlap (a race within and across warpgroups: tests/test_review_kl_cpu.py).
+            # Triton's stage runs these calls.
             return f"the CuTe KL stage needs D == Dp, not {head_dim} and {proxy_head_dim}"
         if block_size not in (64, 128):
             return f"the CuTe KL stage needs block_size 64 or 128, not {block_size}"
@@ -1147,7 +1110,7 @@ class FwdKlSm90(FwdPartialsSm90):
     def __post_init__(self):
         super().__post_init__()  # (this class's can_implement, with LABEL)
         if self.qmap:
-            raise ValueError("CuTe KL stage: no query map (bwd_sm90.kl runs a mapped call)")
+            raise ValueError("CuTe KL stage: no query map (Triton's stage runs a mapped call)")
 
     # -----------------------------------------------------------------------------------------
     # host
@@ -1482,7 +1445,7 @@ class FwdKlSm90(FwdPartialsSm90):
             mSum[w] = total
 
 
-def _kl_reason(q, k, q_proxy, k_proxy, top_k, cfg, warpgroups=FwdKlSm90.warpgroups) -> str | None:
+def _kl_reason(q, k, q_proxy, k_proxy, top_k, cfg) -> str | None:
     """Why :class:`FwdKlSm90` cannot run this call's KL (``None``: it can)."""
     if q_proxy is None or k_proxy is None:
         return "no proxy"
@@ -1490,36 +1453,35 @@ def _kl_reason(q, k, q_proxy, k_proxy, top_k, cfg, warpgroups=FwdKlSm90.warpgrou
         return f"the proxy must be in q's dtype ({q.dtype})"
     return FwdKlSm90.can_implement(
         cutlass_dtype(q.dtype), q.shape[1], k.shape[1], q_proxy.shape[1], q.shape[2], top_k,
-        cfg.block_size, warpgroups, True, q_proxy.shape[2], k_proxy.shape[1],
+        cfg.block_size, FwdKlSm90.warpgroups, True, q_proxy.shape[2], k_proxy.shape[1],
     )  # fmt: skip
 
 
-def kl_fits(q, k, q_proxy, k_proxy, indices, cfg) -> bool:
-    """Whether :func:`kl` runs this call's KL on :class:`FwdKlSm90` (a proxy in q's dtype,
-    ``cfg.compute_kl``, and the layout its ``can_implement`` accepts); a call it does not fit
-    is handed to ``bwd_sm90.kl`` by :func:`kl` itself."""
-    if q_proxy is None or not cfg.compute_kl:
+def kl_fits(q, k, q_proxy, k_proxy, indices, cfg, mapped: bool = False) -> bool:
+    """Whether :func:`kl` runs this call's KL (a proxy in q's dtype, ``cfg.compute_kl``, no
+    query map: ``mapped`` False, and the layout :class:`FwdKlSm90`'s ``can_implement``
+    accepts); the forward borrows Triton's KL stage for a call it does not fit."""
+    if q_proxy is None or not cfg.compute_kl or mapped:
         return False
     return _kl_reason(q, k, q_proxy, k_proxy, indices.shape[2], cfg) is None
 
 
-def kl(
-    q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None, *,
-    warpgroups: int = FwdKlSm90.warpgroups,
-):  # fmt: skip
-    """Driver stage ``kl`` (:mod:`flash_msa.sparse_forward`; the contract of ``bwd_sm90.kl``):
-    the fp32 0-dim sum of the per-row KL terms of work list ``wl``'s rows from the final
+def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
+    """Driver stage ``kl`` (:mod:`flash_msa.sparse_forward`): the fp32 0-dim sum of the
+    per-row KL terms ``sum_keys t (ln t - ln p)`` of work list ``wl``'s rows (t: the group mean
+    of the main probabilities, p: the proxy's, both over the row's kept keys) from the final
     ``lse (T, H)`` and ``proxy_lse (T, Hs)``, by :class:`FwdKlSm90` on the driver's items
     (256 tokens; no split), one fp32 sum per item added by ``torch.sum`` (the same bits every
-    run). ``unit`` must be ``None`` (no proxy gradient). A call the kernel cannot run (a query
-    map ``wl.q_map``, or a layout :func:`kl_fits` refuses) goes to ``bwd_sm90.kl``.
-    ``warpgroups``: the kernel's constructor argument (A/B runs and tests)."""
+    run). ``unit`` must be ``None`` (no proxy gradient: this backend's backward makes it).
+    ValueError for a call :func:`kl_fits` refuses (a query map ``wl.q_map``, a layout the
+    kernel cannot run)."""
     if unit is not None:
         raise ValueError("unit: the CuTe KL stage does not make the proxy gradient")
-    if wl.q_map is not None or _kl_reason(q, k, q_proxy, k_proxy, wl.slots, cfg, warpgroups):
-        from .bwd_sm90 import kl as kl_bwd
-
-        return kl_bwd(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg)
+    if wl.q_map is not None:
+        raise ValueError("wl.q_map: the CuTe KL stage has no query map (kl_fits)")
+    why = _kl_reason(q, k, q_proxy, k_proxy, wl.slots, cfg)
+    if why is not None:
+        raise ValueError(f"CuTe KL stage: {why}")
     T, H, D = q.shape
     Hs, Dp = q_proxy.shape[1:]
     for name, x, shape in (("lse", lse, (T, H)), ("proxy_lse", proxy_lse, (T, Hs))):
@@ -1528,8 +1490,8 @@ def kl(
                 f"CuTe KL stage: {name} must be fp32 {shape}, got {x.dtype} {tuple(x.shape)}"
             )
     kernel = FwdKlSm90(
-        cutlass_dtype(q.dtype), H, k.shape[1], Hs, D, wl.slots, cfg.block_size, warpgroups,
-        True, Dp, k_proxy.shape[1],
+        cutlass_dtype(q.dtype), H, k.shape[1], Hs, D, wl.slots, cfg.block_size,
+        FwdKlSm90.warpgroups, True, Dp, k_proxy.shape[1],
     )  # fmt: skip
     W = wl.item_list.shape[0]  # the grid: every CTA writes its item's sum
     if W == 0:
@@ -1549,69 +1511,3 @@ def kl(
     kernel, args = launch_arguments(kernel, tensors, scalars, stream(q.device))
     run_typed(kernel, q.device, args, LAUNCH_SIGNATURE)
     return sums.sum()
-
-
-# ---------------------------------------------------------------------------------------------
-# compile check (no GPU): for flash_msa.cute.compile_check
-# ---------------------------------------------------------------------------------------------
-def specimen_tensors(kernel: FwdPartialsSm90, tokens: int = 4) -> tuple:
-    """CPU stand-ins (zero-filled) of a launch's tensors (:func:`launch_tensor_names`) in the
-    layouts :func:`launch` / :func:`kl` pass, ``tokens`` rows each: ``(T*H, D)`` /
-    ``(T*Hs, Dp)`` rows, the ``(T, D, Hkv)`` / ``(T, Dp, Hpk)`` views of contiguous keys, the
-    work list (int64 / int32), the partial buffers or the LSEs and sums (fp32), the map of a
-    ``qmap`` kernel. Only their layouts matter to a compile."""
-    T, H, Hkv, Hs, D = tokens, kernel.heads, kernel.kv_heads, kernel.sel_heads, kernel.head_dim
-    Hpk, Dp = kernel.proxy_k_heads, kernel.proxy_head_dim
-    x, z, keys = specimen_makers(kernel.dtype, T)
-
-    i32, i64 = torch.int32, torch.int64
-    work = tuple(z(T, dtype=d) for d in (i64, i32, i64, i64, i32, i32))
-    qp, kp = z(T * Hs, Dp, dtype=x), keys(Hpk, Dp)
-    if isinstance(kernel, FwdKlSm90):
-        return (z(T * H, D, dtype=x), keys(Hkv, D), *work, z(T * H), qp, kp, z(T * Hs), z(T))
-    tensors = (z(T * H, D, dtype=x), keys(Hkv, D), keys(Hkv, D), *work, z(T, D, dtype=x), z(T))
-    if kernel.qmap:
-        tensors += (z(T, dtype=i32),)
-    if kernel.proxy:
-        tensors += (qp, kp, z(T))
-    return tensors
-
-
-def compile_fwd(
-    dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: int, wgs: int, proxy=None,
-    qmap: bool = False, *, dump=None, name: str = "",
-) -> dict:  # fmt: skip
-    """Compile :class:`FwdPartialsSm90` for sm_90a on the launch arguments :func:`launch`
-    passes (:func:`launch_arguments` of :func:`specimen_tensors`); ``proxy = (Hpk, Dp)``: the
-    kernel with the proxy LSE part; ``qmap``: the query-map kernel (the configurations:
-    ``compile_check.fwd_configurations``). Returns ``compile_check.compile_kernel``'s report
-    (``dump``: a folder for ``<name>.ptx`` / ``.cubin``)."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    from .compile_check import compile_kernel
-
-    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
-    variant = {}
-    if proxy is not None:
-        variant = dict(proxy=True, proxy_k_heads=proxy[0], proxy_head_dim=proxy[1])
-    kernel = FwdPartialsSm90(dt, H, Hkv, Hs, D, K, block, wgs, **variant, qmap=qmap)
-    tensors = specimen_tensors(kernel)
-    kernel, args = launch_arguments(kernel, tensors, (1.0, 0, 1, 1.0), make_fake_stream())
-    return compile_kernel(kernel, *args, dump=dump, name=name)
-
-
-def compile_kl(
-    dtype: str, H: int, Hkv: int, Hs: int, Hpk: int, D: int, Dp: int, K: int, block: int,
-    wgs: int = 2, *, dump=None, name: str = "",
-) -> dict:  # fmt: skip
-    """Compile :class:`FwdKlSm90` for sm_90a on the launch arguments :func:`kl` passes (the
-    configurations: ``compile_check.kl_configurations``); as :func:`compile_fwd`."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    from .compile_check import compile_kernel
-
-    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
-    kernel = FwdKlSm90(dt, H, Hkv, Hs, D, K, block, wgs, True, Dp, Hpk)
-    tensors = specimen_tensors(kernel)
-    kernel, args = launch_arguments(kernel, tensors, (1.0, 1.0, 1), make_fake_stream())
-    return compile_kernel(kernel, *args, dump=dump, name=name)

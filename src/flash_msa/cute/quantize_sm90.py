@@ -1,9 +1,8 @@
 """The FP8 selection's quantize pass on Hopper (sm_90a) in CuTe DSL: one kernel, bitwise equal
-to :func:`flash_msa.quant.quantize` (issue 15).
+to :func:`flash_msa.quant.quantize`.
 
-On (:data:`QUANTIZE_ON_CUTE`, after its H200 run): the CuTe selection's fp8 branch
-(``select_sm90.select``) asks :func:`can_implement` and falls back to the torch pass
-``quant.quantize`` where the kernel cannot run the call.
+The CuTe selection's fp8 branch (``cute.selection.select``) asks :func:`can_implement` and falls
+back to the torch pass ``quant.quantize`` where the kernel cannot run the call.
 
 What it computes (``quant.quantize``, term for term): per row of ``Dp`` elements (a ``(token,
 head)`` of ``q_proxy (T, Hp, Dp)`` or ``k_proxy (T, Hpk, Dp)``, bf16 or fp16), the rotation
@@ -62,10 +61,10 @@ Dp 128) 254 MB, ~53 us at the H200's ~4.8 TB/s. Instructions per element (SASS o
 kernels, ``python -m flash_msa.cute.compile_check quantize --dump DIR``): 7 FADD/FFMA and 3
 SHFL for the rotation, 1 FMUL, 1 FMNMX, and the IEEE division, ~6 of them in its fast path
 (MUFU.RCP, 4 FFMA, FCHK) plus a branch around a slow-path call, ~20 in all: near the SM's issue
-rate at the HBM rate (~6 elements per clock per SM), so the division may bound it. Not measured
-yet: benchmarks/cute_select_ab.py --fp8 prints ``cute quantize`` lines beside the torch one. If
-it is compute-bound there, the division's reciprocal (a function of the row's scale only) can
-be hoisted out of the row's 16 divisions per lane; that needs an argument that the fast path's
+rate at the HBM rate (~6 elements per clock per SM), so the division may bound it: measured
+0.199 ms at paper 128K (:class:`QuantizeSm90`'s tuning comment), ~4x the bytes' time. The
+division's reciprocal (a function of the row's scale only) could be hoisted out of the row's 16
+divisions per lane; that needs an argument that the fast path's
 remaining 3 FFMA round correctly for these operands, so it is not done.
 
 Limits (:meth:`QuantizeSm90.can_implement`): bf16 or fp16 proxies, Dp 64 or 128, block 64 or
@@ -82,17 +81,15 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
+from cutlass.cute.runtime import make_ptr
 
 from .. import quant
 from .common import aligned, cutlass_dtype, run_typed, stream
 
-# On (ninth session, H200, benchmarks/results/stage9/): tests/test_gpu_cute_fp8.py passed (bytes
-# and scales bitwise equal to quant.quantize); benchmarks/cute_select_ab.py --fp8 at paper 128K:
-# 0.199 ms (w8 u1, shipped) / 0.228 (w4 u2) / 0.217 (w8 u4) / 0.237 (w4 u4) against 4.00 ms for
-# the torch pass; the fp8 selection with it 12.45 ms (706 TFLOP/s) against 15.72 (560).
-# select_sm90.select's fp8 branch quantizes with this kernel when the call fits
-# (can_implement), else with the torch pass quant.quantize.
-QUANTIZE_ON_CUTE = True
+# Measured on the H200 at paper 128K (tests/test_gpu_cute_fp8.py: bytes and scales bitwise
+# equal to quant.quantize): 0.199 ms (8 warps x 1 pass, shipped) / 0.228 (4 x 2) / 0.217 (8 x 4)
+# / 0.237 (4 x 4) against 4.00 ms for the torch pass; the fp8 selection with it 12.45 ms (706
+# TFLOP/s) against 15.72 (560).
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
@@ -117,8 +114,7 @@ class QuantizeSm90:
     block_size: int  # the selection's key block (the block scale's tokens; the CTA's tokens)
     key_scale: str  # "block" or "token" (quant.KEY_SCALES)
     rotate: bool  # the Hadamard rotation first (quant.ROTATE)
-    # tuning (benchmarks/cute_select_ab.py --fp8 times the VARIANTS): warps per CTA, passes of
-    # rows per warp in flight. At 8 warps x 2 passes ptxas settled at 64 registers and spilled
+    # tuning: warps per CTA, passes of rows per warp in flight (timings: above). At 8 warps x 2 passes ptxas settled at 64 registers and spilled
     # 8-16 bytes in 3 of the 12 checked configurations (around the IEEE division's slow-path
     # calls); 4 x 2 (62-72 registers), 8 x 1 (40-63) and 8 x 4 (78-102) spill in none.
     warps: int = 8
@@ -424,8 +420,6 @@ def quantize(
     *,
     max_seqlen: int | None = None,
     out: tuple | None = None,
-    warps: int = QuantizeSm90.warps,
-    unroll: int = QuantizeSm90.unroll,
 ) -> quant.Quantized:
     """:func:`flash_msa.quant.quantize` by the kernel: the same :class:`~flash_msa.quant.Quantized`,
     bit for bit (module docstring).
@@ -442,7 +436,6 @@ def quantize(
             from ``cu_seqlens`` (a host synchronization).
         out: ``(q8, q_scale, k8, k_scale)`` to write into (e4m3 ``(T, Hp, Dp)``, fp32 ``(T,
             Hp)``, e4m3 ``(T, Hpk, Dp)``, fp32 ``(T, Hpk)``, contiguous), else new tensors.
-        warps, unroll: the kernel's tuning fields (A/B runs; the defaults are the shipped ones).
     Raises:
         TypeError / ValueError naming the argument (:func:`can_implement`'s reasons too).
     """
@@ -476,7 +469,7 @@ def quantize(
     if max_seqlen < (1 if T else 0):
         raise ValueError(f"CuTe quantize: max_seqlen must be >= 1 for T = {T}, got {max_seqlen}")
     kernel = QuantizeSm90(
-        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, block_size, key_scale, rotate, warps, unroll
+        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, block_size, key_scale, rotate
     )
     e4m3, f32 = quant.E4M3, torch.float32
     want = (((T, Hp, Dp), e4m3), ((T, Hp), f32), ((T, Hpk, Dp), e4m3), ((T, Hpk), f32))
@@ -523,9 +516,7 @@ def launch_arguments(kernel: QuantizeSm90, q, k, cu, q8, q_scale, k8, k_scale, n
     addresses (ints) as typed pointers of the alignments the kernel assumes, the sequence count,
     the key blocks per sequence and the stream. The types depend on ``kernel`` alone, so the
     compile cache keys on the kernel object and the compile check compiles what runs
-    (:func:`compile_quantize`)."""
-    from cutlass.cute.runtime import make_ptr
-
+    (``compile_check.compile_quantize``)."""
     gmem = cute.AddressSpace.gmem
     e4m3 = cutlass.Float8E4M3FN
     return (
@@ -545,57 +536,3 @@ def launch_arguments(kernel: QuantizeSm90, q, k, cu, q8, q_scale, k8, k_scale, n
 # the disk cache's text for the argument types: fixed by the kernel object and this module's
 # source (both in the disk key); launches go through common.run_typed
 LAUNCH_SIGNATURE = "quantize_sm90.launch_arguments"
-
-
-# ---------------------------------------------------------------------------------------------
-# compile check (no GPU): hooked into flash_msa.cute.compile_check
-# ---------------------------------------------------------------------------------------------
-# the tuning variants benchmarks/cute_select_ab.py --fp8 times (name: QuantizeSm90 fields): the
-# shipped one alone since the ninth session's A/B (its numbers: above QUANTIZE_ON_CUTE)
-VARIANTS = {
-    "w8 u1": dict(warps=8, unroll=1),
-}
-
-
-def quantize_configurations():
-    """(name, dtype, Dp, Hp, Hpk, block, key_scale, rotate, tuning) of the kernels the CuTe
-    compile check compiles (``tuning`` None: the shipped variant): the anchor / paper proxy
-    heads (Hp 4, Hpk 1) at both head dims and key scales, block 64, fp16, several key heads,
-    without the rotation (9 compiles, ~12 s of CPU)."""
-    for Dp in HEAD_DIMS:
-        for scale in quant.KEY_SCALES:
-            name = f"quantize bf16 Dp={Dp} b=128 {scale} Hp=4 Hpk=1"
-            yield name, "bf16", Dp, 4, 1, 128, scale, True, None
-    yield "quantize bf16 Dp=128 b=64 block Hp=4 Hpk=1", "bf16", 128, 4, 1, 64, "block", True, None
-    yield "quantize fp16 Dp=128 b=128 block Hp=4 Hpk=1", "fp16", 128, 4, 1, 128, "block", True, None
-    yield "quantize bf16 Dp=64 b=64 block Hp=8 Hpk=2", "bf16", 64, 8, 2, 64, "block", True, None
-    yield "quantize bf16 Dp=128 b=128 token Hp=2 Hpk=2", "bf16", 128, 2, 2, 128, "token", True, None
-    yield "quantize bf16 Dp=128 b=128 block no-rotate", "bf16", 128, 4, 1, 128, "block", False, None
-
-
-def compile_quantize(dtype, Dp, Hp, Hpk, block, key_scale, rotate, tuning=None, *, dump=None,
-                     name=""):  # fmt: skip
-    """Compile :class:`QuantizeSm90` (``tuning``: a dict of ``warps`` / ``unroll``) for sm_90a
-    on the launch arguments :func:`quantize` passes (:func:`launch_arguments`, dummy
-    addresses); returns cuobjdump's ``{"reg", "stack", "local"}`` (spills show as stack) with
-    ``wgmma``/``tma`` False, like ``compile_check``'s other kernels. ``dump``: a folder for
-    ``<name>.ptx`` / ``.cubin``."""
-    from .compile_check import compile_memory_bound, kernel_dtype
-
-    dt = kernel_dtype(dtype)
-    kernel = QuantizeSm90(dt, Dp, Hp, Hpk, block, key_scale, rotate, **(tuning or {}))
-    return compile_memory_bound(kernel, launch_arguments, 7, (1, 1), dump=dump, name=name)
-
-
-def _main(argv: list[str]) -> int:
-    """``python -m flash_msa.cute.quantize_sm90``: compile :func:`quantize_configurations`,
-    one JSON line each; exit 1 on a spill."""
-    from .compile_check import report
-
-    return report(quantize_configurations(), compile_quantize)
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(_main(sys.argv[1:]))

@@ -1,15 +1,14 @@
 """The backward's ``delta = rowsum(dO * O)`` on Hopper (sm_90a) in CuTe DSL: one memory-bound
 kernel in place of :func:`flash_msa.problem.row_delta`'s two torch launches.
 
-The CuTe backward (``cute/bwd_sm90.bwd``) calls :func:`delta`: this kernel where
+The CuTe backward (``cute.backward.bwd``) calls :func:`delta`: this kernel where
 :func:`can_implement` allows the call, else ``problem.row_delta``.
 
-Measured (H200, the row-delta helper's run of 2026-12-01: benchmarks/row_delta_ab.py
---variants, bf16, random inputs; device ms, the kernel alone): paper 128K (T 131072, H 64, D
+Measured (H200, bf16, random inputs; device ms, the kernel alone): paper 128K (T 131072, H 64, D
 128) 0.965 ms (4.49 TB/s) against 7.94 ms for ``problem.row_delta`` on the same inputs; anchor
 16K (H 16) 0.034 ms (3.92 TB/s) against 0.257; long 1M (H 16, 2^31 elements) 1.92 ms (4.50
-TB/s) against 15.9. The tuning variants (:data:`VARIANTS`) are within 1% of each other at 128K
-and 1M. With the host work (events around the Python call on an idle GPU): 1.01 / 0.079 /
+TB/s) against 15.9. The tunings 8 warps x 4 passes (shipped), 8 x 2 and 4 x 8 are within 1%
+of each other at 128K and 1M. With the host work (events around the Python call on an idle GPU): 1.01 / 0.079 /
 1.98 ms, ~45 us of it the host path at 16K (validation, three ``make_ptr``, the launch).
 tests/test_gpu_cute_row_delta.py: 19 passed there (the 2.2e9-element case included).
 
@@ -21,7 +20,7 @@ products are summed in fp32 in a fixed order (below), so the result is determini
 bitwise ``problem.row_delta``'s (torch's reduction has its own order): the two differ by a few
 fp32 roundings of the row's terms.
 
-Why (issue 14 and the profile of the paper-shape training step on the H200, T 131072, H 64, D
+Why (the profile of the paper-shape training step on the H200, T 131072, H 64, D
 128): ``problem.row_delta`` is an ``addcmul`` onto an fp32 ``-0.0`` that writes the (T, H, D)
 fp32 products (4.3 GB, ~3.05 ms) and a ``.sum(-1)`` that reads them back (~1.0 ms): ~4 ms of a
 ~150 ms step, for 4.3 GB of input. This kernel reads the input once and writes 4 bytes per row.
@@ -64,6 +63,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
+from cutlass.cute.runtime import make_ptr
 
 from ..problem import row_delta as problem_row_delta
 from .common import cutlass_dtype, run_typed, stream
@@ -237,16 +237,13 @@ def can_implement(dout, out) -> str | None:
     return None
 
 
-def row_delta(
-    dout: torch.Tensor, out: torch.Tensor, *, warps: int = 8, unroll: int = 4
-) -> torch.Tensor:
+def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``delta = rowsum(dout * out)``: ``(T, H)`` fp32 from ``dout`` and ``out`` ``(T, H, D)``
     (module docstring: products exact in fp32, a fixed summation order).
 
     Args:
         dout, out: contiguous bf16 or fp16 CUDA tensors of one shape and dtype, bases 16-byte
             aligned, D in :data:`HEAD_DIMS` (:func:`can_implement`).
-        warps, unroll: the kernel's tuning fields (A/B runs; the defaults are the shipped ones).
     Raises:
         TypeError for a non-tensor or a dtype other than bf16 / fp16, ValueError for the other
         reasons of :func:`can_implement`, naming the argument, before any launch.
@@ -255,7 +252,7 @@ def row_delta(
     if why is not None:
         kind = TypeError if ("torch.Tensor" in why or "bfloat16 or" in why) else ValueError
         raise kind(f"CuTe row delta: {why}")
-    return _launch(dout, out, warps, unroll)
+    return _launch(dout, out)
 
 
 def delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -263,13 +260,13 @@ def delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     the call (checked once), else :func:`flash_msa.problem.row_delta` (the CuTe backward's
     call)."""
     if can_implement(dout, out) is None:
-        return _launch(dout, out, RowDeltaSm90.warps, RowDeltaSm90.unroll)
+        return _launch(dout, out)
     return problem_row_delta(dout, out)
 
 
-def _launch(dout, out, warps: int, unroll: int) -> torch.Tensor:
+def _launch(dout, out) -> torch.Tensor:
     """One launch over ``dout``, ``out`` that :func:`can_implement` accepted."""
-    kernel = RowDeltaSm90(cutlass_dtype(dout.dtype), dout.shape[2], warps, unroll)
+    kernel = RowDeltaSm90(cutlass_dtype(dout.dtype), dout.shape[2])
     T, H, _ = dout.shape
     res = torch.empty((T, H), dtype=torch.float32, device=dout.device)
     if T * H == 0:
@@ -286,9 +283,7 @@ def launch_arguments(kernel: RowDeltaSm90, dout: int, out: int, delta: int, n_ro
     """The arguments of a launch of ``kernel`` (its ``__call__``): the three buffers' device
     addresses (ints) as typed pointers of the alignments the kernel assumes, the row count,
     the stream. The types depend on ``kernel`` alone, so the compile cache keys on the kernel
-    object and the compile check compiles what runs (:func:`compile_row_delta`)."""
-    from cutlass.cute.runtime import make_ptr
-
+    object and the compile check compiles what runs."""
     gmem = cute.AddressSpace.gmem
     return (
         make_ptr(kernel.dtype, dout, gmem, assumed_align=IN_ALIGN),
@@ -302,52 +297,3 @@ def launch_arguments(kernel: RowDeltaSm90, dout: int, out: int, delta: int, n_ro
 # the disk cache's text for the argument types: fixed by the kernel object and this module's
 # source (both in the disk key); launches go through common.run_typed
 LAUNCH_SIGNATURE = "row_delta_sm90.launch_arguments"
-
-
-# ---------------------------------------------------------------------------------------------
-# compile check (no GPU): to be hooked into flash_msa.cute.compile_check
-# ---------------------------------------------------------------------------------------------
-# the tuning variants benchmarks/row_delta_ab.py times (name: RowDeltaSm90 fields)
-VARIANTS = {
-    "w8 u4": dict(warps=8, unroll=4),
-    "w8 u2": dict(warps=8, unroll=2),
-    "w4 u8": dict(warps=4, unroll=8),
-}
-
-
-def row_delta_configurations():
-    """(name, dtype, D, tuning) of the kernels the CuTe compile check compiles (``tuning``
-    None: the shipped variant): bf16 and fp16 at D 64 and 128, and the other
-    :data:`VARIANTS` at bf16 D 128."""
-    for dtype in ("bf16", "fp16"):
-        for D in HEAD_DIMS:
-            yield f"row_delta {dtype} D={D}", dtype, D, None
-    for name, tuning in VARIANTS.items():
-        if tuning != dict(warps=RowDeltaSm90.warps, unroll=RowDeltaSm90.unroll):
-            yield f"row_delta bf16 D=128 {name}", "bf16", 128, tuning
-
-
-def compile_row_delta(dtype, D, tuning=None, *, dump=None, name=""):
-    """Compile :class:`RowDeltaSm90` (``tuning``: a dict of ``warps`` / ``unroll``) for sm_90a
-    on the launch arguments :func:`row_delta` passes (:func:`launch_arguments`, dummy
-    addresses); returns cuobjdump's ``{"reg", "stack", "local"}`` (spills show as stack) with
-    ``wgmma``/``tma`` False, like ``compile_check``'s other kernels. ``dump``: a folder for
-    ``<name>.ptx`` / ``.cubin``."""
-    from .compile_check import compile_memory_bound, kernel_dtype
-
-    kernel = RowDeltaSm90(kernel_dtype(dtype), D, **(tuning or {}))
-    return compile_memory_bound(kernel, launch_arguments, 3, dump=dump, name=name)
-
-
-def _main(argv: list[str]) -> int:
-    """``python -m flash_msa.cute.row_delta_sm90``: compile :func:`row_delta_configurations`,
-    one JSON line each; exit 1 on a spill."""
-    from .compile_check import report
-
-    return report(row_delta_configurations(), compile_row_delta)
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(_main(sys.argv[1:]))

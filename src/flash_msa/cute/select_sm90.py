@@ -11,7 +11,7 @@ shared memory; the selector offers them to each row's descending top-k list, kep
 registers. Only the diagonal tile is masked (causal, and keys past the sequence end). The MMA of
 tile j+1 is issued after tile j's row maxima and runs under their quad reduction and ring store
 (two alternating accumulators, so that it also runs under the row maxima, measured 11-22%
-slower on the H200 when the consumers kept the lists: docs/perf-notes.md).
+slower on the H200 when the consumers kept the lists).
 
 Selection rule (identical to the reference and the Triton kernel): the own block enters with
 rank +inf; a block enters the list only if its maximum is strictly greater than the list's last
@@ -39,7 +39,7 @@ visits them and :func:`select` fills them with -1. The map's parts are compile-t
 without the map none of them is traced.
 
 FP8 mode (``SelectSm90(dtype=Float8E4M3FN, key_scale="block" | "token")``,
-``selection_precision="fp8"``, issue 15; docs/algorithm.md, "FP8 selection"): the operands are
+``selection_precision="fp8"``; docs/algorithm.md, "FP8 selection"): the operands are
 the e4m3 ``q8 (T, Hp, Dp)``, ``k8 (T, Hpk, Dp)`` of :func:`flash_msa.quant.quantize` (the pass
 the torch reference and the Triton oracle read), the score tile is ``m64n128k32 .f32.e4m3.e4m3``
 wgmmas (K-major A and B in swizzled shared memory, as in bf16: FP8 wgmma has no transposed
@@ -53,28 +53,25 @@ epilogue; an e4m3 tile of 128 keys takes half the bytes, so the default pipeline
 deep (:data:`FP8_STAGES`, the same bytes in flight). The mode's parts are compile-time
 branches. No query map in this mode.
 
-Top-k insertion (issue 15, Option A of docs/reviews/2026-12-01-fp8-selection-epilogue.md): a
+Top-k insertion: a
 rank update (:meth:`SelectSm90.offer_row`) computes every list entry from its own comparison
 behind a warp vote, and the quad's block maxima are reduced by exchanging rows
 (:meth:`SelectSm90.quad_exchange_max`). The rank update replaced a sequential insertion, a
 swap carried through the list (at k=16 a 16-deep dependent chain, 151 register moves and a
 divergent BSSY/BSYNC region in the SASS; the insertion's instructions, paper fp8: k=16 172 ->
-79, k=64 347 -> 158), after the session-11 H200 A/B, measured while the consumers still kept
-the lists (paper S=131072, kernel ms chain -> rank, every line verified and the rank indices
-identical to the chain's on every line; benchmarks/results/stage11/ab/select_ab.log): random
-bf16 k=16 14.59 -> 13.01, fp8 k=16 11.83 -> 9.60, bf16 k=64 20.38 -> 15.53, fp8 k=64 19.48 ->
-12.68; local bf16 k=16 11.20 -> 11.21, fp8 k=16 8.19 -> 7.98 (docs/perf-notes.md). It keeps
+79, k=64 347 -> 158), measured on the H200 while the consumers still kept the lists (paper
+S=131072, kernel ms chain -> rank, the rank indices identical to the chain's on every line):
+random bf16 k=16 14.59 -> 13.01, fp8 k=16 11.83 -> 9.60, bf16 k=64 20.38 -> 15.53, fp8 k=64
+19.48 -> 12.68; local bf16 k=16 11.20 -> 11.21, fp8 k=16 8.19 -> 7.98. It keeps
 the sequential insertion's lists after every offer, ties included; that chain survives only as
 the CPU oracle of tests/test_select_insert_cpu.py, which replays both.
 
-An MMA ping-pong (Option B of that review: the consumer warpgroups taking turns to issue a
-tile's MMA on two named barriers) was tried in the twelfth session and lost its H200 A/B (paper
-S=131072 random, kernel ms default -> ping-pong, identical indices): bf16 k=16 13.499 ->
-13.528, fp8 k=16 9.697 -> 9.876, bf16 k=64 15.829 -> 16.014, fp8 k=64 12.379 -> 13.770; it left
-the code (docs/perf-notes.md, "Twelfth session").
+An MMA ping-pong (the consumer warpgroups taking turns to issue a tile's MMA on two named
+barriers) lost on the H200 (paper S=131072 random, kernel ms default -> ping-pong, identical
+indices): bf16 k=16 13.499 -> 13.528, fp8 k=16 9.697 -> 9.876, bf16 k=64 15.829 -> 16.014, fp8
+k=64 12.379 -> 13.770; it left the code.
 
-Selector warpgroup (issue 15, Option C of docs/reviews/2026-12-01-fp8-selection-epilogue.md):
-a fourth warpgroup (``SELECTOR_WG`` = 3) keeps the 128 rows' top-k lists, thread ``t`` the
+Selector warpgroup: a fourth warpgroup (``SELECTOR_WG`` = 3) keeps the 128 rows' top-k lists, thread ``t`` the
 whole list of the tile's row ``t`` (no split at any top_k, no pair of lanes per row, no
 divergence between them), so the consumers' per-tile work has no insertion: they compute the
 block maxima (scale, own block's ``+inf``, ``-inf`` for masked blocks) and put them into a ring
@@ -83,9 +80,9 @@ in shared memory, ``ring[row, slab, slot]`` fp32 (``RING_SLOTS`` = R = 4 tiles, 
 vote of its warp) and writes the lists out (:meth:`SelectSm90.write_row`, one row per thread).
 Every mode has it: bf16/fp16, e4m3 with either key scale, block 64 and 128, top_k 1..64, the
 query map. It replaced the lists in the consumer warpgroups (two lanes per row, each list split
-over both beyond 16 entries), which lost the fourteenth session's H200 A/B (kernels alone, same
-run, the indices bitwise equal on every line and on all 38 GPU test cases;
-benchmarks/results/stage14/c3/variants.log: paper 128K random fp8 k=16 9.829 -> 8.898 ms, bf16
+over both beyond 16 entries), which lost on the H200 (kernels alone, same run, the indices
+bitwise equal on every line and on all 38 GPU test cases: paper 128K random fp8 k=16 9.829 ->
+8.898 ms, bf16
 k=16 13.642 -> 12.973, 1M random fp8 k=16 571.8 -> 556.9, the k=64 and local lines faster or
 within 0.5%).
 
@@ -152,7 +149,6 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .. import quant, worklist
 from ..cubin import SHARED_LIMIT
-from . import quantize_sm90
 from .common import (
     PointerTensors,
     acc_rows_cols,
@@ -172,7 +168,7 @@ MAX_TOPK = 64  # a selector thread keeps its row's list in registers (152 of the
 # key-pipeline depth of the FP8 mode: an e4m3 key tile is half a bf16 one (16 KB at Dp 128), so
 # 8 stages keep the bf16 default's bytes (128 KB) in flight and cover the same latency when the
 # tile's MMA takes half the time; 16 + 8 x 16 KB = 144 KB of shared memory, 148 or 150 KB with
-# the ring (not measured yet: benchmarks/cute_select_ab.py times 4 and 12 beside it)
+# the ring
 FP8_STAGES = 8
 
 
@@ -300,8 +296,7 @@ class SelectSm90:
         block numbers, one row per thread) and ~24 more (the ring's addresses and phase, the
         candidates, the rank update's temporaries, the write-out's sort network beside the
         block numbers), rounded up to 8 and at least 56; the consumers get the rest, half
-        each, rounded down to 8: top_k 16: 24 / 216 / 56, top_k 64: 24 / 168 / 152 (the
-        review's 160 / 176 for k = 64 is 128 x (24 + 160) + 256 x 176 = 68,608, past the
+        each, rounded down to 8: top_k 16: 24 / 216 / 56, top_k 64: 24 / 168 / 152 (160 / 176 for k = 64 is 128 x (24 + 160) + 256 x 176 = 68,608, past the
         file). The consumers hold no list: the accumulator (64) and ~30 more (compile_check:
         no spills)."""
         per_row = cls.REGISTER_FILE // 128  # one thread of each of the 4 warpgroups
@@ -516,7 +511,7 @@ class SelectSm90:
                 mask_from = first // TILE_N
             regs = self.register_split(TOPK)
             # the producer's and the selector's warpgroups: one test, then which (the branch
-            # structure the H200 A/B timed)
+            # structure timed on the H200)
             side = (wg_idx == 0) | (wg_idx == self.SELECTOR_WG)
             if side:
                 if wg_idx == self.SELECTOR_WG:  # the lists (module docstring, "Selector")
@@ -892,8 +887,8 @@ class SelectSm90:
         comparison pair, independently of the others: ``v'[t] = v[t-1]`` if ``c > v[t-1]``,
         else ``c`` if ``c > v[t]``, else ``v[t]`` (per entry one compare and four selects,
         where the sequential insertion it replaced, a swap carried through the list, was a
-        16-deep chain at k=16 that ptxas compiled to 151 register moves: the review's section
-        1.2, the A/B in the module docstring). Written from the last entry up, so that only
+        16-deep chain at k=16 that ptxas compiled to 151 register moves; the timings in the
+        module docstring). Written from the last entry up, so that only
         two comparisons are live at once (a 64-entry list's would not fit as predicates).
 
         Skip: ``vote.any`` over the warp (its 32 rows) of "the candidate enters"; a thread
@@ -945,8 +940,8 @@ def select_into(
 
     ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` contiguous bf16/fp16 CUDA tensors,
     ``cu_seqlens (N+1,)`` int32; ``cfg.max_seqlen`` bounds the grid (no host synchronization).
-    ``stages``: the kernel's pipeline depth (``SelectSm90.stages``; A/B runs: the default is
-    the shipped kernel).
+    ``stages``: the kernel's pipeline depth (default ``SelectSm90.stages``, the shipped one;
+    another depth gives the same indices: tests/test_gpu_cute.py).
     ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map): ``q_proxy`` and
     ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of a mapped row is
     written, those of padding rows (``-1``) are left as they are (:func:`select` fills them
@@ -992,7 +987,7 @@ def select_fp8_into(indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_ST
     with ``cfg.block_size`` (its block scales are per selection block): e4m3 ``q (T, Hp, Dp)``
     and ``k (T, Hpk, Dp)``, fp32 ``k_scale (T, Hpk)`` on one CUDA device, per block or per token
     (``key_scale``, compiled in); ``q_scale`` is not read (a positive row constant). No query
-    map. ``stages``: the key-pipeline depth (A/B runs; the default is the shipped kernel).
+    map. ``stages``: the key-pipeline depth (default :data:`FP8_STAGES`, the shipped one).
     """
     qz = quantized
     for name, x in (("q", qz.q), ("k", qz.k)):  # before their shapes are read
@@ -1087,83 +1082,3 @@ def launch_arguments(kernel: SelectSm90, tensors, n_mblk: int, strm):
 # the disk cache's text for the argument types: fixed by the kernel object (its views) and
 # this module's source (both in the disk key); launches go through common.run_typed
 LAUNCH_SIGNATURE = "select_sm90.launch_arguments"
-
-
-def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
-    """Backend op ``select`` (docs/design.md): ``indices (T, Hp, top_k)`` int32, ascending
-    sequence-local block numbers, -1 in unused slots (:func:`select_into` a new tensor); with
-    ``q_map`` ``(Tq, Hp, top_k)``, all -1 for a padding row.
-
-    ``cfg.selection_precision == "fp8"``: the quantize pass (the shipped key scale and
-    rotation; :func:`flash_msa.cute.quantize_sm90.quantize`, bitwise equal to
-    :func:`flash_msa.quant.quantize`, when its switch ``QUANTIZE_ON_CUTE`` is on and it can run
-    the call, else the torch pass itself), then :func:`select_fp8_into`; no query map."""
-    T, Hp, _ = q_proxy.shape
-    shape, dev = (T, Hp, cfg.top_k), q_proxy.device
-    if cfg.selection_precision == "fp8":
-        if q_map is not None:
-            raise ValueError("CuTe fp8 selection: no query map (q_map) in the fp8 kernel")
-        b = cfg.block_size
-        on_cute = quantize_sm90.QUANTIZE_ON_CUTE  # read per call: off until its H200 run
-        if on_cute and quantize_sm90.can_implement(q_proxy, k_proxy, b) is None:
-            qz = quantize_sm90.quantize(q_proxy, k_proxy, cu_seqlens, b, max_seqlen=cfg.max_seqlen)
-        else:
-            qz = quant.quantize(q_proxy, k_proxy, cu_seqlens, b)
-        idx = torch.empty(shape, dtype=torch.int32, device=dev)
-        return select_fp8_into(idx, qz, cu_seqlens, cfg)
-    if q_map is None:
-        idx = torch.empty(shape, dtype=torch.int32, device=dev)
-    else:  # padding rows are never visited
-        idx = torch.full(shape, -1, dtype=torch.int32, device=dev)
-    return select_into(idx, q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map)
-
-
-# ---------------------------------------------------------------------------------------------
-# compile check (no GPU): for flash_msa.cute.compile_check
-# ---------------------------------------------------------------------------------------------
-def specimen_tensors(kernel: SelectSm90, tokens: int = 4) -> tuple:
-    """CPU stand-ins (zero-filled) of a launch's tensors (:func:`launch_tensor_names`) in the
-    layouts :func:`select_into` / :func:`select_fp8_into` pass, ``tokens`` rows each: the
-    ``(T, Dp, heads)`` views of contiguous proxy tensors, ``cu_seqlens``, ``indices (T, Hp,
-    K)`` int32, the query map's three int32 vectors or the key scales ``(T, Hpk)`` fp32. Only
-    their layouts matter to a compile."""
-    T, Dp, Hp, Hpk, K = tokens, kernel.proxy_head_dim, kernel.heads, kernel.k_heads, kernel.top_k
-    x = {
-        cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16,
-        cutlass.Float8E4M3FN: torch.float8_e4m3fn,
-    }[kernel.dtype]  # fmt: skip
-    i32 = torch.int32
-    tensors = (
-        torch.zeros((T, Hp, Dp), dtype=x).permute(0, 2, 1),
-        torch.zeros((T, Hpk, Dp), dtype=x).permute(0, 2, 1),
-        torch.zeros((T,), dtype=i32),
-        torch.zeros((T, Hp, K), dtype=i32),
-    )
-    if kernel.key_scale is not None:
-        return (*tensors, torch.zeros((T, Hpk)))
-    if kernel.qmap:
-        return (*tensors, *(torch.zeros((T,), dtype=i32) for _ in range(3)))
-    return tensors
-
-
-def compile_select(
-    dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
-    key_scale: str | None = None, stages: int | None = None, *, dump=None, name: str = "",
-) -> dict:  # fmt: skip
-    """Compile :class:`SelectSm90` for sm_90a on the launch arguments :func:`_launch` passes
-    (:func:`launch_arguments` of :func:`specimen_tensors`; the configurations:
-    ``compile_check.configurations``): ``dtype`` "bf16" / "fp16" / "e4m3" (with ``key_scale``,
-    the FP8 mode: the wgmma instructions reported as ``mma``), ``qmap`` the query-map kernel,
-    ``stages`` the pipeline depth (default the mode's). Returns
-    ``compile_check.compile_kernel``'s report (``dump``: a folder for ``<name>.ptx`` /
-    ``.cubin``)."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    from .compile_check import compile_kernel
-
-    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN}[dtype]
-    if stages is None:
-        stages = SelectSm90.stages if key_scale is None else FP8_STAGES
-    kernel = SelectSm90(dt, Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale)
-    kernel, args = launch_arguments(kernel, specimen_tensors(kernel), 1, make_fake_stream())
-    return compile_kernel(kernel, *args, mma=key_scale is not None, dump=dump, name=name)

@@ -1,15 +1,15 @@
-"""The dense warmup on the CuTe backend: the sparse op over fixed block lists (issue 14, item 4).
+"""The dense warmup on the CuTe backend: the sparse op over fixed block lists.
 
 The warmup (``msa_attention(..., warmup=True)``: dense causal main attention, KL over every
-visible key) is the sparse op with every causal block kept (semantics.md, "Warmup mode": the KL
-formula with the dense ``T``; ``reference.fwd`` with ``indices=None`` builds the causal mask,
+visible key) is the sparse op with every causal block kept (docs/algorithm.md, "Warmup mode":
+the KL formula with the dense ``T``; ``reference.fwd`` with ``indices=None`` builds the causal mask,
 with the lists of :func:`flash_msa.worklist.causal_blocks` the block mask of every block
 ``<= i // b`` and the causal mask: the same set, so the same outputs; tests/test_cute_warmup_cpu.py
 checks it). So :func:`fwd` and :func:`bwd` build those lists on the device (no selection pass,
 no host synchronization) and run the CuTe sparse forward (the driver,
 :mod:`flash_msa.sparse_forward`) and the fused backward with ``top_k`` = the list width.
 
-Measured (H200, tenth session, benchmarks/warmup_ab.py, anchor layout, S 8192: 64 blocks, every
+Measured (H200, anchor layout, S 8192: 64 blocks, every
 one kept): the sparse op on CuTe over these lists, forward + backward with the KL, 8.78 / 27.85
 ms at B 1 / 4 against the Triton warmup's 11.22 / 41.92 in the same run; max relative
 differences of out / kl / gradients 1e-3 / 5e-7 / <= 5e-3 (bf16).
@@ -39,16 +39,23 @@ import dataclasses
 import torch
 
 from .. import sparse_forward, worklist
+from ..backends import BackendError
 from ..problem import Config, Forward, Problem, Saved
+from .backward import bwd_kernel_reason
+from .bwd_sm90 import BwdSm90
+from .combine_sm90 import combine, combine_fits
+from .common import cutlass_dtype
+from .forward import fwd_reason, meta_inputs, stages_for
+from .fwd_partials_sm90 import FwdPartialsSm90
 
 GROUP = 64  # slots the CuTe combine merges per row (combine_sm90.MAX_TOPK): the first level
 
 # The bytes that grow as T * Hs * W (W: :func:`width`), per list entry, at the peak of the
-# backward's work-list sort over all T rows (bwd_sm90.bwd: worklist.lists over the whole call):
+# backward's work-list sort over all T rows (backward.bwd: worklist.lists over the whole call):
 # the index lists (int32, 4), the sort keys (int32, 4), the sorted keys (4), the permutation
 # (int64, 8), and inside torch.sort(stable=True) of a 1-D tensor (ATen's SortStable.cu: a
 # segmented sort) an int64 index array (8) and cub's alternate key and value buffers (4 + 8):
-# 40 bytes (a review's count from the source; the first version counted 24). The items are
+# 40 bytes (counted from ATen's and cub's source). The items are
 # W' = T Hs W / 256 + Hs NB entries of 16 bytes, < 1 byte per entry. The forward sorts per
 # query chunk (less), and its partial buffers are bounded apart by
 # sparse_forward.PARTIAL_BYTES (2 GiB: o_part C H W D, plus l_part C H W and pl_part C Hs W
@@ -58,7 +65,7 @@ GROUP = 64  # slots the CuTe combine merges per row (combine_sm90.MAX_TOPK): the
 # are the most either pass may use (:func:`list_heads`). Budget: 6 GiB of transient memory
 # (freed after the step), 4 % of an H200: 0.31 GiB per sequence at 16K, 1.25 at 32K, 5 at 64K
 # (4 heads, block 128: the anchor and paper layouts alike): 16K up to B 19, 32K up to B 4, 64K
-# B 1 (H200, tenth session, warmup_ab.log: the whole anchor-64K warmup step peaked at 6.71
+# B 1 (H200: the whole anchor-64K warmup step peaked at 6.71
 # GiB against the Triton warmup's 3.02); beyond that the Triton warmup (O(T) memory) runs.
 # A sort-free builder (each list is one run of tokens: 8 bytes per entry, no sort) would cut
 # this five-fold: not written yet.
@@ -85,12 +92,9 @@ def sparse_config(cfg: Config) -> Config:
 
 
 def stages(q, k, q_proxy, k_proxy, indices, cfg: Config) -> sparse_forward.Stages:
-    """The forward's stages for the lists ``indices`` (as ``fwd_partials_sm90.fwd`` picks
+    """The forward's stages for the lists ``indices`` (as ``forward.fwd`` picks
     them), with the combine grouped (:func:`grouped_combine`) where a row has more than
     :data:`GROUP` slots. Tensors may be on the meta device (:func:`reason` asks with shapes)."""
-    from . import stages_for
-    from .combine_sm90 import combine, combine_fits
-
     H, D = q.shape[1:]
     Hs, K = indices.shape[1:]
     if K <= GROUP:
@@ -109,8 +113,6 @@ def reason(op: str, problem: Problem) -> str | None:
     the sparse op's limits at ``top_k`` = the width: the forward's kernel and the stages
     :func:`stages` picks (a Triton one adds Triton's limits: ``max_top_k`` 64), the fused
     backward's kernel."""
-    from . import bwd_kernel_reason, fwd_reason, meta_inputs
-
     cfg = problem.cfg
     if problem.q_map:
         return "the CuTe warmup takes no query map (q_map)"
@@ -161,8 +163,6 @@ def fwd(q, k, v, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, q_map=None
     st = stages(q, k, q_proxy, k_proxy, indices, scfg)
     missing = sparse_forward.borrowed_names(st, q_proxy is not None, cfg.compute_kl)
     if missing:
-        from ..backends import BackendError
-
         raise BackendError(
             f"the CuTe warmup's forward would borrow Triton's {', '.join(missing)} at top_k "
             f"{scfg.top_k} (Triton's stages stop at 64)"
@@ -205,10 +205,6 @@ def main_heads(dtype: torch.dtype, H: int, Hkv: int, D: int, cfg: Config) -> int
     selection heads ``reason`` budgeted where each selection head's main heads share one KV
     head, as the fused backward needs) if the forward's partials and the fused backward take
     it, else ``H`` (one list per main head)."""
-    from .bwd_sm90 import BwdSm90
-    from .common import cutlass_dtype
-    from .fwd_partials_sm90 import FwdPartialsSm90
-
     dt, K, b = cutlass_dtype(dtype), cfg.top_k, cfg.block_size
     for Hs in dict.fromkeys((Hkv, H)):
         if (

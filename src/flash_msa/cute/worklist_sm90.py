@@ -4,7 +4,7 @@
 ``q_map=None``) return, in one, two and two launches (plus ``lists``' torch sort) where the
 torch functions take 17, 14 and ~12 torch ops.
 
-Why (issue 14, "eager anchor 16K <= 6.0 ms"; benchmarks/host_breakdown.py on the H200, anchor
+Why (benchmarks/host_breakdown.py on the H200, anchor
 16K: T 16384, Hs 4, K 16, block 128, one sequence): the eager training step is host-bound (6.1
 ms of CUDA-event time against 4.75 ms of kernels), and before the forward's partials launch its
 host time goes mostly to ``worklist``'s torch glue: ``blocks()`` 360 us (17 ops), ``lists()``
@@ -13,12 +13,9 @@ host time goes mostly to ``worklist``'s torch glue: ``blocks()`` 360 us (17 ops)
 ``common.run_typed`` (TVM-FFI) ~4 us on its own. The values are the same
 bit for bit, so each function here is a drop-in: the kernel where :func:`can_implement_blocks`
 (``..._items``, ``..._lists``) allows the call, else the torch function (the reason is
-returned, not raised). benchmarks/worklist_ab.py measures both sides.
+returned, not raised).
 
-Measured (H200, the helper's run that wrote this module, before the launches moved to TVM-FFI;
-its log did not come back to the repository, the numbers are its report:
-benchmarks/worklist_ab.py, one sequence, Hs 4, K 16, block
-128; every CuTe result first checked bitwise equal to torch's; host us = median perf_counter of
+Measured (H200, before the launches moved to TVM-FFI, one sequence, Hs 4, K 16, block 128; every CuTe result first checked bitwise equal to torch's; host us = median perf_counter of
 one call started on an idle GPU, torch -> CuTe): anchor 16K ``blocks`` 203 -> 21, ``lists``
 (key blocks given) 174 -> 108 (the torch sort stays), ``items`` TW 256 196 -> 41, TW 128 365 ->
 62, the four in a row 897 -> 222; paper 128K 858 -> 213 in all; long 1M 1482 -> 469. The
@@ -633,7 +630,7 @@ def lists(
     if tok0:
         perm += tok0 * Hs * K
     if E == 0:  # no entries: every list is [0, 0) (no launch on an empty key buffer, whose
-        # address may be null: docs/reviews/2026-12-01-worklist-kernels.md, F2)
+        # address may be null)
         bounds = torch.zeros(L + 1, dtype=torch.int64, device=dev)
     else:
         bounds = torch.empty(L + 1, dtype=torch.int64, device=dev)
@@ -658,7 +655,7 @@ def launch_arguments(kernel, *values):
     ``POINTERS`` device addresses (ints) as typed global pointers aligned to their element,
     then its ``COUNTS`` counts as ``Int32``, then the stream (``values`` in that order). The
     types depend on the kernel's class alone, so the compile cache keys on the kernel object
-    and the compile check compiles what runs (:func:`compile_worklist`)."""
+    and the compile check compiles what runs (``compile_check.compile_worklist``)."""
     n, c = len(kernel.POINTERS), kernel.COUNTS
     if len(values) != n + c + 1:
         raise TypeError(f"{type(kernel).__name__}: {n} addresses, {c} counts and a stream")
@@ -679,55 +676,7 @@ def _launch(kernel, device: torch.device, *values) -> None:
     takes these ints as they are (tests/test_cute_worklist_cpu.py checks that they equal
     ``ffi_args`` of the typed arguments), so the typed arguments (``Int32(v)`` ~2.8 us and
     ``make_ptr`` ~2.1 us each on this CPU: 11.4 us for blocks' seven) are built only for the
-    compile: no per-launch conversion and no cache of them (review F3)."""
+    compile: no per-launch conversion and no cache of them."""
     strm = stream(device)
     typed = lambda: launch_arguments(kernel, *values, strm)  # noqa: E731
     run_typed(kernel, device, typed, LAUNCH_SIGNATURE, (*values, strm))
-
-
-# ---------------------------------------------------------------------------------------------
-# compile check (no GPU): hooked into flash_msa.cute.compile_check
-# ---------------------------------------------------------------------------------------------
-KERNELS = {
-    "blocks": BlocksSm90,
-    "item_ends": ItemEndsSm90,
-    "items": ItemsSm90,
-    "list_keys": ListKeysSm90,
-    "list_bounds": ListBoundsSm90,
-}
-
-
-def worklist_configurations():
-    """(name, kernel, tuning) of the kernels the CuTe compile check compiles: each with its
-    shipped tuning (``tuning`` None), and the scan with 8 lists per thread."""
-    for kind in KERNELS:
-        yield f"worklist {kind}", kind, None
-    yield "worklist item_ends per_thread=8", "item_ends", dict(per_thread=8)
-
-
-def compile_worklist(kind: str, tuning=None, *, dump=None, name=""):
-    """Compile kernel ``kind`` (:data:`KERNELS`, ``tuning`` its constructor's arguments) for
-    sm_90a on :func:`launch_arguments` (dummy addresses); cuobjdump's ``{"reg", "stack",
-    "local"}`` with ``wgmma``/``tma`` False. ``dump``: a folder for ``<name>.ptx`` /
-    ``.cubin``."""
-    from .compile_check import compile_memory_bound
-
-    kernel = KERNELS[kind](**(tuning or {}))
-    counts = (1,) * kernel.COUNTS
-    return compile_memory_bound(
-        kernel, launch_arguments, len(kernel.POINTERS), counts, dump=dump, name=name
-    )
-
-
-def _main(argv: list[str]) -> int:
-    """``python -m flash_msa.cute.worklist_sm90``: compile :func:`worklist_configurations`, one
-    JSON line each; exit 1 on a spill."""
-    from .compile_check import report
-
-    return report(worklist_configurations(), compile_worklist)
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(_main(sys.argv[1:]))
