@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "flash_msa"
 # third-party packages a flash_msa module may import inside a function: optional dependencies
 # (the package imports without them; the function that needs one says so when it is missing)
-OPTIONAL = ("cutlass", "cuda", "triton", "transformers", "flash_attn")
+OPTIONAL = ("cutlass", "cuda", "triton", "transformers", "flash_attn", "matplotlib")
 
 
 def _modules() -> dict[str, Path]:

@@ -12,12 +12,7 @@ package is ``flash_msa``.
 import importlib.metadata as _metadata
 import warnings as _warnings
 
-__version__ = "0.1.0.dev0"  # the one place it is written (pyproject.toml reads it)
-
-DISTRIBUTION = "flash-msa-kernels"
-# another project on PyPI, distributed as "flash-msa", installs an import package of the same
-# name: whichever was installed last owns flash_msa/, and files of both may be mixed
-OTHER_DISTRIBUTION = "flash-msa"
+from .version import DISTRIBUTION, OTHER_DISTRIBUTION, __version__
 _OWN_ENTRY_POINT = "flash_msa.cli:main"
 
 

@@ -35,11 +35,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import __version__, backends, diagnostics, reference, testing
+from . import backends, diagnostics, reference, testing
 from .api import msa_attention, select_blocks
 from .backends import forced
 from .diagnostics import sample_problem, version
 from .problem import Config
+from .version import __version__
 
 SHAPES = {  # B, H, Hkv, Hp, Hpk, D, Dp, default seqlens
     "anchor": (1, 16, 2, 4, 1, 128, 128, (16384, 32768)),

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from . import DISTRIBUTION, __version__
+from .version import DISTRIBUTION, __version__
 from .bench import SHAPES
 from .bench import main as bench_main
 from .diagnostics import CASES, check, info

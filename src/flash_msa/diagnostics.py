@@ -11,8 +11,10 @@ import sys
 
 import torch
 
-from . import __version__, backends, reference, testing
+from . import backends, limits, reference, testing
+from .api import msa_attention, select_blocks
 from .problem import Config, Problem, Saved, problem_of
+from .version import __version__
 
 
 def version(dist: str) -> str | None:
@@ -98,8 +100,6 @@ def info() -> dict:
 def limits_table() -> dict:
     """Each importable backend's declared limits per op (``LIMITS``, :mod:`flash_msa.limits`),
     as text: the README's backend table shows the same cells."""
-    from . import limits
-
     table = {}
     for name in backends.MODULES:
         module, why = backends.load(name)
@@ -138,8 +138,6 @@ def step(inputs, top_k, *, seed=0, **kw) -> dict:
     Returns:
         ``{quantity: tensor}`` for :data:`QUANTITIES`, packed ``(T, heads, dim)`` (``kl`` 0-dim).
     """
-    from .api import msa_attention
-
     leaves = [x.detach().requires_grad_() for x in inputs]
     out, kl = msa_attention(*leaves, top_k, **kw)
     rows = inputs[0].shape[-2] * out.shape[:-2].numel()
@@ -224,8 +222,6 @@ def compare(mine: dict, same: dict, exact: dict) -> list[tuple[str, float, float
 def _run_case(case, device, dtype, seed, select_only=False):
     """Rows ``(quantity, err, tol, passed)`` of one case on the currently forced backend (only
     the selection when ``select_only``)."""
-    from .api import select_blocks
-
     name, shape, H, Hkv, Hp, Hpk, D, Dp, b, top_k, warmup = case
     varlen = isinstance(shape, tuple)
     S = sum(shape) if varlen else _SEQLEN[b]
