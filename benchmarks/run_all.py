@@ -84,13 +84,10 @@ WORKLOADS = (
     ),
     Workload(
         "select-paper-128k-long-1m",
-        _script(
-            "benchmarks/cute_select_ab.py --fp8 --op-only --fp8-cases paper:131072 "
-            "long:1048576 --kinds random local"
-        ),
-        json_flag=None,
+        _script("benchmarks/select_op.py --cases paper:131072 long:1048576 --kinds random local"),
+        json_flag="--out",
     ),
-    Workload("warmup-cute-vs-triton", _script("benchmarks/warmup_ab.py --iters 3")),
+    Workload("warmup-cute-vs-triton", _script("benchmarks/warmup_backends.py --iters 3")),
     Workload(
         "step-deterministic",
         _script(f"{GPU_TEST} -v -s tests/test_deterministic.py -k gpu_step_twice_same_bits"),
