@@ -143,8 +143,8 @@ def content_key(fn, signature, constexprs, num_warps, num_stages, arch=90, share
 
 class Record:
     """Compile results by :func:`content_key`, in a JSON file: what :func:`compile_kernel`
-    reuses instead of compiling again. ``write``: add new results and save them
-    (:meth:`save`); else the file is only read."""
+    reuses instead of compiling again. ``write``: add new results, saved as they come (a run
+    stopped half-way keeps what it compiled); else the file is only read."""
 
     def __init__(self, path: str | None, write: bool = False):
         self.path, self.write, self.hits, self.misses = path, write, 0, 0
@@ -160,15 +160,17 @@ class Record:
         return None if res is None else dict(res)
 
     def put(self, key: str, res: dict) -> None:
-        if self.write:
+        if self.write and self.entries.get(key) != res:
             self.entries[key] = dict(res)
+            self.save()
 
     def save(self) -> None:
         if self.write and self.path:
-            with open(self.path, "w") as f:
+            with open(self.path + ".tmp", "w") as f:
                 json.dump(dict(triton=triton.__version__, entries=self.entries), f, indent=0,
                           sort_keys=True)  # fmt: skip
                 f.write("\n")
+            os.replace(self.path + ".tmp", self.path)
 
 
 def compile_kernel(
