@@ -1,56 +1,33 @@
-"""A/B of the Triton backend's tuning knobs in one run (GPU), with a kernel-time breakdown.
+"""The Triton backend's tile tables against other entries in one run (GPU), with a kernel-time
+breakdown.
 
     PYTHONPATH=src python3 benchmarks/tune_triton.py --seqlen 16384 [--shape anchor]
 
-Each configuration sets module constants of ``flash_msa.triton_ref`` (the knobs below), is
-checked against the first configuration (gradients and KL close), then timed: a training step
-(forward with the KL + backward, CUDA events, median) and the device time of each kernel over
-three profiled steps (torch.profiler).
+Each configuration is a :class:`flash_msa.triton_ref.tiles.Tables` (the shipped tables first;
+each later one replaces a few of them), passed to the backend ops as ``tables=``. It is checked
+against the first configuration (gradients and KL close), then timed: a training step
+(selection, forward with the KL and the unit proxy gradient, backward; CUDA events, median) and
+the device time of each kernel over three profiled steps (torch.profiler).
 """
 
 import argparse
-import os
 from collections import defaultdict
 
 import torch
 
-import flash_msa
-from flash_msa import bench, testing
-from flash_msa.triton_ref import proxy, sparse_bwd, sparse_fwd, tiles
+from flash_msa import bench, testing, triton_ref
+from flash_msa.problem import Config, Saved
+from flash_msa.triton_ref import tiles
 
-KNOBS = {  # name -> (module, attribute)
-    "fwd_stages": (sparse_fwd, "FWD_STAGES"),
-    "fwd_prefetch": (sparse_fwd, "FWD_PREFETCH"),
-    "bwd_prefetch": (sparse_bwd, "BWD_PREFETCH"),
-    "bwd_tiles": (sparse_bwd, "BWD_TILES"),
-    "proxy_tiles": (proxy, "PROXY_TILES"),
-    "fwd_tiles": (sparse_fwd, "FWD_TILES"),
-}
-
-SPILLING_V4 = {
-    "bwd_tiles": ((128, 128, 1),),
-    "proxy_tiles": ((128, 128, True),),
-    "fwd_tiles": ((128, 1),),
-}
-CONFIGS = [  # the shipped defaults first; each later one changes a few knobs
-    {},
-    SPILLING_V4,  # the v4 tiles (they spill at D=128, block 128)
-    {"bwd_tiles": ((128, 64, 1),)},  # spills 80 B at the anchor shape
-    {"proxy_tiles": ((128, 32, True),)},  # the v5a choice
-    {"proxy_tiles": ((128, 64, True),)},  # spills in the KL+gradient pass
-    {"fwd_tiles": ((64, 1),)},  # the v5a choice
-    {"bwd_prefetch": True},
+CONFIGS = [  # (name, tables): the shipped ones first
+    ("shipped", tiles.SHIPPED),
+    # the largest tiles alone: they spill at D = 128, block 128
+    ("spilling", tiles.Tables(bwd=((128, 128, 1),), proxy=((128, 128, True),), fwd=((128, 1),))),
+    ("bwd 128x64 unsplit dQ", tiles.Tables(bwd=((128, 64, 1),))),  # spills 80 B (anchor)
+    ("proxy 128x32", tiles.Tables(proxy=((128, 32, True),))),
+    ("proxy 128x64 prefetch", tiles.Tables(proxy=((128, 64, True),))),  # spills (KL+grad)
+    ("fwd 64 rows", tiles.Tables(fwd=((64, 1),))),
 ]
-
-
-def _table(kernel_name, cfg):
-    """The candidate table a kernel used under knob settings ``cfg`` (for the printout)."""
-    tables = {
-        "_bwd_kernel": cfg["bwd_tiles"],
-        "_proxy_kernel": cfg["proxy_tiles"],
-        "_fwd_kernel": cfg["fwd_tiles"],
-    }
-    return tuple(tables.get(kernel_name, ()))
 
 
 def profile(step, n=3):
@@ -73,48 +50,46 @@ def main():
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--shape", default="anchor")
     args = ap.parse_args()
-    os.environ["FLASH_MSA_BACKEND"] = "triton"
-    B, H, Hkv, Hp, Hpk, D, Dp, _ = bench.SHAPES[args.shape]
-    xs = testing.make_inputs(
-        B, args.seqlen, H, Hkv, Hp, Hpk, D, Dp, device="cuda", requires_grad=True
-    )
-    dout = torch.randn_like(xs[2])
-    defaults = {k: getattr(m, a) for k, (m, a) in KNOBS.items()}
-    print(f"{args.shape} S={args.seqlen}; defaults {defaults}", flush=True)
+    _, H, Hkv, Hp, Hpk, D, Dp, _ = bench.SHAPES[args.shape]
+    S = args.seqlen
+    xs = testing.make_inputs(1, S, H, Hkv, Hp, Hpk, D, Dp, device="cuda")
+    qp, kp, q, k, v = (x[0] for x in xs)
+    cu = testing.cu([S], "cuda")
+    cfg = Config(
+        block_size=bench.BLOCK, softmax_scale=D**-0.5, max_seqlen=S, proxy_scale=Dp**-0.5,
+        top_k=bench.TOP_K,
+    )  # fmt: skip
+    dout = torch.randn_like(q)
+    dkl = torch.ones((), device="cuda")
+    print(f"{args.shape} S={S}", flush=True)
     ref = None
-    for change in CONFIGS:
-        cfg = dict(defaults, **change)
-        for k, v in cfg.items():
-            setattr(*KNOBS[k], v)
+    for name, tables in CONFIGS:
 
-        def step():
-            for x in xs:
-                x.grad = None
-            out, kl = flash_msa.msa_attention(*xs, bench.TOP_K)
-            torch.autograd.backward([out, kl], [dout, torch.ones_like(kl)])
-            return kl
+        def step(tables=tables):
+            idx = triton_ref.select(qp, kp, cu, cfg, tables=tables)
+            f = triton_ref.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=True, tables=tables)
+            saved = Saved(q, k, v, f.out, f.lse, idx, qp, kp, f.proxy_lse, f.proxy_grad)
+            return f.kl, triton_ref.bwd(dout, dkl, saved, cu, cfg, tables=tables)
 
         try:
-            kl = step().detach().clone()
-            grads = [x.grad.float().clone() for x in xs]
+            tiles.clear()
+            kl, grads = step()
+            grads = [g.float().clone() for g in grads]
             if ref is None:
                 ref = (kl, grads)
             err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, ref[1]))
             kl_err = abs(kl.item() - ref[0].item()) / abs(ref[0].item())
+            chosen = sorted({(key[0], tile) for key, tile in tiles.chosen().items()})
             ms = bench.time_ms(step, iters=7)
             per = profile(step)
             kernels = ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items(), key=lambda x: -x[1]))
-            chosen = [(k[0], v) for k, v in tiles.chosen().items() if k[1] == _table(k[0], cfg)]
             print(
-                f"{change or 'defaults'}: tiles {chosen}; step {ms:.3f} ms "
-                f" (kernels {sum(per.values()):.2f}: "
+                f"{name}: tiles {chosen}; step {ms:.3f} ms (kernels {sum(per.values()):.2f}: "
                 f"{kernels}); rel diff vs first: grads {err:.1e}, kl {kl_err:.1e}",
                 flush=True,
             )
         except Exception as e:  # e.g. out of shared memory
-            print(f"{change}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    for k, v in defaults.items():
-        setattr(*KNOBS[k], v)
+            print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 if __name__ == "__main__":

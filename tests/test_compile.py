@@ -14,47 +14,58 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("kernel", ["select", "fwd", "kl", "bwd", "proxy-grad", "dense", "combine"])
-def test_triton_kernels_compile_for_sm90_without_spills(kernel):
+# The Triton checks reuse the compile results recorded by content (compile_check.Record: Triton's
+# cache key, i.e. its build, the kernel's source and dependencies, types, constexprs, options
+# and target): a kernel that changed since the record compiles again, and --verify compiles the
+# first configuration of each kernel anyway and fails if the record disagrees. The record's
+# regeneration: the compile_check module docstring. No timeout: CI's own limit applies.
+RECORD = os.path.join(
+    os.path.dirname(__file__), "..", "src", "flash_msa", "triton_ref", "compile_record.json"
+)
+
+
+def _compile_check(*args):
+    """``python -m flash_msa.triton_ref.compile_check *args`` against the record, without the
+    interpreter: ``(completed process, JSON rows)``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run(
-        [sys.executable, "-m", "flash_msa.triton_ref.compile_check", kernel],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+    cmd = [sys.executable, "-m", "flash_msa.triton_ref.compile_check", *args]
+    res = subprocess.run([*cmd, "--cached", RECORD, "--verify"], capture_output=True, text=True,
+                         env=env)  # fmt: skip
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert rows, res.stderr
+    return res, rows
+
+
+def test_triton_kernels_compile_for_sm90_without_spills():
+    """Every shipped configuration (compile_check's list, one process): the candidate that
+    runs has no spills, fits the shared memory and, where its MMA has 64+ rows, uses wgmma."""
+    from flash_msa.triton_ref import compile_check
+
+    res, rows = _compile_check()
+    expected = [name for name, *_ in compile_check.configurations()]
+    assert [r["kernel"] for r in rows] == expected, res.stderr[-3000:]
     for r in rows:
         assert r["spill_bytes"] == 0, r
         assert r["shared_bytes"] <= 232448, r
-        # combine has no MMA; the proxy-only forward's MMA has BT = 32 rows (< wgmma's M = 64),
-        # as have tiles of 32 rows (the last candidates; the selection's tile is (warps, rows,
-        # stages))
-        rows = r["tile"][1] if r["kernel"].startswith("select") else r["tile"]
-        small = isinstance(rows, list) and rows[0] < 64 or isinstance(rows, int) and rows < 64
-        assert r["wgmma"] or small or r["kernel"].startswith(("combine", "fwd-proxy-only")), r
-    assert res.returncode == 0, res.stderr
-
-
-def test_triton_rerank_kernel_compiles_for_sm90_without_spills():
-    """The fp8_rerank selection's exact re-rank (``triton_ref/reranking.py``): every
-    configuration its compile check lists, spill-free, its scores on wgmma (a work-list item's
-    gathered q_proxy rows against the block's k_proxy tile, as the forward's proxy stage)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run(
-        [sys.executable, "-m", "flash_msa.triton_ref.reranking"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) >= 4, res.stderr
-    assert all(r["spill_bytes"] == 0 and r["wgmma"] for r in rows), rows
-    assert res.returncode == 0, res.stderr
+        # no MMA in the combine and the ordered sums; the proxy-only forward's MMA has BT = 32
+        # rows (< wgmma's M = 64), as have tiles of 32 rows (the last candidates; the
+        # selection's tile is (warps, rows, stages), the re-rank's (rows, warps))
+        rows_ = r["tile"][1] if r["kernel"].startswith("select") else r["tile"]
+        small = isinstance(rows_, list) and rows_[0] < 64 or isinstance(rows_, int) and rows_ < 64
+        exempt = ("combine", "fwd-proxy-only", "slot-sum", "item-sum")
+        assert r["wgmma"] or small or r["kernel"].startswith(exempt), r
+    # the fp8_rerank re-rank's scores on wgmma (a work item's gathered q_proxy rows against the
+    # block's k_proxy tile, as the forward's proxy stage)
+    rerank = [r for r in rows if r["kernel"].startswith("rerank")]
+    assert len(rerank) >= 4 and all(r["wgmma"] for r in rerank), rerank
+    assert res.returncode == 0, res.stderr[-3000:]
 
 
 # sm_80 (A100), sm_89 (L4, L40S, RTX 40xx), sm_100 (B200), sm_120 (RTX 50xx): the anchor and
 # paper head layouts at head dim 128 and block 128 (the largest tiles), without the query-map
 # kernels, each list walked from its end (compile_check --any: one compile per configuration
 # mostly; the full walk, which tile runs, takes 10+ minutes per target and is in
-# docs/algorithm.md). CPU time on the 2-core machine, empty Triton cache: 60-80 s per target.
+# docs/algorithm.md). CPU time on the 2-core machine, empty Triton cache, without the record:
+# 60-80 s per target.
 OTHER_TARGETS = [80, 89, 100, 120]
 
 
@@ -68,19 +79,16 @@ def test_triton_kernels_compile_for_other_targets_within_their_shared_memory(arc
     from flash_msa.triton_ref.compile_check import UNSUPPORTED
     from flash_msa.triton_ref.tiles import SHARED_LIMITS
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "flash_msa.triton_ref.compile_check", "--arch", str(arch)]
-    cmd += ["--layouts", "anchor,paper", "--dims", "128", "--blocks", "128", "--no-qmap", "--any"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    args = ["--arch", str(arch), "--layouts", "anchor,paper", "--dims", "128", "--blocks", "128"]
+    res, rows = _compile_check(*args, "--no-qmap", "--any")
     if res.returncode == UNSUPPORTED:
         pytest.skip(res.stderr.strip().splitlines()[-1])
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert rows, res.stderr
     families = {r["kernel"].split()[0] for r in rows}
     sparse = {"select", "fwd", "fwd-proxy-only", "bwd", "kl", "kl+grad", "proxy-grad"}
     sparse |= {"bwd-det", "kl+grad-det", "proxy-grad-det"}
     dense = {"dense-fwd", "dense-bwd", "dense-bwd-det", "dense-bwd-dq", "dense-proxy"}
-    dense |= {"dense-proxy-det", "dense-proxy-dk", "combine", "slot-sum", "item-sum"}
+    dense |= {"dense-proxy-det", "dense-proxy-dk", "combine", "slot-sum", "item-sum", "rerank"}
     assert families >= sparse | dense, families
     assert {r["kernel"] for r in rows} >= {"dense-proxy paper D=128", "kl+grad paper D=128 b=128"}
     # sm_100: tcgen05 where the tile allows it (Triton may fall back to mma.sync)

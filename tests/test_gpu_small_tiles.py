@@ -67,8 +67,12 @@ DTYPE_MODES = [
 ]
 
 
-def _run(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, warmup, det=False, device="cuda"):
-    """select (sparse only), fwd and bwd of the Triton backend against the references."""
+def _run(
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, warmup, det=False, device="cuda",
+    tables=tiles.SHIPPED,
+):  # fmt: skip
+    """select (sparse only), fwd and bwd of the Triton backend (tile candidates ``tables``)
+    against the references."""
     be = backends.load("triton")[0]
     (qp, kp, q, k, v), cu = packed_inputs(
         lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device=device, seed=1
@@ -78,16 +82,16 @@ def _run(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, warmup, det=False, de
     )
     idx = None
     if not warmup:
-        mine_idx = be.select(qp, kp, cu, cfg)
+        mine_idx = be.select(qp, kp, cu, cfg, tables=tables)
         idx = reference.select(qp, kp, cu, cfg)
         bad = testing.selection_mismatch(
             mine_idx.cpu(), idx.cpu(), qp.cpu(), kp.cpu(), b, cfg.proxy_scale, cu.cpu()
         )
         assert bad == 0
-    fwd = be.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=True)
+    fwd = be.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=True, tables=tables)
     dout, dkl = incoming(q, Hp, seed=2)
     saved = Saved(q, k, v, fwd.out, fwd.lse, idx, qp, kp, fwd.proxy_lse, fwd.proxy_grad)
-    grads = be.bwd(dout, dkl, saved, cu, cfg)
+    grads = be.bwd(dout, dkl, saved, cu, cfg, tables=tables)
     check(results(fwd, grads), *references(qp, kp, q, k, v, idx, cu, cfg, dout, dkl))
 
 
@@ -140,32 +144,31 @@ def test_small_shared_memory_tiles_match_reference(arch, shape, dtype, mode, mon
 @pytest.mark.usefixtures("fresh_tiles")
 @pytest.mark.gpu
 @needs_gpu
-def test_last_candidates_match_reference(monkeypatch):
+def test_last_candidates_match_reference():
     """The last entry of every table, forced as the only candidate, ran (``tiles.chosen``) and
     passes the rule on every shape and mode, in bf16."""
-    _force_last(monkeypatch)
     for shape in SHAPES.values():
         for warmup, det in MODES.values():
-            _run(*shape, torch.bfloat16, warmup, det)
+            _run(*shape, torch.bfloat16, warmup, det, tables=LAST)
     chosen = {}
     for k, t in tiles.chosen().items():
         chosen.setdefault(k[0], set()).add(t)
     assert chosen == _last_tiles(), chosen
 
 
-def _force_last(monkeypatch):
-    """Every candidate table reduced to its last entry (the selection's function likewise)."""
-    candidates = selection.tile_candidates
-    monkeypatch.setattr(selection, "tile_candidates", lambda *a: candidates(*a)[-1:])
-    monkeypatch.setattr(sparse_fwd, "FWD_TILES", sparse_fwd.FWD_TILES[-1:])
-    monkeypatch.setattr(sparse_bwd, "BWD_TILES", sparse_bwd.BWD_TILES[-1:])
-    monkeypatch.setattr(proxy, "PROXY_TILES", proxy.PROXY_TILES[-1:])
-    monkeypatch.setattr(dense, "DENSE_TILES", dense.DENSE_TILES[-1:])
-    monkeypatch.setattr(dense, "FWD_TILES", dense.FWD_TILES[-1:])
+# every candidate table reduced to its last entry (the selection's list likewise)
+LAST = tiles.Tables(
+    fwd=sparse_fwd.FWD_TILES[-1:],
+    bwd=sparse_bwd.BWD_TILES[-1:],
+    proxy=proxy.PROXY_TILES[-1:],
+    dense=dense.DENSE_TILES[-1:],
+    dense_fwd=dense.FWD_TILES[-1:],
+    select=lambda candidates: candidates[-1:],
+)
 
 
 def _last_tiles():
-    """``{kernel name: {tile}}`` that :func:`_force_last` leaves on the shapes of SHAPES."""
+    """``{kernel name: {tile}}`` that :data:`LAST` leaves on the shapes of SHAPES."""
     sel = {selection.tile_candidates(8, 2, 128, G)[-1] for G in (4, 2)}  # Hp / Hpk of SHAPES
     sel |= {selection.tile_candidates(4, 2, 128, G)[-1] for G in (4, 2)}  # (block 64 tables)
     return {
@@ -270,7 +273,10 @@ def _local(x, q_map):
     return y
 
 
-def _run_mapped(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, det, kind, device="cuda"):
+def _run_mapped(
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, det, kind, device="cuda",
+    tables=tiles.SHIPPED,
+):  # fmt: skip
     """select, fwd (proxy gradient asked) and bwd of the Triton backend with a query map of
     ``kind`` against the reference with the same map: the selection as sets on the mapped rows
     (near-ties accepted) and -1 on padding rows; fwd and bwd on the reference's indices (padding
@@ -283,7 +289,7 @@ def _run_mapped(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, det, kind, dev
     qp, q = _local(qp_all, q_map), _local(q_all, q_map)
     cfg = dataclasses.replace(config(max(lengths), D, Dp, b, top_k), deterministic=det)
     real = q_map >= 0
-    mine_idx = be.select(qp, kp, cu, cfg, q_map=q_map)
+    mine_idx = be.select(qp, kp, cu, cfg, q_map=q_map, tables=tables)
     idx = reference.select(qp, kp, cu, cfg, q_map=q_map)
     assert (mine_idx[~real] == -1).all() and (idx[~real] == -1).all()
     every = reference.select(qp_all, kp, cu, cfg).cpu()  # every token's row (the map's others)
@@ -298,10 +304,10 @@ def _run_mapped(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, det, kind, dev
     )
     assert bad == 0
     idx[~real] = idx[int(torch.nonzero(real)[0])].clone()
-    fwd = be.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=True, q_map=q_map)
+    fwd = be.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=True, q_map=q_map, tables=tables)
     dout, dkl = incoming(q, Hp, seed=2)
     saved = Saved(q, k, v, fwd.out, fwd.lse, idx, qp, kp, fwd.proxy_lse, fwd.proxy_grad)
-    mine = results(fwd, be.bwd(dout, dkl, saved, cu, cfg, q_map=q_map))
+    mine = results(fwd, be.bwd(dout, dkl, saved, cu, cfg, q_map=q_map, tables=tables))
     refs = []
     for exact in (True, False):  # harness.references' pair, with the map
         cast = (lambda x: x.double()) if exact else (lambda x: x)
@@ -389,21 +395,18 @@ def test_pick_takes_the_first_tile_within_the_cap_and_keys_the_cache_by_it(monke
         pick()
 
 
-def test_small_tiles_equal_reference_under_the_interpreter(monkeypatch):
+def test_small_tiles_equal_reference_under_the_interpreter():
     """Under the interpreter ``tiles.pick`` takes the first candidate. With every list cut to
     its last entry (the selection's 64 rows x 8 warps x 1 stage, BT = 64 / G tokens; the
     forward's 32 rows x 4 warps; the fp32 entries: the proxy pass's 64 x 16 keys, the warmup's
     64 x 16 tile without pipelining), then with the proxy passes' 256-row entries (R = 1),
     sparse and warmup equal the reference (fp16: the interpreter's bf16 is wrong)."""
     case = ((100, 1, 40), 8, 2, 4, 1, 16, 16, 64, 2)
-    _force_last(monkeypatch)
     for warmup in (False, True):
-        _run(*case, torch.float16, warmup, device="cpu")
-    monkeypatch.undo()
-    monkeypatch.setattr(proxy, "PROXY_TILES", ((256, 16, False, 2),))
-    monkeypatch.setattr(dense, "DENSE_TILES", ((256, 32, 8, 1),))
+        _run(*case, torch.float16, warmup, device="cpu", tables=LAST)
+    wide = tiles.Tables(proxy=((256, 16, False, 2),), dense=((256, 32, 8, 1),))
     for warmup in (False, True):
-        _run(*case, torch.float16, warmup, device="cpu")
+        _run(*case, torch.float16, warmup, device="cpu", tables=wide)
 
 
 def test_small_tiles_with_q_map_equal_reference_under_the_interpreter(monkeypatch):
@@ -411,27 +414,32 @@ def test_small_tiles_with_q_map_equal_reference_under_the_interpreter(monkeypatc
     entry (as above), outputs and partials NaN-poisoned: fp32 with the zigzag map, fp16 with the
     random map in deterministic mode."""
     case = ((100, 1, 40), 8, 2, 4, 1, 16, 16, 64, 2)
-    _force_last(monkeypatch)
     _poison_new_buffers(monkeypatch)
-    _run_mapped(*case, torch.float32, False, "zigzag", device="cpu")
-    _run_mapped(*case, torch.float16, True, "random", device="cpu")
+    _run_mapped(*case, torch.float32, False, "zigzag", device="cpu", tables=LAST)
+    _run_mapped(*case, torch.float16, True, "random", device="cpu", tables=LAST)
 
 
 # the query-map kernels (compile_check's "-qmap" configurations: the selection, and the anchor
 # and paper layouts at D = block = 128), each list walked from its end as tests/test_compile.py
 # does for the others (its arch test passes --no-qmap)
+# compile results by content (compile_check.Record; tests/test_compile.py says how it is used)
+RECORD = os.path.join(
+    os.path.dirname(__file__), "..", "src", "flash_msa", "triton_ref", "compile_record.json"
+)
 _QMAP_COMPILE = """
 import json, sys
 from flash_msa.triton_ref import compile_check as cc
 
 arch = int(sys.argv[1])
+record = cc.Record(sys.argv[2])
 why = cc.target_unsupported(arch)
 if why is not None:
     print(why, file=sys.stderr)
     sys.exit(cc.UNSUPPORTED)
 for name, fn, sig, cands in cc.configurations(("anchor", "paper"), (128,), (128,)):
     if "-qmap" in name:
-        print(json.dumps(dict(kernel=name, **cc.choose(fn, sig, cands, arch, True))), flush=True)
+        res = cc.choose(fn, sig, cands, arch, True, record=record)
+        print(json.dumps(dict(kernel=name, **res)), flush=True)
 """
 
 
@@ -447,8 +455,8 @@ def test_q_map_kernels_compile_for_small_targets_within_their_shared_memory(arch
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(
-        [sys.executable, "-c", _QMAP_COMPILE, str(arch)],
-        capture_output=True, text=True, env=env, timeout=600,
+        [sys.executable, "-c", _QMAP_COMPILE, str(arch), RECORD],
+        capture_output=True, text=True, env=env,
     )  # fmt: skip
     if res.returncode == UNSUPPORTED:
         pytest.skip(res.stderr.strip().splitlines()[-1])
@@ -456,6 +464,7 @@ def test_q_map_kernels_compile_for_small_targets_within_their_shared_memory(arch
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     want = {"select-qmap bf16 Dp=128 b=128 k=16 G=4"}
     want |= {f"{f}-qmap {n} D=128 b=128" for n, fams in QMAP_FAMILIES.items() for f in fams}
+    want |= {"rerank-qmap Dp=128 b=128"}
     assert {r["kernel"] for r in rows} == want, res.stderr[-3000:]
     for r in rows:
         assert r["spill_bytes"] == 0, r

@@ -1,11 +1,11 @@
-"""fp32 inputs under small shared memory (issue 18): a tile that fits, or a clear refusal.
+"""fp32 inputs under small shared memory: a tile that fits, or a clear refusal.
 
 fp32 inputs take IEEE products (``PREC="ieee"``: no tensor cores) and twice the bytes of bf16
-per operand tile. On the H200 under sm_120's 99 KB cap the fp32 dense warmup at D = 128 found
-no candidate of ``dense.DENSE_TILES`` within the cap for ``_dense_bwd_kernel``, and
-``tiles.pick`` launched the last one (290 KB): Triton's ``OutOfResources``. The tables gained
-fp32 entries at their ends (so the bf16/fp16 choices stay), and ``tiles.pick`` now raises
-``flash_msa.BackendError`` before any launch when nothing fits.
+per operand tile. Under sm_120's 99 KB the fp32 dense warmup at D = 128 fits no bf16-sized
+entry of ``dense.DENSE_TILES`` for ``_dense_bwd_kernel`` (launched, the smallest, 290 KB, fails
+in Triton with ``OutOfResources``). The tables end in fp32 entries (so the bf16/fp16 choices are
+those of the earlier entries), and ``tiles.pick`` raises ``flash_msa.BackendError`` before any
+launch when nothing fits.
 
 - ``tiles.pick`` on a fake kernel (no compiler, no GPU): the refusal names the kernel, the
   dtype, the head dim, the limit and the smallest need; it is cached; a fitting tile that
@@ -29,6 +29,11 @@ import torch
 
 from flash_msa import BackendError
 from flash_msa.triton_ref import dense, proxy, selection, sparse_bwd, sparse_fwd, tiles
+
+# compile results by content (compile_check.Record; tests/test_compile.py says how it is used)
+RECORD = os.path.join(
+    os.path.dirname(__file__), "..", "src", "flash_msa", "triton_ref", "compile_record.json"
+)
 
 
 def _fake_pick(monkeypatch, shared, spills=None, races=(), dtype=torch.float32):
@@ -166,14 +171,14 @@ def test_fp32_kernels_have_a_tile_within_the_shared_memory(arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "flash_msa.triton_ref.compile_check", "--arch", str(arch)]
     cmd += ["--layouts", "anchor", "--dims", "128", "--blocks", "128", "--no-qmap"]
-    cmd += ["--dtype", "fp32", "--any", "--shared-only"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    cmd += ["--dtype", "fp32", "--any", "--shared-only", "--cached", RECORD, "--verify"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode == UNSUPPORTED:
         pytest.skip(res.stderr.strip().splitlines()[-1])
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     families = {r["kernel"].split()[0] for r in rows}
     want = {"select", "fwd", "fwd-proxy-only", "bwd", "bwd-det", "kl", "kl+grad", "proxy-grad"}
-    want |= {"kl+grad-det", "proxy-grad-det", "combine", "slot-sum", "item-sum"}
+    want |= {"kl+grad-det", "proxy-grad-det", "combine", "slot-sum", "item-sum", "rerank"}
     want |= {"dense-fwd", "dense-bwd", "dense-bwd-det", "dense-bwd-dq", "dense-proxy"}
     want |= {"dense-proxy-det", "dense-proxy-dk"}
     assert families == want, (families, res.stderr[-3000:])
@@ -191,12 +196,13 @@ import json, sys
 from flash_msa.triton_ref import compile_check as cc, dense
 
 before = tuple(json.loads(sys.argv[1]))
+record = cc.Record(sys.argv[2])
 names = ("dense-bwd-det D=128", "dense-proxy-dk D=128")
 for dtype in ("bf16", "fp16"):
     for name, fn, sig, cands in cc.configurations(("anchor",), (128,), (128,), False, dtype):
         if name in names:
             old = [c for c in cands if list(c[0]) in before]
-            picks = [cc.choose(fn, sig, cs, 90) for cs in (old, cands)]
+            picks = [cc.choose(fn, sig, cs, 90, record=record) for cs in (old, cands)]
             print(json.dumps(dict(kernel=name, dtype=dtype, old=picks[0], new=picks[1])))
 """
 
@@ -208,8 +214,8 @@ def test_bf16_fp16_choices_unchanged_by_the_fp32_entries():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     before = json.dumps([list(t) for t in BEFORE["dense.DENSE_TILES"]])
     res = subprocess.run(
-        [sys.executable, "-c", _BEFORE_AFTER, before], capture_output=True, text=True, env=env,
-        timeout=600,
+        [sys.executable, "-c", _BEFORE_AFTER, before, RECORD], capture_output=True, text=True,
+        env=env,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]

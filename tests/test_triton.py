@@ -98,24 +98,30 @@ def test_select_properties_hypothesis(data):
 # ---------------------------------------------------------------------------------------------
 # forward (+ proxy LSE, KL) and backward, on the reference's indices
 # ---------------------------------------------------------------------------------------------
-def _fwd_bwd(lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed=1, in_fwd=False, warmup=False):
+def _fwd_bwd(
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed=1, in_fwd=False, warmup=False,
+    tables=None,
+):  # fmt: skip
     """Forward and backward of one problem by the Triton ops, and the two references.
 
     ``in_fwd``: the proxy gradient comes from the forward's KL pass (``proxy_grad=True``, what
-    training takes) instead of the backward's own pass. Returns ``(mine, exact, same)`` dicts.
+    training takes) instead of the backward's own pass. ``tables``: the tile candidates
+    (``triton_ref.tiles.Tables``; default the shipped ones). Returns ``(mine, exact, same)``.
     """
     from flash_msa import triton_ref
+
+    tables = triton_ref.SHIPPED if tables is None else tables
 
     (qp, kp, q, k, v), cu = packed_inputs(
         lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device=DEV, seed=seed
     )
     cfg = config(max(lengths), D, Dp, b, top_k, warmup=warmup)
     idx = None if warmup else reference.select(qp, kp, cu, cfg)
-    fwd = triton_ref.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=in_fwd)
+    fwd = triton_ref.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=in_fwd, tables=tables)
     assert (fwd.proxy_grad is not None) == in_fwd
     dout, dkl = incoming(q, Hp, seed)
     saved = Saved(q, k, v, fwd.out, fwd.lse, idx, qp, kp, fwd.proxy_lse, fwd.proxy_grad)
-    grads = triton_ref.bwd(dout, dkl, saved, cu, cfg)
+    grads = triton_ref.bwd(dout, dkl, saved, cu, cfg, tables=tables)
     return (results(fwd, grads), *references(qp, kp, q, k, v, idx, cu, cfg, dout, dkl))
 
 
@@ -160,15 +166,15 @@ def test_fwd_bwd_with_split_key_blocks_equals_reference(tile, in_fwd, monkeypatc
     """The other tile candidates (tiles.pick takes them on a GPU when larger ones spill): key
     blocks split over block // BN programs, fewer MMA rows, dQ and O in column slices, the
     proxy pass without prefetch, in every sparse pass."""
-    from flash_msa.triton_ref import proxy, sparse_bwd, sparse_fwd
+    from flash_msa.triton_ref.tiles import Tables
 
     rows, keys, split, prefetch = tile
     _poison_new_buffers(monkeypatch)
-    monkeypatch.setattr(sparse_bwd, "BWD_TILES", ((rows, keys, split),))
-    monkeypatch.setattr(proxy, "PROXY_TILES", ((rows, keys, prefetch),))
-    monkeypatch.setattr(sparse_fwd, "FWD_TILES", ((rows, split),))
+    tables = Tables(
+        bwd=((rows, keys, split),), proxy=((rows, keys, prefetch),), fwd=((rows, split),)
+    )
     for case in [((300,), 8, 2, 4, 2, 16, 16, 64, 3), ((70, 1, 200), 4, 4, 2, 1, 16, 32, 128, 2)]:
-        check(*_fwd_bwd(*case, torch.float32, in_fwd=in_fwd))
+        check(*_fwd_bwd(*case, torch.float32, in_fwd=in_fwd, tables=tables))
 
 
 def test_fwd_bwd_fp16_tolerance_rule(monkeypatch):
@@ -215,12 +221,11 @@ def test_warmup_fp32_equals_reference(case, monkeypatch):
     check(*_fwd_bwd(lengths, H, Hkv, Hp, Hpk, D, Dp, 64, None, torch.float32, 2, warmup=True))
 
 
-def test_warmup_with_the_smallest_tiles_equals_reference(monkeypatch):
-    from flash_msa.triton_ref import dense
+def test_warmup_with_the_smallest_tiles_equals_reference():
+    from flash_msa.triton_ref.tiles import Tables
 
-    monkeypatch.setattr(dense, "DENSE_TILES", ((32, 32, 4),))
     case = ((150, 1, 70), 8, 2, 4, 2, 16, 16, 64, None, torch.float32, 2)
-    check(*_fwd_bwd(*case, warmup=True))
+    check(*_fwd_bwd(*case, warmup=True, tables=Tables(dense=((32, 32, 4),))))
 
 
 def test_warmup_fp16_tolerance_rule():

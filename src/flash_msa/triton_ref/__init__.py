@@ -7,12 +7,14 @@ the proxy KL value and gradient (``proxy.py``); warmup (dense causal attention, 
 visible key) in ``dense.py``; deterministic mode's ordered reductions (``Config.deterministic``)
 in the neutral ``flash_msa.ordered`` (the CuTe backward uses them too).
 On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before
-triton is first imported).
+triton is first imported). Triton is optional: without it this package imports (its limits
+readable) and :func:`unavailable_reason` says why the backend cannot run; the kernel modules
+are imported only where triton is.
 
 The sparse ops take the contract's query map (``q_map``, context parallelism; docs/design.md):
 the selection groups the query rows by sequence (``worklist.query_order``), the forward and
 backward kernels read each row's token from the work list's map for the causal limit (a
-``HAS_QMAP`` constexpr: without a map they compile as before). The warmup (``dense.py``) does
+``HAS_QMAP`` constexpr: without a map its loads compile away). The warmup (``dense.py``) does
 not take one.
 """
 
@@ -26,6 +28,15 @@ from .. import limits
 from ..backends import interpreting
 from ..limits import OPS, Limits
 from ..problem import Problem
+from .tiles import SHIPPED, Tables
+
+try:  # optional: without triton the package imports and the backend says why it cannot run
+    import triton  # noqa: F401
+except ImportError as e:
+    _NO_TRITON = f"triton is not importable: {e}"
+else:
+    _NO_TRITON = None
+    from . import dense, reranking, selection, sparse_bwd, sparse_fwd
 
 _DIMS = (16, 32, 64, 128)
 _ALL = Limits(
@@ -57,16 +68,14 @@ _ALL = Limits(
     deterministic=True,
 )
 # every op, warmup included, within one envelope; the sparse ops also take a query map (with
-# or without deterministic mode), the warmup's dense kernels do not (yet)
+# or without deterministic mode), the warmup's dense kernels do not
 LIMITS = {op: dataclasses.replace(_ALL, q_map=op != "warmup") for op in OPS}
 
 
 def unavailable_reason() -> str | None:
     """Why this backend cannot run at all on this machine; ``None`` if it can."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        return f"triton is not importable: {e}"
+    if _NO_TRITON is not None:
+        return _NO_TRITON
     if not torch.cuda.is_available() and not interpreting():
         return "no CUDA device, and TRITON_INTERPRET=1 is not set (Triton's CPU interpreter)"
     return None
@@ -92,12 +101,10 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
     return None
 
 
-def forward_stages():
+def forward_stages(tables: Tables = SHIPPED):
     """This backend's stages of the sparse-forward driver: see
     :func:`flash_msa.triton_ref.sparse_fwd.forward_stages`."""
-    from .sparse_fwd import forward_stages as stages
-
-    return stages()
+    return sparse_fwd.forward_stages(tables)
 
 
 def _no_warmup_q_map(q_map):
@@ -107,45 +114,44 @@ def _no_warmup_q_map(q_map):
         )
 
 
-def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
-    """Backend op ``select``: see :func:`flash_msa.triton_ref.selection.select`."""
-    from .selection import select as _select
+def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None, tables: Tables = SHIPPED):
+    """Backend op ``select``: see :func:`flash_msa.triton_ref.selection.select`. ``tables``
+    (every op): the tile candidates (:class:`flash_msa.triton_ref.tiles.Tables`; the shipped
+    tables by default)."""
+    return selection.select(q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map, tables=tables)
 
-    return _select(q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map)
 
-
-def rerank(q_proxy, k_proxy, cu_seqlens, candidates, cfg, *, q_map=None):
+def rerank(
+    q_proxy, k_proxy, cu_seqlens, candidates, cfg, *, q_map=None, tables: Tables = SHIPPED
+):  # fmt: skip
     """Backend op ``rerank`` (``selection_precision="fp8_rerank"``'s exact re-rank of the fp8
     candidates, any ``top_k + m`` of them; run within ``LIMITS["select"]``,
     ``backends.rerank_reason``): the candidates' block scores on tensor cores over their work
     list, then ``quant.refine``; see :func:`flash_msa.triton_ref.reranking.rerank`."""
-    from .reranking import rerank as _rerank
-
-    return _rerank(q_proxy, k_proxy, cu_seqlens, candidates, cfg, q_map=q_map)
+    return reranking.rerank(
+        q_proxy, k_proxy, cu_seqlens, candidates, cfg, q_map=q_map, tables=tables
+    )
 
 
 def fwd(
     q, k, v, indices, cu_seqlens, cfg, q_proxy=None, k_proxy=None, proxy_grad=False, *,
-    q_map=None,
+    q_map=None, tables: Tables = SHIPPED,
 ):  # fmt: skip
-    """Backend op ``fwd``: see :func:`flash_msa.triton_ref.sparse_fwd.fwd`."""
+    """Backend op ``fwd``: see :func:`flash_msa.triton_ref.sparse_fwd.fwd`; with ``indices is
+    None`` the warmup's dense attention (:func:`flash_msa.triton_ref.dense.fwd`)."""
     if indices is None:  # warmup: dense causal attention
-        from .dense import fwd as _dense_fwd
-
         _no_warmup_q_map(q_map)
-        return _dense_fwd(q, k, v, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad)
-    from .sparse_fwd import fwd as _fwd
+        return dense.fwd(q, k, v, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad, tables=tables)
+    return sparse_fwd.fwd(
+        q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad, q_map=q_map,
+        tables=tables,
+    )  # fmt: skip
 
-    return _fwd(q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad, q_map=q_map)
 
-
-def bwd(dout, dkl, saved, cu_seqlens, cfg, *, q_map=None):
-    """Backend op ``bwd``: see :func:`flash_msa.triton_ref.sparse_bwd.bwd`."""
+def bwd(dout, dkl, saved, cu_seqlens, cfg, *, q_map=None, tables: Tables = SHIPPED):
+    """Backend op ``bwd``: see :func:`flash_msa.triton_ref.sparse_bwd.bwd`; for a warmup
+    forward (``saved.indices is None``) :func:`flash_msa.triton_ref.dense.bwd`."""
     if saved.indices is None:  # warmup
-        from .dense import bwd as _dense_bwd
-
         _no_warmup_q_map(q_map)
-        return _dense_bwd(dout, dkl, saved, cu_seqlens, cfg)
-    from .sparse_bwd import bwd as _bwd
-
-    return _bwd(dout, dkl, saved, cu_seqlens, cfg, q_map=q_map)
+        return dense.bwd(dout, dkl, saved, cu_seqlens, cfg, tables=tables)
+    return sparse_bwd.bwd(dout, dkl, saved, cu_seqlens, cfg, q_map=q_map, tables=tables)

@@ -23,30 +23,31 @@
   kept in registers and which goes out by atomics differs (the sparse pass keeps ``dk_proxy``
   over its tokens, the dense one ``dq_proxy`` over its keys).
 
-Import graph of ``triton_ref/`` (``a -> b``: ``a`` imports ``b``; one way, no cycles)::
+Import graph of ``triton_ref/`` (``a -> b``: ``a`` imports ``b``; one way, no cycles, every
+import at module level)::
 
-    __init__      -> selection, sparse_fwd, sparse_bwd, dense, proxy, reranking (lazily, per op)
-    compile_check -> selection, sparse_fwd, sparse_bwd, proxy, dense, tiles
-    sparse_fwd    -> proxy, common, tiles    (``forward_stages``: the driver's stages)
-    sparse_bwd    -> proxy, common, tiles    (+ flash_msa.ordered)
+    __init__      -> tiles; selection, sparse_fwd, sparse_bwd, dense, reranking (where triton
+                     imports: the package imports without it)
+    compile_check -> selection, selection_fp8, sparse_fwd, sparse_bwd, proxy, dense, reranking,
+                     tiles                        (+ flash_msa.ordered, worklist, cubin)
+    sparse_fwd    -> proxy, common, tiles         (+ flash_msa.sparse_forward: the driver)
+    sparse_bwd    -> proxy, common, tiles         (+ flash_msa.ordered, worklist)
     dense         -> common, tiles
-    proxy         -> common, tiles           (+ flash_msa.ordered)
-    selection     -> tiles                   (+ flash_msa.worklist: query_order)
-    reranking     -> common, tiles           (+ flash_msa.worklist, quant; its own compile
-                                             check: compile_check.compile_kernel, lazily;
-                                             proxy_chunk, the loop body of sparse_fwd's proxy
-                                             stage)
-    tiles         -> (flash_msa.backends; flash_msa.cubin lazily)
+    proxy         -> common, tiles                (+ flash_msa.ordered)
+    reranking     -> common, tiles                (+ flash_msa.worklist, quant)
+    selection     -> tiles                        (+ flash_msa.worklist: query_order)
+    selection_fp8 -> selection, tiles             (+ flash_msa.quant)
+    tiles         -> (flash_msa.backends, cubin)
     common        -> (triton only)
 
 Outside the package the modules import only neutral ones: ``flash_msa.problem``,
-``flash_msa.worklist``, ``flash_msa.sparse_forward`` (sparse_fwd), ``flash_msa.cubin`` (tiles,
-compile_check), ``flash_msa.backends`` (tiles), ``flash_msa.ordered`` (deterministic mode's
-fixed-order sums, shared with the CuTe backward). Nothing but ``reranking``'s own compile
-check imports ``compile_check`` (the CI's check, run as a program; ``tiles`` reads cubins
-through ``flash_msa.cubin``), and no module imports another's ``_private`` names. The one
-reach into other modules' private objects is ``compile_check`` compiling their ``@triton.jit``
-kernels (``sparse_fwd._fwd_kernel`` ...; the tests use those names too).
+``flash_msa.worklist``, ``flash_msa.sparse_forward`` (sparse_fwd), ``flash_msa.quant``,
+``flash_msa.cubin`` (tiles, compile_check), ``flash_msa.backends`` (tiles), ``flash_msa.ordered``
+(deterministic mode's fixed-order sums, shared with the CuTe backward). No kernel module imports
+``compile_check`` (the CI's check, run as a program, reads their tables and signatures), and no
+module imports another's ``_private`` names; the one reach into other modules' private objects
+is ``compile_check`` compiling their ``@triton.jit`` kernels (``sparse_fwd._fwd_kernel`` ...;
+the tests use those names too).
 """
 
 from __future__ import annotations
@@ -146,15 +147,13 @@ def proxy_chunk(
     K: tl.constexpr,
     BT: tl.constexpr,
     PREC: tl.constexpr,
-    PREFETCH: tl.constexpr,
     HAS_QMAP: tl.constexpr,
 ):
     """One step of a work item's proxy score loop over its entries ``c .. min(c + BT, e1)`` of
     ``PERM`` (one MMA row per token, selection head ``p``), the body the forward's proxy LSE and
     the fp8_rerank re-rank share; the caller reduces the scores (a logsumexp, a max).
 
-    ``nxt`` is this chunk's :func:`item_rows` (with ``PREFETCH``: loaded one step ahead; else
-    loaded here), ``b_kp`` the block's k_proxy tile [BN, Dp] of ``p``'s proxy key head, ``cols``
+    ``nxt`` is this chunk's :func:`item_rows` (loaded one step ahead), ``b_kp`` the block's k_proxy tile [BN, Dp] of ``p``'s proxy key head, ``cols``
     ``tl.arange(0, Dp)``; ``QP`` is q_proxy [Tq, Hs, Dp], ``QMAP`` [Tq] int32 the rows' packed
     key tokens (with ``HAS_QMAP``, else ``None``). Returns
 
@@ -162,11 +161,9 @@ def proxy_chunk(
       masked (the callers differ: the forward scales before its mask, the re-rank after its max);
     - ``qrow`` [BT] (int64 query rows), ``slot`` [BT], ``t`` [BT] (int64 packed key positions of
       the rows, for causality: ``qrow`` itself without a map), ``m_t`` [BT] (the rows' mask);
-    - the next chunk's :func:`item_rows` (with ``PREFETCH``, loaded before the MMA so that it
-      overlaps it; else ``nxt`` as used), for the caller's next call.
+    - the next chunk's :func:`item_rows` (loaded before the MMA so that it overlaps it), for the
+      caller's next call.
     """
-    if not PREFETCH:
-        nxt = item_rows(PERM, c, e1, Hs * K, K, BT, 1)
     qrow, slot, _, m_t = nxt
     t = qrow  # the query's packed key position (causality)
     if HAS_QMAP:
@@ -174,8 +171,7 @@ def proxy_chunk(
     b_qp = tl.load(
         QP + (qrow * Hs + p)[:, None] * cols.shape[0] + cols[None, :], mask=m_t[:, None], other=0.0
     )  # [BT, Dp]
-    if PREFETCH:  # the next chunk's entries load while this one computes
-        nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
+    nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)  # loads while this chunk computes
     b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC)  # [BT, BN] fp32
     return b_z, qrow, slot, t, m_t, nxt
 

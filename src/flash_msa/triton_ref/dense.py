@@ -17,7 +17,8 @@ Deterministic mode (``cfg.deterministic``): no atomics. ``_dense_bwd_kernel`` ow
 KV head) and walks its group's heads in order (dK/dV stored once), ``_dense_bwd_dq_kernel``
 makes dQ query-outer (recomputing S, P, dP: 2 more MMAs per tile pair), and
 ``_dense_proxy_dk_kernel`` makes dk_proxy key-outer (recomputing the teacher and the proxy
-probabilities: the proxy gradient's work twice). The default kernels are unchanged.
+probabilities: the proxy gradient's work twice). ``DETERMINISTIC`` and ``DK_PROXY`` are
+constexprs: the default path's code has none of this.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from .common import (
 # of shared memory, and of the dk kernel spills, even on sm_90 (Triton 3.9); 256 rows make
 # R = 1. (256, 32, 8, 1) fits sm_80/89/90/100 (sm_90: 210 registers, 76 KB), (256, 16, 8, 2)
 # sm_120 (201 registers, 85 KB). docs/algorithm.md, "GPUs with less shared memory".
-# The last two, without software pipelining, are for fp32 inputs (issue 18): IEEE products
+# The last two, without software pipelining, are for fp32 inputs: IEEE products
 # without tensor cores, operand tiles of twice bf16's bytes, each pipelining stage holding them.
 # At D = 128 under sm_86/89/120's 99 KB no earlier entry of the deterministic backward fits
 # (the smallest, (32, 32, 4), needs 103 KB for _dense_bwd_kernel, 100 KB for the dq kernel;
@@ -197,7 +198,7 @@ def _dense_proxy_kernel(
     PREC: tl.constexpr,
     DK_PROXY: tl.constexpr = True,  # False: dk_proxy is left to _dense_proxy_dk_kernel
 ):
-    pid = tl.program_id(0)  # pid first, p before the return: the code of the helper-less kernel
+    pid = tl.program_id(0)  # (the order of these reads fixes the order of the code)
     s0, L, m0 = sequence_tile(CU, tl.num_programs(0) - 1 - pid, BT)  # longest tiles first
     p = tl.program_id(2)
     if m0 >= L:
@@ -446,7 +447,7 @@ def _prec(x):
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _attention(q, k, v, out, lse, scale, cu, cfg):
+def _attention(q, k, v, out, lse, scale, cu, cfg, tables: tiles.Tables):
     """Dense causal attention into ``out``/``lse``; with ``v is None`` only the LSE."""
     T, H, D = q.shape
     args = (q, k, k if v is None else v, cu, q if out is None else out, lse, scale)
@@ -458,20 +459,23 @@ def _attention(q, k, v, out, lse, scale, cu, cfg):
         )  # fmt: skip
 
     key = (q.dtype, H, k.shape[1], D, v is not None)
-    tile = tiles.pick(_dense_fwd_kernel, args, FWD_TILES, options, key)
+    cands = FWD_TILES if tables.dense_fwd is None else tables.dense_fwd
+    tile = tiles.pick(_dense_fwd_kernel, args, cands, options, key)
     grid = (triton.cdiv(cfg.max_seqlen, tile[0]), cu.numel() - 1, H)
     _dense_fwd_kernel[grid](*args, **options(tile))
 
 
 def _proxy_pass(
-    q, k, q_proxy, k_proxy, lse, proxy_lse, cu, cfg, *, kl_value=False, dkl=None, dqp=None, dkp=None
-):
+    q, k, q_proxy, k_proxy, lse, proxy_lse, cu, cfg, tables: tiles.Tables, *, kl_value=False,
+    dkl=None, dqp=None, dkp=None,
+):  # fmt: skip
     """The KL value (returned when ``kl_value``) and/or the proxy gradient into ``dqp``/``dkp``
     (when ``dkl`` is given), over every visible key. With ``cfg.deterministic`` ``dkp`` is made
     by the key-outer ``_dense_proxy_dk_kernel`` (stores, no atomics) instead of atomics."""
     T, H, D = q.shape
     Hs, Dp = q_proxy.shape[1:]
     Hkv, Hpk = k.shape[1], k_proxy.shape[1]
+    cands = _dense_tiles(tables)
     grad = dkl is not None
     det = grad and cfg.deterministic
     most = (triton.cdiv(cfg.max_seqlen, 16), cu.numel() - 1, Hs)  # grid at the smallest tile
@@ -492,7 +496,7 @@ def _proxy_pass(
         )  # fmt: skip
 
     key = (q.dtype, H, Hkv, Hs, Hpk, D, Dp, kl_value, grad, det)
-    tile = tiles.pick(_dense_proxy_kernel, args, DENSE_TILES, options, key)
+    tile = tiles.pick(_dense_proxy_kernel, args, cands, options, key)
     BT = options(tile)["BT"]
     _dense_proxy_kernel[(triton.cdiv(cfg.max_seqlen, BT), cu.numel() - 1, Hs)](
         *args, **options(tile)
@@ -509,30 +513,44 @@ def _proxy_pass(
                 del opts[name]
             return dict(opts, num_stages=tile_stages(tile, PROXY_DK_STAGES))
 
-        tile = tiles.pick(_dense_proxy_dk_kernel, dk_args, DENSE_TILES, dk_options, key)
+        tile = tiles.pick(_dense_proxy_dk_kernel, dk_args, cands, dk_options, key)
         grid = (triton.cdiv(cfg.max_seqlen, tile[1]), cu.numel() - 1, Hpk)
         _dense_proxy_dk_kernel[grid](*dk_args, **dk_options(tile))
     return kl_part.sum() / (Hs * T) if kl_value else None
 
 
-def fwd(q, k, v, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, proxy_grad=False):
+def _dense_tiles(tables: tiles.Tables):
+    return DENSE_TILES if tables.dense is None else tables.dense
+
+
+def fwd(
+    q, k, v, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, proxy_grad=False, *,
+    tables: tiles.Tables = tiles.SHIPPED,
+):  # fmt: skip
     """Backend op ``fwd`` in warmup (``indices is None``): dense causal attention.
 
-    ``proxy_grad`` is ignored: the warmup proxy gradient is computed in ``bwd``."""
+    ``proxy_grad`` is ignored: the warmup proxy gradient is computed in ``bwd``. ``tables``:
+    the tile candidates (``dense_fwd``, ``dense``; :class:`~flash_msa.triton_ref.tiles.Tables`)."""
     T, H, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    _attention(q, k, v, out, lse, cfg.softmax_scale, cu_seqlens, cfg)
+    _attention(q, k, v, out, lse, cfg.softmax_scale, cu_seqlens, cfg, tables)
     proxy_lse = kl = None
     if q_proxy is not None:
         proxy_lse = torch.empty(q_proxy.shape[:2], dtype=torch.float32, device=q.device)
-        _attention(q_proxy, k_proxy, None, None, proxy_lse, cfg.proxy_scale, cu_seqlens, cfg)
+        _attention(
+            q_proxy, k_proxy, None, None, proxy_lse, cfg.proxy_scale, cu_seqlens, cfg, tables
+        )
         if cfg.compute_kl:
-            kl = _proxy_pass(q, k, q_proxy, k_proxy, lse, proxy_lse, cu_seqlens, cfg, kl_value=True)
+            kl = _proxy_pass(
+                q, k, q_proxy, k_proxy, lse, proxy_lse, cu_seqlens, cfg, tables, kl_value=True
+            )
     return Forward(out, lse, proxy_lse, kl)
 
 
-def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
+def bwd(
+    dout, dkl, saved: Saved, cu_seqlens, cfg: Config, *, tables: tiles.Tables = tiles.SHIPPED
+) -> Grads:
     """Backend op ``bwd`` in warmup: dense causal attention gradients and the proxy gradient.
 
     With ``cfg.deterministic`` no atomics run: ``_dense_bwd_kernel`` owns a (key tile, KV
@@ -567,19 +585,20 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config) -> Grads:
             return dict(options(tile), DETERMINISTIC=det)
 
         key = (q.dtype, H, Hkv, D, det)
-        tile = tiles.pick(_dense_bwd_kernel, args, DENSE_TILES, bwd_options, key)
+        tile = tiles.pick(_dense_bwd_kernel, args, _dense_tiles(tables), bwd_options, key)
         grid = (triton.cdiv(cfg.max_seqlen, tile[1]), N, Hkv if det else H)
         _dense_bwd_kernel[grid](*args, **bwd_options(tile))
         if det:
             dq_args = (q, k, v, dout, delta, lse, cu_seqlens, dq, cfg.softmax_scale)
-            tile = tiles.pick(_dense_bwd_dq_kernel, dq_args, DENSE_TILES, options, key)
+            tile = tiles.pick(_dense_bwd_dq_kernel, dq_args, _dense_tiles(tables), options, key)
             grid = (triton.cdiv(cfg.max_seqlen, tile[0]), N, H)
             _dense_bwd_dq_kernel[grid](*dq_args, **options(tile))
     if dkl is not None:
         dqp = torch.zeros(q_proxy.shape, **f32)
         dkp = new(k_proxy.shape, **f32)
         _proxy_pass(
-            q, k, q_proxy, k_proxy, lse, proxy_lse, cu_seqlens, cfg, dkl=dkl, dqp=dqp, dkp=dkp
-        )
+            q, k, q_proxy, k_proxy, lse, proxy_lse, cu_seqlens, cfg, tables, dkl=dkl, dqp=dqp,
+            dkp=dkp,
+        )  # fmt: skip
 
     return Grads.cast((dq, dk, dv, dqp, dkp), (q, k, v, q_proxy, k_proxy))

@@ -21,7 +21,7 @@ partial buffers, which ordered.py adds in a fixed order (no atomics).
 Query map (``HAS_QMAP``: the work list's ``q_map``): entries are query rows (``q``, ``lse``,
 ``q_proxy``, ``proxy_lse``, ``dq_proxy``, the row partials), keys are key tokens; causality
 compares the keys with the rows' tokens ``QMAP[row]``, and ``coef = dkl / (Hs * Tq)``.
-Without a map ``QMAP`` is ``None`` and the kernel compiles as before.
+Without a map ``QMAP`` is ``None`` (a constexpr) and the map's loads compile away.
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ def _proxy_kernel(
 # sm_80/89/120; 256 rows keep the teacher's heads in one KV sub-group (R = 1: one key tile, not
 # R unrolled loads): 160-252 registers, 85-91 KB on sm_80/89/100/120. With Hs < Hkv (R = 2 at
 # any rows) 64 x 32 keys at 2 stages fit (192-227 registers, 83-91 KB). docs/algorithm.md,
-# "GPUs with less shared memory". The last, 64 x 16 keys, is for fp32 inputs (issue 18: IEEE
-# products, twice bf16's bytes per tile): at the paper layout, D = 128, the KL value alone needs
+# "GPUs with less shared memory". The last, 64 x 16 keys, is for fp32 inputs (IEEE products,
+# twice bf16's bytes per tile): at the paper layout, D = 128, the KL value alone needs
 # 120-360 KB with every earlier entry (so none fits sm_86/89/120's 99 KB) and 80 KB with it
 # (Triton 3.9, the LLVM IR's count, the same on every target: fp32 has no MMA).
 PROXY_TILES = (
@@ -216,6 +216,7 @@ def launch(
     num_stages=1,
     deterministic=False,
     tok0=None,
+    tables=tiles.SHIPPED,
 ):
     """Run the proxy pass over work list ``wl``: with ``kl_value``, returns the fp32 KL partials
     (one per program; their sum is the item's KL sum), and/or adds the gradients to
@@ -226,14 +227,15 @@ def launch(
     S, Dp)`` of the work list's C tokens fit ``ordered.PARTIAL_BYTES``) and per range of work
     items (the dK_proxy tiles ``(items, block, Dp)``, likewise), launch, add the range's tiles
     into ``dkp``, then the slice's rows into ``dqp``. ``tok0`` (``(1,)`` int64 on the device)
-    is the chunk's first token, computed from ``wl`` when not given."""
+    is the chunk's first token, computed from ``wl`` when not given. ``tables.proxy``: the tile
+    candidates (default :data:`PROXY_TILES`)."""
     T, H, D = q.shape
     Hs, Dp = q_proxy.shape[1:]
     Hpk = k_proxy.shape[1]
     grad = dkl is not None
     ordered_sums = deterministic and grad  # the KL value alone has no atomics
     block = cfg.block_size
-    cands = tiles.fitting(PROXY_TILES, block)
+    cands = tiles.fitting(PROXY_TILES if tables.proxy is None else tables.proxy, block)
     kl_part = lse  # a dummy pointer without the KL value
     if kl_value:
         most = wl.num_items * (block // min(t[1] for t in cands))  # programs at the smallest BN
@@ -291,7 +293,7 @@ def launch(
     return kl_part[: wl.num_items * splits] if kl_value else None
 
 
-def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
+def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None, *, tables=tiles.SHIPPED):
     """Driver stage ``kl`` (flash_msa.sparse_forward): the fp32 sum of the per-row KL terms of
     work list ``wl``'s rows; with ``unit = (dq_proxy, dk_proxy)`` it also adds the proxy gradient
     for ``dkl = 1`` there (the same pass: the scores are computed once; in a fixed order with
@@ -302,5 +304,5 @@ def kl(q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, unit=None):
         grad = dict(dkl=one, dqp=unit[0], dkp=unit[1])
     return launch(
         q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, kl_value=True,
-        deterministic=cfg.deterministic, **grad,
+        deterministic=cfg.deterministic, tables=tables, **grad,
     ).sum()  # fmt: skip

@@ -22,14 +22,14 @@ kernel rather than a mode of that one because it has none of the forward's other
 outputs and its tile candidates are its own (one ``[BT, BLOCK]`` accumulator, no main pass), and
 the forward's compiled code stays as it is.
 
-Why not the previous form (one program per (row, proxy head), the ``K`` blocks' scores on CUDA
-cores): measured on an H200 at paper 128K (H 64, Hp 4, Hpk 1, Dp 128, block 128, top_k 16,
-``K = 20``; benchmarks/results/stage9/end/fp8_rerank_time.log) it took ~45 ms, ~7.5 TFLOP/s, for
-``2 * Dp * K * block`` = 655 KFLOP per (row, proxy head), 0.34 TFLOP in all: the fp8_rerank
-selection then cost 57 / 54 ms (random / local) against 13.7 / 11.4 ms for bf16. Here the same
-FLOPs are MMAs, each key tile is read once per item instead of once per row, and the extra cost
-is the work list's sort of ``Tq * Hp * K`` keys (10.5 M at paper 128K), which the forward pays
-for its ``top_k`` slots too.
+Why not one program per (row, proxy head) with the ``K`` blocks' scores on CUDA cores: measured
+on an H200 at paper 128K (H 64, Hp 4, Hpk 1, Dp 128, block 128, top_k 16, ``K = 20``;
+benchmarks/fp8_rerank_time.py) that form took ~45 ms, ~7.5 TFLOP/s, for ``2 * Dp * K * block``
+= 655 KFLOP per (row, proxy head), 0.34 TFLOP in all: the fp8_rerank selection then cost 57 /
+54 ms (random / local) against 13.7 / 11.4 ms for bf16. Here the same FLOPs are MMAs, each key
+tile is read once per item instead of once per row, and the extra cost is the work list's sort
+of ``Tq * Hp * K`` keys (10.5 M at paper 128K), which the forward pays for its ``top_k`` slots
+too.
 
 Exactness: the products of the input-dtype operands are exact in fp32 and ``tl.dot`` sums them
 in fp32 (``input_precision="ieee"`` for fp32 inputs, no TF32), so a score equals the torch
@@ -56,13 +56,12 @@ from .common import item_rows, load_rows, proxy_chunk
 ITEM_TOKENS = worklist.ITEM_TOKENS
 # (BT, warps) candidates, in order of preference (tiles.pick takes the first that compiles
 # without spills within the shared memory): BT gathered query rows per MMA against the key
-# block. Not measured on a GPU yet (benchmarks/fp8_rerank_time.py --tiles sweeps them); the
-# order is by occupancy: compiled for sm_90a at Dp 128, block 128 (bf16), 64 rows over 4 warps
+# block. The order is by occupancy, not by a timing (benchmarks/fp8_rerank_time.py --tiles
+# times them): compiled for sm_90a at Dp 128, block 128 (bf16), 64 rows over 4 warps
 # (one wgmma warpgroup) take 152 registers and 48 KiB (3 CTAs an SM: one CTA's gather of its
 # next rows overlaps another's MMA), 128 over 8 warps 164 registers and 64 KiB (1 CTA an SM);
 # 32 rows for a device whose budget refuses both.
 RERANK_TILES = ((64, 4), (128, 8), (32, 4))
-RERANK_PREFETCH = True  # load the next chunk's work-list entries one iteration ahead
 # The sorted entries (int64, rows * Hp * K of them) of one launch stay below this many bytes:
 # the rows are cut into chunks (chunk_rows; paper 128K, Hp 4, K 20: 84 MB, one launch).
 ENTRY_BYTES = 1 << 30
@@ -89,7 +88,6 @@ def _rerank_kernel(
     BLOCK: tl.constexpr,
     BT: tl.constexpr,
     PREC: tl.constexpr,
-    PREFETCH: tl.constexpr,
     HAS_QMAP: tl.constexpr = False,
 ):
     w = tl.program_id(0)
@@ -111,7 +109,7 @@ def _rerank_kernel(
     for c in range(e0, e1, BT):
         # b_z [BT, BLOCK] = q_proxy k_proxy^T; t: the rows' packed key positions
         b_z, qrow, slot, t, m_t, nxt = proxy_chunk(
-            QP, QMAP, PERM, b_kp, nxt, p, c, e1, o_dp, Hs, K, BT, PREC, PREFETCH, HAS_QMAP
+            QP, QMAP, PERM, b_kp, nxt, p, c, e1, o_dp, Hs, K, BT, PREC, HAS_QMAP
         )
         # keys seen per row: causal (t >= k0 for every entry: the block is at most the row's
         # own) and within the block, as an int32 count against the block-local key index
@@ -123,11 +121,13 @@ def _rerank_kernel(
         tl.store(OUT + (qrow * Hs + p) * K + slot, tl.max(b_z, axis=1) * pscale, mask=m_t)
 
 
-def _options(Hs, Hpk, K, Dp, block, prec, has_qmap, tile):
+def options(Hs, Hpk, K, Dp, block, prec, has_qmap, tile):
+    """The launch keywords (constexprs, ``num_warps``, ``num_stages``) of ``_rerank_kernel``
+    for a :data:`RERANK_TILES` entry ``tile``."""
     BT, warps = tile
     return dict(
-        Hs=Hs, Hpk=Hpk, K=K, Dp=Dp, BLOCK=block, BT=BT, PREC=prec, PREFETCH=RERANK_PREFETCH,
-        HAS_QMAP=has_qmap, num_warps=warps, num_stages=1,
+        Hs=Hs, Hpk=Hpk, K=K, Dp=Dp, BLOCK=block, BT=BT, PREC=prec, HAS_QMAP=has_qmap,
+        num_warps=warps, num_stages=1,
     )  # fmt: skip
 
 
@@ -137,7 +137,10 @@ def chunk_rows(Hp: int, K: int) -> int:
     return max(1, ENTRY_BYTES // (8 * Hp * max(1, K)))
 
 
-def scores(q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None) -> torch.Tensor:
+def scores(
+    q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None,
+    tables: tiles.Tables = tiles.SHIPPED,
+) -> torch.Tensor:  # fmt: skip
     """fp32 ``(Tq, Hp, K)``: the exact block score of each candidate (as
     :func:`flash_msa.reference.rerank_scores`, up to the order of the fp32 sum over ``Dp``;
     ``-inf`` for a ``-1`` slot, a candidate above the row's own block and a padding row).
@@ -148,6 +151,7 @@ def scores(q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None)
             ``top_k + m`` for an fp8 selection that kept ``m`` extra blocks).
         cfg: uses ``block_size`` and ``proxy_scale``.
         q_map: ``None`` or ``(Tq,)`` int32, the packed key index of each row (``-1``: padding).
+        tables: the tile candidates (``tables.rerank``, default :data:`RERANK_TILES`).
 
     Work: one work-list build over ``candidates`` per chunk of :func:`chunk_rows` rows (device
     ops, no host synchronization) and one launch of ``W`` work items (module docstring).
@@ -171,6 +175,7 @@ def scores(q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None)
     has_qmap = q_map is not None
     qmap = q_map.contiguous() if has_qmap else None
     step = chunk_rows(Hp, K)
+    cands = RERANK_TILES if tables.rerank is None else tables.rerank
     for c0 in range(0, Tq, step):
         c1 = min(Tq, c0 + step)
         sl = worklist.lists(cand[c0:c1], cu_seqlens, b, c0, T, qmap, key_blocks)
@@ -180,30 +185,30 @@ def scores(q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None)
             wl.block_end, qmap, out, float(cfg.proxy_scale), wl.num_blocks,
         )  # fmt: skip
 
-        def options(tile):
-            return _options(Hp, Hpk, K, Dp, b, prec, has_qmap, tile)
+        def launch(tile):
+            return options(Hp, Hpk, K, Dp, b, prec, has_qmap, tile)
 
-        key = (qp.dtype, kp.dtype, Hp, Hpk, K, Dp, b, has_qmap, RERANK_PREFETCH)
-        tile = tiles.pick(_rerank_kernel, args, RERANK_TILES, options, key)
-        _rerank_kernel[(wl.num_items,)](*args, **options(tile))
+        key = (qp.dtype, kp.dtype, Hp, Hpk, K, Dp, b, has_qmap)
+        tile = tiles.pick(_rerank_kernel, args, cands, launch, key)
+        _rerank_kernel[(wl.num_items,)](*args, **launch(tile))
     return out
 
 
-def rerank(q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None) -> torch.Tensor:
+def rerank(
+    q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None,
+    tables: tiles.Tables = tiles.SHIPPED,
+) -> torch.Tensor:  # fmt: skip
     """Backend op ``rerank``: the top ``cfg.top_k`` of ``candidates`` ``(Tq, Hp, K)`` by
     :func:`scores`, with the selection's rules (:func:`flash_msa.quant.refine`).
     ``(Tq, Hp, cfg.top_k)`` int32, ascending, -1 padded. ``K - cfg.top_k`` is the extra count
     ``m`` of the fp8 pass that made the candidates (any ``m >= 0``)."""
-    z = scores(q_proxy, k_proxy, cu_seqlens, candidates, cfg, q_map=q_map)
+    z = scores(q_proxy, k_proxy, cu_seqlens, candidates, cfg, q_map=q_map, tables=tables)
     _, pos = quant.query_positions(cu_seqlens, q_proxy.shape[0], q_map)
     own = torch.where(pos >= 0, pos // cfg.block_size, -1)
     return quant.refine(candidates, z, cfg.top_k, own)
 
 
-# ---------------------------------------------------------------------------------------------
-# compile check (sm_90a without a GPU), in the style of compile_check.py
-# ---------------------------------------------------------------------------------------------
-SIGNATURE = {
+SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 inputs)
     "QP": "*bf16",
     "KP": "*bf16",
     "PERM": "*i64",
@@ -217,49 +222,3 @@ SIGNATURE = {
     "pscale": "fp32",
     "NB": "i32",
 }
-
-
-def main(argv=None) -> int:
-    """``python -m flash_msa.triton_ref.reranking [--arch 90]``: compile the kernel (bf16) for
-    Dp 64/128, blocks 64/128, every tile of :data:`RERANK_TILES` with 64+ rows, ``G = Hp / Hpk``
-    4 (the paper layout; ``G`` only indexes), and the paper configuration (Dp 128, block 128)
-    with a query map, without a GPU (``TRITON_INTERPRET`` unset); one JSON line each. Exit
-    status 1 if one spills, exceeds the shared memory or, on sm_90, has no wgmma."""
-    import argparse
-    import json
-    import os
-    import sys
-
-    from .compile_check import compile_kernel
-    from .tiles import SHARED_LIMITS
-
-    parser = argparse.ArgumentParser(prog="python -m flash_msa.triton_ref.reranking")
-    parser.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMITS))
-    args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("unset TRITON_INTERPRET to compile", file=sys.stderr)
-        return 2
-    confs = [
-        (Dp, block, tile, False)
-        for Dp in (64, 128)
-        for block in (64, 128)
-        for tile in RERANK_TILES
-        if tile[0] >= 64
-    ]
-    confs += [(128, 128, tile, True) for tile in RERANK_TILES if tile[0] >= 64]
-    bad = 0
-    for Dp, block, tile, has_qmap in confs:
-        consts = _options(4, 1, 20, Dp, block, "tf32", has_qmap, tile)
-        warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
-        if not has_qmap:
-            consts["QMAP"] = None
-        res = compile_kernel(_rerank_kernel, SIGNATURE, consts, warps, stages, args.arch)
-        bad += res["spill_bytes"] > 0 or res["shared_bytes"] > SHARED_LIMITS[args.arch]
-        bad += args.arch == 90 and not res["wgmma"]
-        name = f"rerank Dp={Dp} b={block}" + (" qmap" if has_qmap else "")
-        print(json.dumps(dict(kernel=name, tile=list(tile), **res)), flush=True)
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -20,7 +20,7 @@ of each sequence), and a program owns BT consecutive rows of its sequence's grou
 consecutive tokens: each row's position (causal limit, own block) is ``q_map[row] - start``,
 and the program walks the key blocks up to its last row's. Padding rows (``-1``) belong to no
 sequence: no program visits them, and the host fills their indices with -1. Without a map the
-three pointers are ``None`` (constexprs) and the kernel compiles as before.
+three pointers are ``None`` (constexprs) and the map's code compiles away.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _select_kernel(
     s0 = tl.load(CU + seq)
     L = tl.load(CU + seq + 1) - s0
     t0 = tile * BT
-    # (the default path's ops in their order before the map existed: the same SASS)
+    # (the default path keeps its own order of ops: the order fixes its SASS)
     if HAS_QMAP:  # the tile's rows: sorted rows t0 .. t0 + BT of the sequence's group
         q0 = tl.load(QSTART + seq)
         nq = tl.load(QSTART + seq + 1) - q0
@@ -170,13 +170,16 @@ def tile_candidates(num_warps: int, num_stages: int, BM: int, G: int):
     return tuple(dict.fromkeys(cands))
 
 
-def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config, q_map=None):
+def select_into(
+    indices, q_proxy, k_proxy, cu_seqlens, cfg: Config, q_map=None,
+    tables: tiles.Tables = tiles.SHIPPED,
+):  # fmt: skip
     """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written).
 
     ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map): ``q_proxy`` and
     ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of a mapped row is
     written, those of padding rows (``-1``) are left as they are (:func:`select` fills them
-    with -1)."""
+    with -1). ``tables.select``: a filter of the tile candidates (:func:`tile_candidates`)."""
     T, Hp, Dp = q_proxy.shape
     Hpk = k_proxy.shape[1]
     dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[q_proxy.dtype]
@@ -197,6 +200,8 @@ def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config, q_map=None):
         return dict(consts, BM=BM, BT=BM // G, num_warps=warps, num_stages=stages)
 
     cands = tile_candidates(num_warps, num_stages, consts["BM"], G)
+    if tables.select is not None:
+        cands = tables.select(cands)
     key = (dtype, *sorted(consts.items()), num_stages)
     tile = tiles.pick(_select_kernel, args, cands, options, key)
     grid = (triton.cdiv(rows, options(tile)["BT"]), cu_seqlens.numel() - 1, Hpk)
@@ -204,7 +209,9 @@ def select_into(indices, q_proxy, k_proxy, cu_seqlens, cfg: Config, q_map=None):
     return indices
 
 
-def select(q_proxy, k_proxy, cu_seqlens, cfg: Config, *, q_map=None):
+def select(
+    q_proxy, k_proxy, cu_seqlens, cfg: Config, *, q_map=None, tables: tiles.Tables = tiles.SHIPPED
+):
     """Backend op ``select`` (contract in docs/design.md): ``(T, Hp, top_k)`` int32 indices;
     with ``q_map`` ``(Tq, Hp, top_k)``, all -1 for a padding row."""
     T, Hp, _ = q_proxy.shape
@@ -213,4 +220,4 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg: Config, *, q_map=None):
         out = torch.empty(shape, dtype=torch.int32, device=dev)
     else:  # padding rows are never visited
         out = torch.full(shape, -1, dtype=torch.int32, device=dev)
-    return select_into(out, q_proxy, k_proxy, cu_seqlens, cfg, q_map)
+    return select_into(out, q_proxy, k_proxy, cu_seqlens, cfg, q_map, tables)

@@ -17,8 +17,10 @@ not fp32: :mod:`flash_msa.quant`) and agree up to near-ties.
 One program owns (sequence, proxy key head, tile of BT query tokens) with the ``G = Hp/Hpk``
 proxy heads that share the key head packed into its BM rows, as in ``selection.py`` (its
 launch table and tile candidates are reused). No query map: this is a directly called hook
-(:func:`select`), not registered for ``auto`` (the H200 run decides), so its ``Limits`` are
-not declared; the torch backend is the one that declares ``fp8_selection``.
+(:func:`select`, the oracle of the CuTe kernel), not registered for ``auto``, so its
+``Limits`` are not declared; the torch backend is the one that declares ``fp8_selection``.
+``python -m flash_msa.triton_ref.compile_check select-fp8 --fp8`` compiles its
+:func:`configurations` for sm_90a and lists their MMA instructions.
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg: Config, *, quantized=None) -> torc
 
 
 # ---------------------------------------------------------------------------------------------
-# compile check (sm_90a without a GPU), in the style of compile_check.py
+# the configurations compile_check --fp8 compiles (sm_90a without a GPU)
 # ---------------------------------------------------------------------------------------------
 def configurations(dims=(64, 128)):
     """``(name, fn, signature, candidates)`` of the fp8 selection's configurations, as
@@ -184,57 +186,3 @@ def configurations(dims=(64, 128)):
                         scale = "token" if token_scale else "block"
                         name = f"select-fp8 Dp={Dp} b={block} k={top_k} G={G} scale={scale}"
                         yield name, _select_fp8_kernel, SIGNATURE, cands
-
-
-def mma_instructions(consts: dict, num_warps: int, num_stages: int, arch: int = 90) -> set:
-    """The distinct ``wgmma``/``mma`` instruction shapes and types in the PTX of one
-    configuration (e.g. ``wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3``): the
-    evidence that the dot runs on e4m3 operands and is not upcast."""
-    import re
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = _select_fp8_kernel
-    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-    sig = {n: "constexpr" if n in consts else SIGNATURE[n] for n in fn.arg_names}
-    # pointers 16-byte aligned, as compile_check.compile_kernel marks them (the same binary)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": num_warps, "num_stages": num_stages}
-    ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts).asm["ptx"]
-    return set(re.findall(r"\b(wgmma\.mma_async[\w.]*|mma\.sync[\w.]*)", ptx))
-
-
-def main(argv=None) -> int:
-    """``python -m flash_msa.triton_ref.selection_fp8 [--arch 90] [--dims 128]``: compile every
-    configuration for ``sm_{arch}`` without a GPU (``TRITON_INTERPRET`` unset) and print one
-    JSON line each (``compile_check.choose``: the candidate that would run), with its MMA
-    instructions. Exit status 1 if one spills or exceeds the shared memory."""
-    import argparse
-    import json
-    import os
-    import sys
-
-    from .compile_check import choose
-    from .tiles import SHARED_LIMITS
-
-    parser = argparse.ArgumentParser(prog="python -m flash_msa.triton_ref.selection_fp8")
-    parser.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMITS))
-    parser.add_argument("--dims", default="64,128", help="comma-separated Dp")
-    args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("unset TRITON_INTERPRET to compile", file=sys.stderr)
-        return 2
-    bad = 0
-    for name, fn, sig, cands in configurations(tuple(int(d) for d in args.dims.split(","))):
-        res = choose(fn, sig, cands, args.arch)
-        _, consts, warps, stages = cands[res["tried"] - 1]
-        res["mma_instructions"] = sorted(mma_instructions(consts, warps, stages, args.arch))
-        bad += res["spill_bytes"] > 0 or res["shared_bytes"] > SHARED_LIMITS[args.arch]
-        print(json.dumps(dict(kernel=name, **res)), flush=True)
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

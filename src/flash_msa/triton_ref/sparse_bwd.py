@@ -11,18 +11,23 @@ forward: its KL-value pass also accumulates the gradient for ``dkl = 1`` (``Save
 which is only scaled here. Otherwise (``compute_kl=False``, or a forward that did not make it)
 proxy.py's pass runs over this work list. Fusing it into the main kernel below would save
 recomputing the group's scores, but that kernel's operand tiles plus a third accumulator exceed
-the registers and 227 KB of shared memory on Triton 3.6; see docs/perf-notes.md.
+the registers and 227 KB of shared memory (Triton 3.6).
+
+The token loop loads each chunk's ``PERM`` entries at the top of its iteration, not one
+iteration ahead as the forward does: prefetched, the main backward took 6.53 ms instead of
+4.26 ms on the H200 at anchor 16K (benchmarks/tune_triton.py).
 
 Deterministic mode (``cfg.deterministic``, :func:`_ordered`): the same kernel with
 ``DETERMINISTIC`` stores its dQ rows and dK/dV tiles into partial buffers instead of adding them
 by atomics, over query chunks and item ranges, and ordered.py's kernels add them in a fixed
-order; the default path (:func:`_atomic`) compiles to the same instructions as before.
+order; ``DETERMINISTIC`` is a constexpr, so the default path's (:func:`_atomic`) code has none
+of it.
 
 Query map (``q_map``, context parallelism; ``HAS_QMAP``): ``q``, ``dout``, ``lse``, ``dq`` (and
 the proxy's query side) have ``Tq`` rows, ``k``, ``v``, ``dk``, ``dv`` (``k_proxy``,
 ``dk_proxy``) the keys' ``T``; the work list's entries are query rows and causality compares
 the keys with the rows' tokens ``QMAP[row]``. Without a map ``QMAP`` is ``None`` (a constexpr):
-the kernel compiles as before.
+the map's loads compile away.
 """
 
 from __future__ import annotations
@@ -71,7 +76,6 @@ def _bwd_kernel(
     BT: tl.constexpr,
     NB,  # runtime: it changes with the number of packed sequences
     PREC: tl.constexpr,
-    PREFETCH: tl.constexpr,
     DQ_SPLIT: tl.constexpr,  # dQ = dS K in DQ_SPLIT column slices (fewer live registers)
     # stores instead of fp32 atomics (ordered.py): DQ is the chunk's row partials [C, H, K * S,
     # D] and DK / DV the item range's key-tile partials [items, R, S * BN, D], S = programs
@@ -98,11 +102,8 @@ def _bwd_kernel(
         b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
         b_dk = tl.zeros([BN, D], tl.float32)
         b_dv = tl.zeros([BN, D], tl.float32)
-        nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
         for c in range(e0, e1, BT):
-            if not PREFETCH:
-                nxt = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
-            t, slot, hj, m_r = nxt
+            t, slot, hj, m_r = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
             t_pos = t  # the query's packed key position (causality)
             if HAS_QMAP:
                 t_pos = tl.load(QMAP + t, mask=m_r, other=0).to(tl.int64)
@@ -111,8 +112,6 @@ def _bwd_kernel(
                 dq_row = (((t - tok0) * H + h0 + hj) * K + slot) * S + sub
             b_do = tl.load(DO + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
             b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
-            if PREFETCH:  # the next chunk's entries load while this one computes
-                nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
             b_p, b_q = probs(Q, LSE, b_k, row, m_r, t_pos, kpos, m_k, scale, D, PREC)  # [BM, BN]
             b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)  # [BM, BN]
@@ -174,7 +173,6 @@ BWD_TILES = (
 
 
 BWD_STAGES = 1  # software-pipelining stages of both loops
-BWD_PREFETCH = False  # load the next chunk's PERM entries one iteration ahead (main backward)
 
 
 def _main_args(q, k, v, dout, delta, lse, wl, dq, dk, dv, tok0, cfg: Config, w0=0, w1=None):
@@ -188,9 +186,9 @@ def _main_args(q, k, v, dout, delta, lse, wl, dq, dk, dv, tok0, cfg: Config, w0=
     )  # fmt: skip
 
 
-def _main_tile(q, k, wl, cfg: Config, args, deterministic: bool):
-    """``(tile, options)`` of the main kernel: the first spill-free ``BWD_TILES`` candidate
-    (tiles.py) and its launch keywords."""
+def _main_tile(q, k, wl, cfg: Config, args, deterministic: bool, tables: tiles.Tables):
+    """``(tile, options)`` of the main kernel: the first spill-free candidate of
+    ``tables.bwd`` (default :data:`BWD_TILES`; tiles.py) and its launch keywords."""
     T, H, D = q.shape
     Hkv, Hs, K = k.shape[1], wl.heads, wl.slots
 
@@ -200,18 +198,20 @@ def _main_tile(q, k, wl, cfg: Config, args, deterministic: bool):
         return dict(
             H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, R=R, BN=BN, BT=BT, DQ_SPLIT=split,
             NB=wl.num_blocks, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            PREFETCH=BWD_PREFETCH, DETERMINISTIC=deterministic, HAS_QMAP=has_qmap, num_warps=8,
+            DETERMINISTIC=deterministic, HAS_QMAP=has_qmap, num_warps=8,
             num_stages=BWD_STAGES,
         )  # fmt: skip
 
     has_qmap = wl.q_map is not None
-    key = (q.dtype, H, Hkv, Hs, K, D, cfg.block_size, BWD_PREFETCH, BWD_STAGES, deterministic)
-    key += (has_qmap,)
-    cands = tiles.fitting(BWD_TILES, cfg.block_size)
+    key = (q.dtype, H, Hkv, Hs, K, D, cfg.block_size, BWD_STAGES, deterministic, has_qmap)
+    cands = tiles.fitting(BWD_TILES if tables.bwd is None else tables.bwd, cfg.block_size)
     return tiles.pick(_bwd_kernel, args, cands, options, key), options
 
 
-def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, *, q_map=None) -> Grads:
+def bwd(
+    dout, dkl, saved: Saved, cu_seqlens, cfg: Config, *, q_map=None,
+    tables: tiles.Tables = tiles.SHIPPED,
+) -> Grads:  # fmt: skip
     """Backend op ``bwd`` (contract in docs/design.md) for given indices (not warmup).
 
     ``q_map``: ``None`` or the forward's ``(Tq,)`` int32 query map: ``dq``/``dq_proxy`` then
@@ -219,7 +219,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, *, q_map=None) -> Grad
 
     The work list is cut from the forward's sorted lists when ``saved`` carries them
     (:func:`flash_msa.worklist.carried`; deterministic mode: when it runs in one chunk), else
-    built here."""
+    built here. ``tables``: the tile candidates (:class:`~flash_msa.triton_ref.tiles.Tables`)."""
     q, k, v, out, lse, indices, q_proxy, k_proxy, proxy_lse, unit = saved
     main, proxy = dout is not None, dkl is not None
     if not (main or proxy):
@@ -229,7 +229,9 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, *, q_map=None) -> Grad
     if not worklist.matches(kept, indices, cu_seqlens, cfg.block_size, k.shape[0], q_map):
         kept = None
     run = _ordered if cfg.deterministic else _atomic
-    dq, dk, dv, dqp, dkp = run(dout, dkl, saved, cu_seqlens, cfg, proxy_pass_needed, q_map, kept)
+    dq, dk, dv, dqp, dkp = run(
+        dout, dkl, saved, cu_seqlens, cfg, proxy_pass_needed, q_map, kept, tables
+    )
     if proxy and not proxy_pass_needed:  # the forward's KL pass made the gradient for dkl = 1
         dqp, dkp = (g * dkl for g in unit)
 
@@ -237,7 +239,7 @@ def bwd(dout, dkl, saved: Saved, cu_seqlens, cfg: Config, *, q_map=None) -> Grad
 
 
 def _atomic(
-    dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool, q_map, kept=None
+    dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool, q_map, kept, tables
 ):
     """The default backward: one work list (cut from ``kept``, the forward's sorted lists, when
     given), sums by fp32 atomics. ``(dq, dk, dv, dqp, dkp)`` (fp32, ``None`` where not
@@ -258,20 +260,20 @@ def _atomic(
         dv = torch.zeros((Tk, Hkv, D), **f32)
         delta = row_delta(dout, out)  # [T, H]
         args = _main_args(q, k, v, dout, delta, lse, wl, dq, dk, dv, wl.perm, cfg)
-        tile, options = _main_tile(q, k, wl, cfg, args, False)
+        tile, options = _main_tile(q, k, wl, cfg, args, False, tables)
         _bwd_kernel[(wl.num_items, cfg.block_size // tile[1])](*args, **options(tile))
     if proxy_pass_needed:
         dqp = torch.zeros(q_proxy.shape, **f32)
         dkp = torch.zeros(k_proxy.shape, **f32)
         proxy_pass.launch(
             q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg,
-            dkl=dkl, dqp=dqp, dkp=dkp, num_stages=BWD_STAGES,
+            dkl=dkl, dqp=dqp, dkp=dkp, num_stages=BWD_STAGES, tables=tables,
         )  # fmt: skip
     return dq, dk, dv, dqp, dkp
 
 
 def _ordered(
-    dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool, q_map, kept=None
+    dout, dkl, saved: Saved, cu_seqlens, cfg: Config, proxy_pass_needed: bool, q_map, kept, tables
 ):
     """The deterministic backward (``cfg.deterministic``; ordered.py): the same kernels storing
     their sums into partial buffers, added in a fixed order. ``(dq, dk, dv, dqp, dkp)``.
@@ -306,7 +308,7 @@ def _ordered(
             probe = worklist.build(indices[:1], cu_seqlens, block, ITEM_TOKENS, 0, Tk, q_map)
         stub = torch.empty(4, **f32)
         args = _main_args(q, k, v, dout, delta, lse, probe, stub, stub, stub, probe.perm, cfg)
-        tile, options = _main_tile(q, k, probe, cfg, args, True)
+        tile, options = _main_tile(q, k, probe, cfg, args, True, tables)
         S = block // tile[1]
         G, G2, R, _ = geometry(H, Hkv, Hs, tile[0])
         per_token = H * K * S * D * 4
@@ -348,6 +350,6 @@ def _ordered(
         if proxy_pass_needed:
             proxy_pass.launch(
                 q, k, q_proxy, k_proxy, lse, proxy_lse, wl, cfg, dkl=dkl, dqp=dqp, dkp=dkp,
-                num_stages=BWD_STAGES, deterministic=True, tok0=tok0,
+                num_stages=BWD_STAGES, deterministic=True, tok0=tok0, tables=tables,
             )  # fmt: skip
     return dq, dk, dv, dqp, dkp

@@ -9,21 +9,24 @@ Because a query's keys are split over its K kept blocks, the forward writes one 
 (normalized o, lse) per (token, head, slot) and a combine kernel merges the K partials by their
 LSE. The proxy LSE over the kept keys is built the same way.
 
-With ``PREFETCH`` a token loop loads the next chunk's entries of ``PERM`` before computing the
-current chunk (``nxt``): a gathered row then costs one dependent global-memory round trip
-instead of two (a tuning knob per kernel: see docs/perf-notes.md for what it measured).
+Each token loop loads the next chunk's entries of ``PERM`` before computing the current chunk
+(``nxt``): a gathered row then costs one dependent global-memory round trip instead of two
+(H200, anchor 16K: forward kernel 2.31 ms with it, 2.41 ms without; the sparse backward does
+not prefetch, sparse_bwd.py says why).
 
 The KL value needs the final LSEs, so it is a second pass over the same work items (proxy.py:
 recomputing the scores, no stored P); in training it also makes the proxy gradient.
 
 Query map (``HAS_QMAP``, context parallelism; the work list's ``q_map``): a work-list entry's
-token is a query row (it addresses ``q``, ``q_proxy`` and the partials as before), and the
+token is a query row (it addresses ``q``, ``q_proxy`` and the partials), and the
 causal limit compares the block's keys with the row's token ``QMAP[row]`` instead of the row
 itself: one extra load per MMA row. Without a map ``QMAP`` is ``None`` (a constexpr) and the
-kernel compiles to the code it had before the map existed.
+map's loads compile away.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -71,7 +74,6 @@ def _fwd_kernel(
     NB,  # runtime: it changes with the number of packed sequences
     HAS_PROXY: tl.constexpr,
     PREC: tl.constexpr,
-    PREFETCH: tl.constexpr,
     HAS_MAIN: tl.constexpr = True,  # False: only the proxy LSE partials (another kernel did O)
     OUT_SPLIT: tl.constexpr = 1,  # O = P V in column slices (fewer live registers)
     HAS_QMAP: tl.constexpr = False,  # queries are rows of QMAP (causality from their tokens)
@@ -92,16 +94,14 @@ def _fwd_kernel(
             b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
             nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
             for c in range(e0, e1, BT):
-                if not PREFETCH:
-                    nxt = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
                 qrow, slot, hj, m_r = nxt
                 t = qrow  # the query's packed key position (causality)
                 if HAS_QMAP:
                     t = tl.load(QMAP + qrow, mask=m_r, other=0).to(tl.int64)
                 row = qrow * H + h0 + hj  # [BM] (token, head)
                 b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
-                if PREFETCH:  # the next chunk's entries load while this one computes
-                    nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
+                # the next chunk's entries load while this one computes
+                nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
                 b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BM, BLOCK]
                 keep = m_k[None, :] & (kpos[None, :] <= t[:, None])
                 b_s = tl.where(keep, b_s, float("-inf"))
@@ -126,8 +126,8 @@ def _fwd_kernel(
     if HAS_PROXY:
         o_dp = tl.arange(0, Dp)
         # the key tile stays spelled out (the re-rank loads it with common.load_rows): loaded by
-        # a helper, its inlined line info moved ptxas's register allocation (same PTX; the SASS
-        # of Hs<Hkv D=128 changed), and this kernel's SASS is kept as it was
+        # a helper, its inlined line info moved ptxas's register allocation (same PTX, another
+        # SASS at Hs<Hkv D=128)
         pk = p // (Hs // Hpk)
         b_kp = tl.load(
             KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :], mask=m_k[:, None], other=0.0
@@ -135,7 +135,7 @@ def _fwd_kernel(
         nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, 1)
         for c in range(e0, e1, BT):
             b_z, qrow, slot, t, m_t, nxt = proxy_chunk(
-                QP, QMAP, PERM, b_kp, nxt, p, c, e1, o_dp, Hs, K, BT, PREC, PREFETCH, HAS_QMAP
+                QP, QMAP, PERM, b_kp, nxt, p, c, e1, o_dp, Hs, K, BT, PREC, HAS_QMAP
             )  # [BT, BLOCK]: q_proxy k_proxy^T
             b_z = b_z * pscale
             b_z = tl.where(m_k[None, :] & (kpos[None, :] <= t[:, None]), b_z, float("-inf"))
@@ -216,16 +216,17 @@ SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 
 FWD_TILES = ((128, 1), (128, 4), (128, 2), (64, 1), (64, 4), (64, 2), (32, 1), (32, 1, 4))
 
 
-def fwd_tiles(has_main: bool) -> tuple[tuple[int, ...], ...]:
-    """The forward's candidates; without the main pass (another kernel makes it) ``OUT_SPLIT``
-    changes nothing, so only the row counts (and warps) remain."""
+def fwd_tiles(has_main: bool, table=None) -> tuple[tuple[int, ...], ...]:
+    """The forward's candidates (``table``, default :data:`FWD_TILES`); without the main pass
+    (another kernel makes it) ``OUT_SPLIT`` changes nothing, so only the row counts (and
+    warps) remain."""
+    table = FWD_TILES if table is None else table
     if has_main:
-        return FWD_TILES
-    return tuple(dict.fromkeys((t[0], 1, *t[2:]) for t in FWD_TILES))
+        return table
+    return tuple(dict.fromkeys((t[0], 1, *t[2:]) for t in table))
 
 
 FWD_STAGES = 1  # software-pipelining stages of the main forward
-FWD_PREFETCH = True  # load the next chunk's PERM entries one iteration ahead
 
 
 def combine_heads(H: int, K: int) -> int:
@@ -233,22 +234,27 @@ def combine_heads(H: int, K: int) -> int:
     return max(1, min(triton.next_power_of_2(H), 128 // triton.next_power_of_2(K)))
 
 
-def partials(q, k, v, wl, o_part, l_part, cfg: Config, tok0: int, proxy=None):
+def partials(
+    q, k, v, wl, o_part, l_part, cfg: Config, tok0: int, proxy=None, *, tables=tiles.SHIPPED
+):  # fmt: skip
     """Driver stage ``partials`` (flash_msa.sparse_forward): the main partials of work list
     ``wl`` and, with ``proxy = (q_proxy, k_proxy, pl_part)``, the proxy LSE partials in the same
     launch."""
-    _launch(q, k, v, wl, cfg, tok0, (o_part, l_part), proxy)
+    _launch(q, k, v, wl, cfg, tok0, (o_part, l_part), proxy, tables)
 
 
-def proxy_partials(q, k, q_proxy, k_proxy, wl, pl_part, cfg: Config, tok0: int):
+def proxy_partials(
+    q, k, q_proxy, k_proxy, wl, pl_part, cfg: Config, tok0: int, *, tables=tiles.SHIPPED
+):  # fmt: skip
     """Driver stage ``proxy_partials``: the proxy LSE partials alone (another kernel made the
     main partials)."""
-    _launch(q, k, None, wl, cfg, tok0, None, (q_proxy, k_proxy, pl_part))
+    _launch(q, k, None, wl, cfg, tok0, None, (q_proxy, k_proxy, pl_part), tables)
 
 
-def _launch(q, k, v, wl, cfg: Config, tok0: int, main, proxy):
+def _launch(q, k, v, wl, cfg: Config, tok0: int, main, proxy, tables: tiles.Tables):
     """One ``_fwd_kernel`` launch over ``wl``: ``main = (o_part, l_part)`` or ``None``,
-    ``proxy = (q_proxy, k_proxy, pl_part)`` or ``None``; absent buffers are dummy pointers."""
+    ``proxy = (q_proxy, k_proxy, pl_part)`` or ``None``; absent buffers are dummy pointers;
+    the tile candidates of ``tables.fwd`` (default :data:`FWD_TILES`)."""
     T, H, D = q.shape
     Hkv, Hs, K = k.shape[1], wl.heads, wl.slots
     qp, kp, pl_part = proxy if proxy is not None else (q, k, None)
@@ -274,15 +280,15 @@ def _launch(q, k, v, wl, cfg: Config, tok0: int, main, proxy):
         return dict(
             H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
             BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC=prec,
-            HAS_PROXY=proxy is not None, PREFETCH=FWD_PREFETCH, HAS_MAIN=has_main,
+            HAS_PROXY=proxy is not None, HAS_MAIN=has_main,
             OUT_SPLIT=split, HAS_QMAP=has_qmap, num_warps=warps[0] if warps else 8,
             num_stages=FWD_STAGES,
         )  # fmt: skip
 
     key = (q.dtype, H, Hkv, Hs, Hpk, K, D, Dp, cfg.block_size, proxy is not None, has_main)
     key += (has_qmap,)
-    cands = fwd_tiles(has_main)
-    tile = tiles.pick(_fwd_kernel, args, cands, options, (*key, FWD_PREFETCH, FWD_STAGES))
+    cands = fwd_tiles(has_main, tables.fwd)
+    tile = tiles.pick(_fwd_kernel, args, cands, options, (*key, FWD_STAGES))
     _fwd_kernel[(wl.num_items,)](*args, **options(tile))
 
 
@@ -301,16 +307,17 @@ def combine(o_part, l_part, idx, out, lse):
     )  # fmt: skip
 
 
-def forward_stages() -> sparse_forward.Stages:
+def forward_stages(tables: tiles.Tables = tiles.SHIPPED) -> sparse_forward.Stages:
     """This backend's stages of the sparse-forward driver (:mod:`flash_msa.sparse_forward`):
     one kernel makes the main and the proxy LSE partials; the KL pass also makes the proxy
-    gradient for ``dkl = 1`` when the step will need it. They run calls with a query map."""
+    gradient for ``dkl = 1`` when the step will need it. They run calls with a query map.
+    ``tables``: the tile candidates they pick from (:class:`~flash_msa.triton_ref.tiles.Tables`)."""
     return sparse_forward.Stages(
-        partials=partials,
+        partials=functools.partial(partials, tables=tables),
         partials_make_proxy=True,
-        proxy_partials=proxy_partials,
+        proxy_partials=functools.partial(proxy_partials, tables=tables),
         combine=combine,
-        kl=proxy.kl,
+        kl=functools.partial(proxy.kl, tables=tables),
         kl_makes_proxy_grad=True,
         q_map=True,  # every stage reads wl.q_map (the combine needs none: it works per row)
     )
@@ -318,11 +325,11 @@ def forward_stages() -> sparse_forward.Stages:
 
 def fwd(
     q, k, v, indices, cu_seqlens, cfg: Config, q_proxy=None, k_proxy=None, proxy_grad=False, *,
-    q_map=None,
+    q_map=None, tables: tiles.Tables = tiles.SHIPPED,
 ):  # fmt: skip
     """Backend op ``fwd`` for given indices (not warmup): the sparse-forward driver
     (:func:`flash_msa.sparse_forward.fwd`) with this backend's stages; ``q_map`` as there."""
     return sparse_forward.fwd(
-        forward_stages(), q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad,
+        forward_stages(tables), q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad,
         q_map=q_map,
     )  # fmt: skip

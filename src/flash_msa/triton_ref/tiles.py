@@ -33,19 +33,24 @@ fits with the fewest spill bytes is used (the first of equals; spills are slow, 
 warning names the kernel. If none fits at all,
 :func:`pick` raises :class:`flash_msa.BackendError` naming the kernel, the input dtype, the head
 dim, the limit and the smallest need, before any launch: launching one would only fail in
-Triton with ``OutOfResources`` (the fp32 dense backward at D = 128 under sm_120's 99 KB did,
-needing 290 KB, before the tables gained their fp32 entries). Under Triton's interpreter (CPU)
+Triton with ``OutOfResources`` (the fp32 dense backward at D = 128 under sm_120's 99 KB would with every entry but the fp32
+ones at the end of ``dense.DENSE_TILES``). Under Triton's interpreter (CPU)
 nothing is compiled and the first candidate is used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import subprocess
+from collections.abc import Callable
+
+import torch
 
 from ..backends import BackendError, interpreting
+from ..cubin import resources as cubin_resources
 
 log = logging.getLogger("flash_msa")
 
@@ -71,6 +76,28 @@ SHARED_LIMITS = {
 SMEM_LIMIT_ENV = "FLASH_MSA_SMEM_LIMIT"  # a cap (bytes per block) below the device's, for tests
 
 
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """The candidate tables the host code hands to :func:`pick`, one per kernel family; a
+    field left ``None`` is the kernel module's shipped table. The backend ops take one as
+    ``tables=`` (default :data:`SHIPPED`), so that a test can run other entries (a smaller
+    tile, the last entry of a list) through the same host code.
+
+    ``select`` filters the selection's list (``selection.tile_candidates``, computed from its
+    launch table) instead of replacing it."""
+
+    fwd: tuple | None = None  # sparse_fwd.FWD_TILES: (rows, OUT_SPLIT[, warps])
+    bwd: tuple | None = None  # sparse_bwd.BWD_TILES: (rows, BN, DQ_SPLIT)
+    proxy: tuple | None = None  # proxy.PROXY_TILES: (rows, BN, PREFETCH[, stages])
+    dense: tuple | None = None  # dense.DENSE_TILES: (rows, keys, warps[, stages])
+    dense_fwd: tuple | None = None  # dense.FWD_TILES: (rows, keys, warps[, stages])
+    rerank: tuple | None = None  # reranking.RERANK_TILES: (BT, warps)
+    select: Callable[[tuple], tuple] | None = None  # of selection.tile_candidates' list
+
+
+SHIPPED = Tables()
+
+
 def fitting(table, block: int) -> tuple[tuple[int, ...], ...]:
     """The entries ``(rows, BN, ...)`` of a candidate table whose ``BN`` keys per program fit a
     key block of ``block`` keys."""
@@ -79,8 +106,6 @@ def fitting(table, block: int) -> tuple[tuple[int, ...], ...]:
 
 def spill_bytes(compiled) -> int:
     """Stack + local bytes per thread of a compiled Triton kernel."""
-    from ..cubin import resources as cubin_resources
-
     try:
         res = cubin_resources(compiled.asm["cubin"])
     except (OSError, subprocess.CalledProcessError):  # no cuobjdump: the driver's local size
@@ -136,8 +161,6 @@ def ring_hazards(ttgir: str) -> list[str]:
 
 def _shared_limit(dev) -> int:
     """The device's opt-in shared memory per block (bytes), without the cap."""
-    import torch
-
     props = torch.cuda.get_device_properties(dev)
     limit = getattr(props, "shared_memory_per_block_optin", None)
     return limit or SHARED_LIMITS.get(props.major * 10 + props.minor, SHARED_LIMITS[90])
@@ -198,8 +221,6 @@ def pick(kernel, args, candidates, options, key):
     when candidates compiled but none fits the shared memory without a pipelining race."""
     if interpreting():
         return candidates[0]
-    import torch
-
     dev = next(a.device for a in args if isinstance(a, torch.Tensor))
     limit = shared_limit(dev)
     capability = torch.cuda.get_device_capability(dev)
@@ -257,8 +278,6 @@ def refusal(name: str, args, options, limit: int, used: dict, racy=()) -> str:
     argument), the head dim (the ``D`` or ``Dp`` constexpr), the limit and the smallest need
     among ``used`` (``candidate -> (shared bytes, spill bytes)``, as compiled); ``racy``: the
     candidates skipped for a pipelining race."""
-    import torch
-
     dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
     dims = {options(c).get("D", options(c).get("Dp")) for c in [*used, *racy]}
     head_dim = "/".join(str(d) for d in sorted(dims, key=str))
