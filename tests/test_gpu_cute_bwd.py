@@ -477,7 +477,7 @@ def test_q_map_emulated_cp_on_cuda_auto(P, monkeypatch):
         frac = lay.local_tokens / lay.total_tokens
         qp_l, q_l = (cp.shard(x, lay).requires_grad_() for x in (qp, q))
         keys = [x.detach().clone().requires_grad_() for x in (kp, k, v)]
-        out, kl = flash_msa.msa_attention(
+        out, kl = flash_msa.api._msa_attention(  # the query map: distributed's private entry
             qp_l, keys[0], q_l, keys[1], keys[2], top_k, block_size=b, cu_seqlens=cu,
             max_seqlen=max(lengths), q_map=lay.q_map,
         )  # fmt: skip

@@ -173,7 +173,7 @@ def _last_tiles():
     sel |= {selection.tile_candidates(4, 2, 128, G)[-1] for G in (4, 2)}  # (block 64 tables)
     return {
         "_select_kernel": sel,
-        "_fwd_kernel": {sparse_fwd.FWD_TILES[-1], *sparse_fwd.fwd_tiles(False)},  # main, proxy-only
+        "_fwd_kernel": {LAST.fwd[-1], *sparse_fwd.fwd_tiles(False, LAST.fwd)},  # main, proxy-only
         "_bwd_kernel": {sparse_bwd.BWD_TILES[-1]},
         "_proxy_kernel": {proxy.PROXY_TILES[-1]},
         "_dense_fwd_kernel": {dense.FWD_TILES[-1]},

@@ -667,6 +667,7 @@ class _MSAFunction(torch.autograd.Function):
             *args,
             *qm,
             **kw,
+            carry_lists=not torch.compiler.is_compiling(),  # (eager: the lists ride on out)
         )
         # kept for a backward that builds a work list: not one that only scales the forward's
         # unit proxy gradient (main inputs frozen, proxy trained by the KL)
@@ -740,6 +741,7 @@ class _SparseFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, indices, cu_seqlens, args, wants_grad, det, heads_ok):
         ctx.set_materialize_grads(False)
         kw = {"deterministic": det}
+        kw["carry_lists"] = not torch.compiler.is_compiling()  # (eager: the lists ride on out)
         out, lse = custom_ops.fwd(q, k, v, indices, cu_seqlens, None, None, False, *args, **kw)[:2]
         kept, ctx.lists = _kept_lists(out, wants_grad)
         _poison_heads(out, lse, heads_ok)

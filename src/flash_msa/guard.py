@@ -68,8 +68,10 @@ def sequences(cu_seqlens: torch.Tensor, max_seqlen, total: int) -> Sequences:
     s = torch.cummin(c - step, 0).values + step
     seq_ok = (s[:-1] == given[:-1]) & (s[1:] == given[1:])
     rows = torch.arange(total, dtype=torch.int64, device=dev)
-    # the first sequence whose end is past the row: N for rows at or past s[-1]
-    seq = torch.searchsorted(s[1:].contiguous(), rows, right=True)
+    # the first sequence whose end is past the row: N for rows at or past s[-1]. (The search
+    # over s itself, less one, equals that over s[1:] since s[0] = 0 <= every row; Inductor
+    # cannot lower a search whose boundaries are a slice of a computed buffer.)
+    seq = torch.searchsorted(s, rows, right=True) - 1
     row_ok = torch.cat([seq_ok, seq_ok.new_zeros(1)])[seq]
     ok = row_ok.all() if total else seq_ok.all()
     return Sequences(s.to(torch.int32), row_ok, seq, ok)

@@ -305,8 +305,12 @@ def fwd(
     q_map: torch.Tensor | None = None,
     *,
     deterministic: bool = False,
+    carry_lists: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backend op ``fwd``: ``(out, lse, proxy_lse, kl, unit_dq_proxy, unit_dk_proxy)``."""
+    """Backend op ``fwd``: ``(out, lse, proxy_lse, kl, unit_dq_proxy, unit_dk_proxy)``.
+    ``carry_lists``: leave the sorted work lists on ``out`` (:func:`attach_lists`) for the eager
+    backward; ``api.py`` passes it only outside ``torch.compile`` (a compiled graph's outputs
+    must own every allocation: CUDA-graph trees refuse tensors kept alive beside them)."""
     cfg, problem = _call(
         q,
         cu_seqlens,
@@ -328,7 +332,8 @@ def fwd(
     f = _module(name).fwd(
         q, k, v, indices, cu_seqlens, cfg, q_proxy, k_proxy, proxy_grad=proxy_grad, **_mapped(q_map)
     )
-    attach_lists(f.out, worklist.carried(f))
+    if carry_lists:
+        attach_lists(f.out, worklist.carried(f))
     made = f.proxy_grad is not None
     sparse, proxy = indices is not None, q_proxy is not None
     if made != makes_unit_proxy_grad(name, sparse, proxy, compute_kl, proxy_grad):
@@ -366,7 +371,17 @@ def _split(call: tuple):
 
 @fwd.register_fake
 def _fwd_fake(
-    q, k, v, indices, cu_seqlens, q_proxy, k_proxy, proxy_grad, *call, deterministic=False
+    q,
+    k,
+    v,
+    indices,
+    cu_seqlens,
+    q_proxy,
+    k_proxy,
+    proxy_grad,
+    *call,
+    deterministic=False,
+    carry_lists=False,
 ):
     scalars, backend, q_map = _split(call)
     problem = _call(q, cu_seqlens, *scalars, deterministic, q_map)[1]
