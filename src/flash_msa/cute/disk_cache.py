@@ -749,6 +749,13 @@ def compiled(kernel, args: tuple, signature, target: str, options: str | None = 
     n = stats["compiled"]
 
     def compile_now():
+        if not stats["compiled"]:  # the first compile of the process says why the call waits
+            log.warning(
+                "flash_msa: compiling CuTe kernels for this configuration (first use, seconds "
+                "each; stored in the compile cache %s for later processes)",
+                "off (FLASH_MSA_CACHE=0)" if path is None else "under " + str(path.parent),
+            )
+        log.info("flash_msa: compiling %s", type(kernel).__name__)
         stats["compiled"] += 1
         if options is None:
             return cute.compile(kernel, *args)

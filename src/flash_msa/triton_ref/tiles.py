@@ -229,6 +229,11 @@ def pick(kernel, args, candidates, options, key):
         return _chosen[key]
     if key in _refused:
         raise BackendError(_refused[key])
+    if not _chosen and not _refused:  # the first pick of the process says why the call waits
+        log.warning(
+            "flash_msa: compiling Triton kernels for this configuration (first use: each tile "
+            "candidate until one fits; Triton's cache keeps them for later processes)"
+        )
     choice = fits = None
     used = {}  # candidate -> (shared bytes, spill bytes; -1 where not read)
     racy = []
