@@ -44,6 +44,15 @@ def test_check_passes_the_torch_backend():
     assert max(r["tol"] for r in rows) < 1e-4
 
 
+def test_info_and_check_commands(capsys):
+    """``flash-msa info`` lists the ops; ``flash-msa check --backend torch`` passes and says so
+    (the check of every backend is CI's first command; bench without a GPU is tested below)."""
+    assert main(["info"]) == 0
+    assert "select" in capsys.readouterr().out
+    assert main(["check", "--backend", "torch"]) == 0
+    assert "0 failed" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("plant", PLANTS, ids=[p[0] for p in PLANTS])
 def test_check_fails_wrong_gradients(plant, monkeypatch):
     _, factors = plant

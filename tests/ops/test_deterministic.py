@@ -111,13 +111,26 @@ def small_partials(monkeypatch):
     """Partial buffers of 120 KB and key blocks split over two programs: for :data:`SPARSE`, 4
     token chunks (the last of 6 tokens) of 2 item ranges each in the backward, 2 head slices in
     the forward's KL stage, ``S = 2`` key parts per slot (on a GPU the tiles are whatever
-    ``tiles.pick`` finds)."""
-    from flash_msa import ordered
-    from flash_msa.triton_ref import proxy, sparse_bwd
+    ``tiles.pick`` finds). The tiles reach the Triton backend's ops as their ``tables``
+    argument; the step must have run both ops with them."""
+    from flash_msa import ordered, triton_ref
+    from flash_msa.triton_ref.tiles import Tables
+
+    tables = Tables(bwd=((64, 32, 2),), proxy=((32, 32, True),))
+    ran = set()
+
+    def with_tables(op):
+        def run(*args, **kw):
+            ran.add(op.__name__)
+            return op(*args, **kw, tables=tables)
+
+        return run
 
     monkeypatch.setattr(ordered, "PARTIAL_BYTES", 120_000)
-    monkeypatch.setattr(sparse_bwd, "BWD_TILES", ((64, 32, 2),))
-    monkeypatch.setattr(proxy, "PROXY_TILES", ((32, 32, True),))
+    monkeypatch.setattr(triton_ref, "fwd", with_tables(triton_ref.fwd))
+    monkeypatch.setattr(triton_ref, "bwd", with_tables(triton_ref.bwd))
+    yield
+    assert ran == {"fwd", "bwd"}, ran
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +344,7 @@ def test_reduction_kernels_compile_for_sm90_without_spills(kernel):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(
         [sys.executable, "-m", "flash_msa.triton_ref.compile_check", kernel],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True, text=True, env=env,
     )  # fmt: skip
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 4, res.stderr
@@ -408,7 +421,6 @@ def test_dense_kernels_have_no_pipelining_race(tmp_path):
     families = ["dense-bwd-det", "dense-bwd-dq", "dense-proxy-det", "dense-proxy-dk"]
     res = subprocess.run(
         [sys.executable, str(script), *families], capture_output=True, text=True, env=env,
-        timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]

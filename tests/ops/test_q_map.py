@@ -10,18 +10,14 @@ Checks: ``select`` equals the reference's indices (every mapped row written, pad
 proxy gradient from the forward's KL pass and from the backward's own pass) by the tolerance
 rule (``flash_msa.testing.assert_close``, tests/harness.py's exact and same-dtype references run
 with the map), padding rows exactly 0 / -inf; outputs and partial buffers start NaN-poisoned.
-Deterministic mode with a map, and the default path without a map bitwise equal to the code
-before the map reached the Triton kernels (``BASELINE``, run in a subprocess from ``git``).
+Deterministic mode with a map. (The default path without a map is checked against the
+reference by tests/ops/test_msa.py, bitwise run to run by tests/ops/test_deterministic.py.)
 
-CPU time on the 2-core machine (``pytest --durations=0 tests/ops/test_q_map.py``, load ~1):
-39-43 s for the file (two runs); each test's own in its docstring.
+CPU time on the 2-core machine: each test's own in its docstring.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -250,74 +246,3 @@ def test_driver_refuses_q_map_for_stages_without_it():
     q_map = torch.arange(64, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="q_map"):
         sparse_forward.fwd(stages, q, k, v, idx, cu, cfg, qp, kp, q_map=q_map)
-
-
-# ---------------------------------------------------------------------------------------------
-# without a map: bitwise the code before the map
-# ---------------------------------------------------------------------------------------------
-# The last commit before the query map reached the Triton kernels. A later deliberate change of
-# the default kernels' results moves this to that change's parent (or retires the test).
-BASELINE = "878f4d7"
-_RUN = """
-import dataclasses
-import sys
-import torch
-from flash_msa import triton_ref
-from flash_msa.problem import Config, Saved
-
-torch.set_num_threads(1)
-data = torch.load(sys.argv[1])
-(qp, kp, q, k, v), cu, dout, dkl = data["xs"], data["cu"], data["dout"], data["dkl"]
-res = {}
-for det in (False, True):
-    # the fields this package's Config has (a later one, at its default, is left out)
-    known = {f.name for f in dataclasses.fields(Config)}
-    cfg = Config(**{k: x for k, x in {**data["cfg"], "deterministic": det}.items() if k in known})
-    idx = triton_ref.select(qp, kp, cu, cfg)
-    f = triton_ref.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=True)
-    saved = Saved(q, k, v, f.out, f.lse, idx, qp, kp, f.proxy_lse, f.proxy_grad)
-    g = triton_ref.bwd(dout, dkl, saved, cu, cfg)
-    g2 = triton_ref.bwd(dout, dkl, saved._replace(proxy_grad=None), cu, cfg)
-    res[det] = [idx, *f[:4], *f.proxy_grad, *g, g2.dq_proxy, g2.dk_proxy]
-torch.save(res, sys.argv[2])
-"""
-
-
-def test_default_path_bitwise_unchanged(tmp_path):
-    """Without a map, ``select``, ``fwd`` (with the unit proxy gradient) and ``bwd`` (both proxy
-    ways), default and deterministic, give the same bits as the package at ``BASELINE``: the
-    same script runs on both in subprocesses (same interpreter, same inputs). Skipped where git
-    or that commit is not at hand. 18-19.5 s (two subprocesses)."""
-    try:
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", BASELINE, "src/flash_msa"],
-            capture_output=True, check=True,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        pytest.skip(f"the baseline commit {BASELINE} is not available (git)")
-    old = tmp_path / "old"
-    old.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-    (qp, kp, q, k, v), cu = packed_inputs(
-        (150, 0, 70), 4, 2, 2, 1, 16, 16, dtype=torch.float32, device="cpu", seed=3
-    )
-    cfg = config(150, 16, 16, 64, 2)
-    dout, dkl = incoming(q, 2, 3)
-    # fields added after BASELINE must be at their defaults (the script drops them for it)
-    assert cfg.selection_precision == "bf16"
-    data = dict(xs=(qp, kp, q, k, v), cu=cu, dout=dout, dkl=dkl, cfg=cfg.__dict__)
-    torch.save(data, tmp_path / "in.pt")
-    script = tmp_path / "run.py"
-    script.write_text(_RUN)
-    outs = {}
-    for name, src in (("old", old / "src"), ("new", ROOT / "src")):
-        env = dict(os.environ, PYTHONPATH=str(src), TRITON_INTERPRET="1")
-        res = subprocess.run(
-            [sys.executable, str(script), str(tmp_path / "in.pt"), str(tmp_path / f"{name}.pt")],
-            capture_output=True, text=True, env=env,
-        )  # fmt: skip
-        assert res.returncode == 0, res.stderr[-3000:]
-        outs[name] = torch.load(tmp_path / f"{name}.pt")
-    for det in (False, True):
-        for i, (a, b) in enumerate(zip(outs["old"][det], outs["new"][det], strict=True)):
-            assert torch.equal(a, b), (det, i)

@@ -290,14 +290,34 @@ def test_gradcheck_out_wrt_qkv_at_fixed_selection():
     idx[0, 75:, 1, 0] = 0  # ... and rows whose only block is a past one
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     fn = lambda q, k, v: flash_msa.sparse_attention(q, k, v, idx, block_size=64)
-    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8)
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, fast_mode=True)
 
 
 def test_gradcheck_kl_wrt_proxy():
     qp, kp, q, k, v = make_inputs(1, 100, 4, 2, 2, 1, 8, 8, dtype=F64, seed=9)
     qp, kp = qp.requires_grad_(), kp.requires_grad_()
     fn = lambda qp, kp: flash_msa.msa_attention(qp, kp, q, k, v, 1, block_size=64)[1]
-    assert torch.autograd.gradcheck(fn, (qp, kp), eps=1e-6, atol=1e-9)
+    assert torch.autograd.gradcheck(fn, (qp, kp), eps=1e-6, atol=1e-9, fast_mode=True)
+
+
+def test_gradcheck_fast_mode_fails_on_a_wrong_gradient(monkeypatch):
+    """The gradchecks above run in fast mode (``v^T J u`` for random ``u``, ``v``: 2 evaluations
+    instead of one per Jacobian entry; measured 166 s -> 4 s for the KL's). Fast mode must still
+    see a gradient 1 % off in one input: the backward's ``dk_proxy`` scaled by 1.01."""
+    qp, kp, q, k, v = make_inputs(1, 20, 2, 1, 2, 1, 4, 4, dtype=F64, seed=9)
+    qp, kp = qp.requires_grad_(), kp.requires_grad_()
+    fn = lambda qp, kp: flash_msa.msa_attention(qp, kp, q, k, v, 1, block_size=64)[1]
+    assert torch.autograd.gradcheck(fn, (qp, kp), eps=1e-6, atol=1e-9, fast_mode=True)
+    real = reference.bwd
+
+    def wrong(*args, **kw):
+        g = real(*args, **kw)
+        return g._replace(dk_proxy=g.dk_proxy * 1.01)
+
+    monkeypatch.setattr(reference, "bwd", wrong)
+    assert not torch.autograd.gradcheck(
+        fn, (qp, kp), eps=1e-6, atol=1e-9, fast_mode=True, raise_exception=False
+    )
 
 
 def test_no_gradient_crosses_between_main_and_proxy():
@@ -373,40 +393,6 @@ def test_packing_invariance(data):
             _close(name, bb[sl], a[0], can_fail=n > 1)  # one token: dq = 0 (P = 1)
         r_kl += Hp * n * kl_s
     _close("R * kl", R * kl, r_kl, can_fail=max(lengths) > 1)  # one key per row: KL = 0
-
-
-# ---------------------------------------------------------------------------------------------
-# the check command can fail
-# ---------------------------------------------------------------------------------------------
-def test_check_passes_and_detects_a_wrong_backend(monkeypatch):
-    from flash_msa import diagnostics
-
-    rows = list(diagnostics.check())
-    torch_rows = [r for r in rows if r["backend"] == "torch"]
-    assert torch_rows and all(r["status"] == "PASS" for r in torch_rows)
-    real = reference.fwd
-
-    def wrong(*args, **kw):  # a subtly wrong forward: out off by 1e-3 in one row
-        res = real(*args, **kw)
-        out = res.out.clone()
-        out[3] += 1e-3
-        return res._replace(out=out)
-
-    monkeypatch.setattr(reference, "fwd", wrong)
-    bad = [r for r in diagnostics.check() if r["backend"] == "torch" and r["status"] == "FAIL"]
-    assert {r["quantity"] for r in bad} >= {"out"}
-
-
-def test_cli_info_and_check(capsys):
-    from flash_msa.cli import main
-
-    assert main(["info"]) == 0
-    assert "select" in capsys.readouterr().out
-    assert main(["check"]) == 0
-    assert "0 failed" in capsys.readouterr().out
-    if not torch.cuda.is_available():  # bench on a CPU machine: says so and runs the check
-        assert main(["bench"]) == 0
-        assert "timings on CPU mean nothing" in capsys.readouterr().out
 
 
 def test_testing_selection_mismatch_accepts_only_near_ties():

@@ -20,6 +20,7 @@ import flash_msa
 from flash_msa import backends, quant, recall, reference, testing
 from flash_msa.problem import Config, problem_of
 from flash_msa.triton_ref import reranking as triton_rerank
+from flash_msa.triton_ref.tiles import Tables
 
 
 def _cfg(block_size, top_k, max_seqlen, Dp, precision="fp8_rerank"):
@@ -272,7 +273,7 @@ def test_recall_not_below_plain_fp8():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["random", "local"])
-def test_gpu_auto_rerank(kind, monkeypatch):
+def test_gpu_auto_rerank(kind):
     """On a GPU under ``auto``: the two steps' backends (``cute+triton`` on SM90), the Triton
     scores (every tile of ``RERANK_TILES``, and with a query map) against the exact fp64 ones
     by the rule (``err <= 2 * err(torch re-rank in bf16) + atol``), and the mode's indices
@@ -290,11 +291,9 @@ def test_gpu_auto_rerank(kind, monkeypatch):
     same = reference.rerank_scores(qp, kp, cu, cand, cfg)
     finite = torch.isfinite(exact)
     for tile in triton_rerank.RERANK_TILES:
-        monkeypatch.setattr(triton_rerank, "RERANK_TILES", (tile,))
-        got = triton_rerank.scores(qp, kp, cu, cand, cfg)
+        got = triton_rerank.scores(qp, kp, cu, cand, cfg, tables=Tables(rerank=(tile,)))
         assert torch.equal(finite, torch.isfinite(got)), tile
         testing.assert_close(f"scores {tile}", got[finite], exact[finite], same[finite])
-    monkeypatch.undo()
     # a query map: every 7th row, reversed, one padding row
     q_map = torch.cat([torch.arange(qp.shape[0] - 1, -1, -7), torch.tensor([-1])])
     q_map = q_map.to(torch.int32).cuda()
