@@ -235,7 +235,8 @@ def test_inference_mode(unchecked):
     assert out[90:].isnan().all() and torch.isfinite(out[:90]).all()
 
 
-T, H, HKV, HP, HPK, D, DP, BLOCK = 256, 4, 2, 2, 1, 16, 16, 64
+# the NaN-rule case's shape (prefixed: the bad-metadata cases above have their own T, H, ...)
+N_T, N_H, N_HKV, N_HP, N_HPK, N_D, N_DP, N_BLOCK = 256, 4, 2, 2, 1, 16, 16, 64
 NAN_AT = {  # input, token, head
     "q": ("q", 100, 1),
     "k": ("k", 70, 1),
@@ -247,7 +248,13 @@ NAN_AT = {  # input, token, head
 
 def _inputs_nan_rule(where):
     g = torch.Generator().manual_seed(0)
-    shapes = dict(qp=(T, HP, DP), kp=(T, HPK, DP), q=(T, H, D), k=(T, HKV, D), v=(T, HKV, D))
+    shapes = dict(
+        qp=(N_T, N_HP, N_DP),
+        kp=(N_T, N_HPK, N_DP),
+        q=(N_T, N_H, N_D),
+        k=(N_T, N_HKV, N_D),
+        v=(N_T, N_HKV, N_D),
+    )
     xs = {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
     name, token, head = NAN_AT[where]
     xs[name][token, head, 3] = float("nan")
@@ -256,8 +263,8 @@ def _inputs_nan_rule(where):
 
 def _run(backend, xs, monkeypatch):
     monkeypatch.setenv("FLASH_MSA_BACKEND", backend)
-    cu = torch.tensor([0, 160, T], dtype=torch.int32)
-    kw = dict(block_size=BLOCK, cu_seqlens=cu, max_seqlen=160)
+    cu = torch.tensor([0, 160, N_T], dtype=torch.int32)
+    kw = dict(block_size=N_BLOCK, cu_seqlens=cu, max_seqlen=160)
     idx = flash_msa.select_blocks(xs[0], xs[1], 2, **kw)
     out, kl = flash_msa.msa_attention(*xs, 2, **kw)
     return idx, out.isnan().any(-1), kl
@@ -273,7 +280,7 @@ def test_torch_and_triton_follow_one_nan_rule(where, monkeypatch):
     if where == "v":
         token = NAN_AT["v"][1]
         assert (nan | ~nan_t).all(), "triton misses a row that attends the NaN value"
-        assert not nan[: token - token % BLOCK].any() and not nan[160:].any()
+        assert not nan[: token - token % N_BLOCK].any() and not nan[160:].any()
     else:
         assert torch.equal(nan, nan_t)
     assert nan_t.any() == (where in ("q", "k", "v"))

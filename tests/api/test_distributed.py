@@ -377,7 +377,7 @@ def _run_case(case, group, P, rank, compiled=False, **op):
     """One case on one CP group: this rank's out, KL share and five gradients against the
     single-process ones. ``compiled``: the op under ``torch.compile(fullgraph=True)`` (the
     ``aot_eager`` backend: Dynamo and AOTAutograd trace the whole step, collectives included,
-    without Inductor's C++ build; Inductor itself is checked in test_compile_torch.py);
+    without Inductor's C++ build; Inductor itself is checked in tests/api/test_torch_compile.py);
     ``op``: further keywords of ``cp.msa_attention`` (``overlap``, ``timer``)."""
     lay = cp.layout(P, rank, block_size=BLOCK, **case["form"])
 

@@ -1,10 +1,9 @@
-"""CPU checks of the CuTe combine stage (``flash_msa/cute/combine_sm90.py``; its numerics are
-tested on the GPU: tests/ops/test_combine.py): the main merge, the LSE-only mode and the
-fused proxy LSE compile for sm_90a without spills (the full list is
-``compile_check.combine_configurations``, run by the CuTe compile check), the limits, the host's
-refusals of bad buffers, naming the
-argument, and what the host passes to a launch (addresses, token count; its CPU time). CPU time
-on the 2-core machine: ~2 s in pytest, ~1 s of it the three compiles (plus the session start).
+"""CPU checks of the CuTe combine stage (``flash_msa/cute/combine_sm90.py``; its numerics are tested
+on the GPU: tests/ops/test_combine.py): the main merge, the LSE-only mode and the fused proxy LSE
+compile for sm_90a without spills (the full list is ``compile_check.combine_configurations``, run by
+the CuTe compile check), the limits, the host's refusals of bad buffers, naming the argument, and
+what the host passes to a launch (addresses, token count; its CPU time). CPU time on the 2-core
+machine: ~2 s in pytest, ~1 s of it the three compiles (plus the session start).
 
 Two invariants of the combine's host code that a CPU can show: the shared-memory count includes
 the staged rows, and an fp32 output is refused naming it. No kernel is compiled for these; CPU
@@ -147,7 +146,7 @@ def test_combine_shared_bytes_count_the_staged_rows():
     (``compile_combine("bf16", 16, 4, 16, 128, True, True, dump=...)``) stages the index, LSE
     and proxy-LSE rows at shared offsets 16,384, 16,896 and 17,408 (512 bytes each): its
     allocations end at 17,920 bytes. The sm_90 capacity needs no check in ``can_implement``
-    since the variants of more warps and rows per warp are gone (test_cute_combine_cpu.py,
+    since the variants of more warps and rows per warp are gone (this file,
     ``test_limits``: 68,608 bytes at most)."""
     from flash_msa.cute.combine_sm90 import WARPS, CombineSm90
 

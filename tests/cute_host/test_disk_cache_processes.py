@@ -8,8 +8,8 @@ CPU time: ~25 s (three child processes, each importing the DSL (~4 s) and torch;
 compiles two selection kernels, ~2 s each).
 
 Run as a script (``python tests/cute_host/test_disk_cache_processes.py CACHE_DIR``), this file is
-the child: it asks
-the cache for the kernels, packs launch arguments for each and prints one JSON line.
+the child: it asks the cache for the kernels, packs launch arguments for each and prints one JSON
+line.
 """
 
 from __future__ import annotations

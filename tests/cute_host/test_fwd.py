@@ -1,10 +1,9 @@
-"""CPU checks of the query map in the CuTe forward partials (``FwdPartialsSm90(qmap=True)``,
-context parallelism; its numerics are tested on the GPU: tests/ops/test_fwd.py -k q_map): the
-mapped kernels compile for sm_90a within the register budget (no spills but the paper layout's
-known 8 bytes), the field is part of the kernel object (so of the compile cache's key), the host
-refuses a kernel / work-list mismatch and a bad map naming it, and the limits and stage picks
-declare the map. CPU time on the 2-core
-machine: ~17 s in pytest, 15 s of it the two compiles (plus the session start)."""
+"""CPU checks of the query map in the CuTe forward partials (``FwdPartialsSm90(qmap=True)``, context
+parallelism; its numerics are tested on the GPU: tests/ops/test_fwd.py -k q_map): the mapped kernels
+compile for sm_90a within the register budget (no spills but the paper layout's known 8 bytes), the
+field is part of the kernel object (so of the compile cache's key), the host refuses a kernel /
+work-list mismatch and a bad map naming it, and the limits and stage picks declare the map. CPU time
+on the 2-core machine: ~17 s in pytest, 15 s of it the two compiles (plus the session start)."""
 
 from __future__ import annotations
 
@@ -27,9 +26,9 @@ PAPER = "bf16", 64, 4, 4, 128, 16, 128  # dtype, H, Hkv, Hs, D, K, block
 )
 def test_mapped_configurations_compile_for_sm90(name):
     """A CP forward's kernel (anchor heads, the proxy part; one of the 9 mapped compile check
-    entries, which tests/integration/test_compile_check.py runs in full): 168 registers at most
-    (384 threads), no
-    spills; the paper layout (not a compile check entry) too (fwd_partials_sm90's docstring)."""
+    entries, which tests/integration/test_compile_check.py runs in full): 168 registers at most (384
+    threads), no spills; the paper layout (not a compile check entry) too (fwd_partials_sm90's
+    docstring)."""
     from flash_msa.cute.compile_check import compile_fwd, fwd_configurations
 
     cfgs = {n: c for n, *c in fwd_configurations()}

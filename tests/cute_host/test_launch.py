@@ -8,13 +8,12 @@ CPU tests of the pointer launches (``common.pointer_arguments``, ``view_layout``
 each kernel's ``views`` field and ``launch_arguments``). No compile:
 only the host code that builds a launch's kernel object and arguments runs, on CPU stand-ins.
 
-Guards (pass): the layout cache never serves one layout's view for another; each launch's
-scalars reach its ``__call__`` parameter of the same name; a mode-0 size of 2**31 or more is
-refused (it wrapped silently to a negative
-``Int32``); a gapped view (a fused-QKV projection's ``q``) is a ValueError naming the tensor
-(it was the DSL's RuntimeError); ``view_layout`` reads its cache once (a check-then-read was
-not safe against a concurrent ``clear``). (CPU time about 1 s in all, most of it the first
-import.)
+Guards (pass): the layout cache never serves one layout's view for another; each launch's scalars
+reach its ``__call__`` parameter of the same name; a mode-0 size of 2**31 or more is refused (it
+wrapped silently to a negative ``Int32``); a gapped view (a fused-QKV projection's ``q``) is a
+ValueError naming the tensor (it was the DSL's RuntimeError); ``view_layout`` reads its cache once
+(a check-then-read was not safe against a concurrent ``clear``). (CPU time about 1 s in all, most of
+it the first import.)
 """
 
 from __future__ import annotations

@@ -27,22 +27,18 @@ pipelines that fit).
 
 The selection's top-k insertion (``SelectSm90.offer_row``) replayed on the CPU.
 
-The kernel inserts a block's maximum into its selector thread's descending top-k list (one
-row's whole list per thread) by a rank update,
-``v'[t] = v[t-1] if gt[t-1] else (c if gt[t] else v[t])`` with ``gt[t] = shift | (c > v[t])``,
-behind a warp vote, and reduces the quad's block maxima by exchanging rows
-(``quad_exchange_max``). A sequential insertion (a swap carried through the list; slower on the
-H200:
-``select_sm90``'s module docstring) serves here as the oracle (:func:`offer_chain`): the rule
-stated step by step. Both are pure
-arithmetic on float32 values, so these tests replay them in torch, batched over many
-independent rows, exactly as the kernel executes them per thread, and require the same
-lists after every offer, ties included: random values on a few levels (many ties), ``-inf``
-blocks (never entering), the own block's ``+inf`` anywhere (first included), ``top_k`` 1..64.
-(The selector warpgroup holds a row's list in one thread, so the replay has one lane per
-list.) The kernel's PTX is checked by
-``python -m flash_msa.cute.compile_check select``.
-CPU time ~7 s on this 2-core machine (``--durations``: 40 tests, the slowest 0.65 s).
+The kernel inserts a block's maximum into its selector thread's descending top-k list (one row's
+whole list per thread) by a rank update, ``v'[t] = v[t-1] if gt[t-1] else (c if gt[t] else v[t])``
+with ``gt[t] = shift | (c > v[t])``, behind a warp vote, and reduces the quad's block maxima by
+exchanging rows (``quad_exchange_max``). A sequential insertion (a swap carried through the list;
+slower on the H200: ``select_sm90``'s module docstring) serves here as the oracle
+(:func:`offer_chain`): the rule stated step by step. Both are pure arithmetic on float32 values, so
+these tests replay them in torch, batched over many independent rows, exactly as the kernel executes
+them per thread, and require the same lists after every offer, ties included: random values on a few
+levels (many ties), ``-inf`` blocks (never entering), the own block's ``+inf`` anywhere (first
+included), ``top_k`` 1..64. (The selector warpgroup holds a row's list in one thread, so the replay
+has one lane per list.) The kernel's PTX is checked by ``python -m flash_msa.cute.compile_check
+select``. CPU time ~7 s on this 2-core machine (``--durations``: 40 tests, the slowest 0.65 s).
 """
 
 from __future__ import annotations

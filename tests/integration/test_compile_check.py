@@ -319,14 +319,13 @@ def test_cute_warp_specialized_backward_limits():
 
 
 def test_cute_query_map_limits_and_kernels(monkeypatch):
-    """The query map (context parallelism) on CuTe: declared in ``LIMITS``: select, fwd and bwd
-    take a mapped call (their kernels' ``qmap`` mode), so ``auto`` picks CuTe for every mapped
-    op on sm_90; with limits that do not declare it, every CuTe op refuses a mapped call by
-    name and ``auto`` runs it on Triton; ``qmap`` is part of each kernel object (the compile
-    cache's key), ``backward.kernel_for`` passes it to both backward kernels, and a launch refuses
-    a work list whose map disagrees with its kernel. (No GPU: the
-    kernels' GPU tests are in tests/ops/test_fwd.py / test_gpu_cute_bwd.py; CPU time about
-    1 s.)"""
+    """The query map (context parallelism) on CuTe: declared in ``LIMITS``: select, fwd and bwd take
+    a mapped call (their kernels' ``qmap`` mode), so ``auto`` picks CuTe for every mapped op on
+    sm_90; with limits that do not declare it, every CuTe op refuses a mapped call by name and
+    ``auto`` runs it on Triton; ``qmap`` is part of each kernel object (the compile cache's key),
+    ``backward.kernel_for`` passes it to both backward kernels, and a launch refuses a work list
+    whose map disagrees with its kernel. (No GPU: the kernels' GPU tests are in
+    tests/ops/test_fwd.py / tests/ops/test_bwd.py; CPU time about 1 s.)"""
     pytest.importorskip("cutlass")
     import dataclasses
 
@@ -558,9 +557,8 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
 
 def test_cute_proxy_lse_fit_and_host_checks():
     """``proxy_fits`` decides whether the CuTe partials make the proxy LSE partials (the driver's
-    ``partials_make_proxy``; else Triton's
-    ``proxy_partials`` is borrowed), and ``partials`` refuses proxy inputs it cannot take
-    before any launch (no GPU needed)."""
+    ``partials_make_proxy``; else Triton's ``proxy_partials`` is borrowed), and ``partials`` refuses
+    proxy inputs it cannot take before any launch (no GPU needed)."""
     pytest.importorskip("cutlass")
     import torch
 

@@ -9,9 +9,8 @@ do). Each child prints its times and its gradients' absolute sums, which the war
 match (the loaded kernels compute what the compiled ones did); the issue's target for the warm
 first step is <= 2 s.
 
-Run as a script (``python tests/integration/test_first_call_gpu.py S``), this file is the child:
-one step
-on a sequence of ``S`` tokens, timed from the first op call to the gradients' synchronize, then
+Run as a script (``python tests/integration/test_first_call_gpu.py S``), this file is the child: one
+step on a sequence of ``S`` tokens, timed from the first op call to the gradients' synchronize, then
 a second (steady-state) step; one JSON line.
 """
 

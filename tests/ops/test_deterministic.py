@@ -337,9 +337,8 @@ def test_custom_ops_take_the_keyword():
 @pytest.mark.parametrize("kernel", ["slot-sum", "item-sum"])
 def test_reduction_kernels_compile_for_sm90_without_spills(kernel):
     """The two reduction kernels of ordered.py (no MMA, so outside
-    tests/integration/test_compile_check.py's
-    wgmma rule; the deterministic variants of the other kernels are checked there: their names
-    carry the families' prefixes). ~3 s each."""
+    tests/integration/test_compile_check.py's wgmma rule; the deterministic variants of the other
+    kernels are checked there: their names carry the families' prefixes). ~3 s each."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(

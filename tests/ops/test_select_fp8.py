@@ -262,11 +262,10 @@ def test_triton_fp8_matches_the_reference(key_scale, layout):
 # ---------------------------------------------------------------------------------------------
 def test_recall_on_structured_input():
     """The fp8 selection's recall gates on a small ``local`` input (S 2048, Dp 64, block 64, top_k
-    8): covered
-    mass >= 99.5 % of the bf16 selection's, and recall >= 99 % once the fp8 selection keeps 2
-    more blocks that are re-ranked exactly (``recall.refine``). The plain fp8 top-k recalls
-    97.7 % here (98.5 % at Dp 128, S 4096: docs/algorithm.md, "FP8 selection"), so its recall
-    gate is expected to fail: xfail below 99 %, a regression floor of 95 %."""
+    8): covered mass >= 99.5 % of the bf16 selection's, and recall >= 99 % once the fp8 selection
+    keeps 2 more blocks that are re-ranked exactly (``recall.refine``). The plain fp8 top-k recalls
+    97.7 % here (98.5 % at Dp 128, S 4096: docs/algorithm.md, "FP8 selection"), so its recall gate
+    is expected to fail: xfail below 99 %, a regression floor of 95 %."""
     res = recall.measure(
         "local",
         2048,

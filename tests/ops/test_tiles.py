@@ -2,14 +2,13 @@
 
 GPU tests (``pytest -m gpu``, on an H200: 227 KB per block): ``FLASH_MSA_SMEM_LIMIT`` caps
 ``tiles.shared_limit`` to another architecture's limit (``tiles.SHARED_LIMITS``: sm_80 163 KB,
-sm_86/89/120 99 KB), so ``tiles.pick`` walks the same candidate tables as on that GPU. The
-kernels are still compiled for sm_90 (wgmma) there: their shared memory and registers per tile
-are close to, not the same as, the ``mma.sync`` build's, so these tests check the small tiles'
-*results*; whether they fit and do not spill on those targets is the CI compile check
-(``compile_check --arch``, tests/integration/test_compile_check.py; the query-map kernels here). A
-third GPU
-test forces the last entry of every table (what the register limits of the ``mma.sync``
-targets may leave) and checks that it is what ran.
+sm_86/89/120 99 KB), so ``tiles.pick`` walks the same candidate tables as on that GPU. The kernels
+are still compiled for sm_90 (wgmma) there: their shared memory and registers per tile are close to,
+not the same as, the ``mma.sync`` build's, so these tests check the small tiles' *results*; whether
+they fit and do not spill on those targets is the CI compile check (``compile_check --arch``,
+tests/integration/test_compile_check.py; the query-map kernels here). A third GPU test forces the
+last entry of every table (what the register limits of the ``mma.sync`` targets may leave) and
+checks that it is what ran.
 
 Each case of the first test runs select (sparse), fwd (with the proxy gradient, as training
 asks it) and bwd on the Triton backend, sparse and warmup, default and deterministic mode, in

@@ -6,8 +6,8 @@ grouped combine against the one-level combine (Triton's under the interpreter), 
 resolution: the CuTe reason within / over the list budget, ``borrowed_reason`` at top_k > 64.
 
 The dense warmup on CuTe in the cases its GPU tests do not reach, on the CPU (the CuTe kernels do
-not run here: the grouped
-combine runs with a torch combine of the stage contract, the backward with a stand-in kernel).
+not run here: the grouped combine runs with a torch combine of the stage contract, the backward with
+a stand-in kernel).
 
 - the grouped combine on the driver's last, shorter chunk (``o_part`` holds more rows than the
   chunk), one head (``H = Hs = 1``), rows whose every slot past group 0 is unused, unused slots

@@ -490,10 +490,9 @@ def _forward(monkeypatch, on, lengths, mapped=False, det=False, proxy_grad=False
 )
 def test_chunked_forward_sorts_once_with_the_same_outputs(monkeypatch, lengths, mapped, det):
     """One sort against the per-chunk sorts, 4 chunks (varlen with an empty sequence; a query map
-    with
-    padding rows; deterministic mode): one sort instead of one per chunk, out, lse and
-    proxy_lse bitwise equal, the KL value within fp32 summation order (and bitwise the same
-    in a second run), the whole lists kept for the backward (off: none kept)."""
+    with padding rows; deterministic mode): one sort instead of one per chunk, out, lse and
+    proxy_lse bitwise equal, the KL value within fp32 summation order (and bitwise the same in a
+    second run), the whole lists kept for the backward (off: none kept)."""
     off, off_sorts, idx = _forward(monkeypatch, False, lengths, mapped, det)
     on, on_sorts, _ = _forward(monkeypatch, True, lengths, mapped, det)
     R = idx.shape[0]
