@@ -5,8 +5,8 @@ tests/ops/test_kl.py -k fwd_mode): three configurations compile for sm_90a witho
 limits and shared-memory sizes, the switch's default, the host's refusals naming the argument.
 CPU time on the 2-core machine: 5-9 s in pytest, 4-7 s of it the three compiles.
 
-Review of ``FwdKlSm90`` (flash_msa/cute/fwd_partials_sm90.py, the KL mode of the forward
-partials kernel) before its first GPU run: a CPU demonstration of a shared-memory overlap.
+The KL mode's Q buffers (``FwdKlSm90``, the KL mode of the forward partials kernel) never
+overlap: a CPU check of its shared-memory layout.
 
 The KL mode's q and q_proxy gathers are one double-buffered stream per warpgroup over one Q
 region, read through two views, ``sQ`` (stages of ``64 x D``) and ``sQp`` (stages of ``64 x
@@ -16,7 +16,7 @@ other view: a warpgroup's next gather lands on the tile its current MMA reads (D
 128: step 0's q_proxy tile, buffer 0 = elements [0, 8192), is overwritten by step 1's q rows
 in sQ buffer 1 = [4096, 8192)), and across warpgroups (warpgroup 0's q_proxy buffer 1 = sQ
 buffers 2 and 3, warpgroup 1's). The forward partials' own proxy part does not have this
-problem: it runs after a CTA barrier, with only the sQp view in use. Fixed by refusing D != Dp
+problem: it runs after a CTA barrier, with only the sQp view in use. So D != Dp is refused
 (``FwdKlSm90.can_implement``; the forward then borrows Triton's KL stage).
 
 The test traces the host (``__call__``, as ``compile_check.compile_kl`` does) up to the kernel
