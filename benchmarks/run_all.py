@@ -90,13 +90,13 @@ WORKLOADS = (
     Workload("warmup-cute-vs-triton", _script("benchmarks/warmup_backends.py --iters 3")),
     Workload(
         "step-deterministic",
-        _script(f"{GPU_TEST} -v -s tests/test_deterministic.py -k gpu_step_twice_same_bits"),
+        _script(f"{GPU_TEST} -v -s tests/ops/test_deterministic.py -k gpu_step_twice_same_bits"),
         json_flag=None,
     ),
     Workload("guard-cost", _script("benchmarks/guard_cost.py"), json_flag=None),
     Workload(
         "first-step-cache",
-        _script(f"{GPU_TEST} -q -s tests/test_gpu_cute_cache.py -k first_step"),
+        _script(f"{GPU_TEST} -q -s tests/integration/test_first_call_gpu.py -k first_step"),
         json_flag=None,
     ),
     # correctness evidence the docs cite: the GPU suite, and the bad-metadata cases under
@@ -104,7 +104,7 @@ WORKLOADS = (
     Workload("gpu-tests", _script(f"{GPU_TEST} -q -n 8 tests"), json_flag=None, timeout_s=3600),
     Workload(
         "memcheck-bad-metadata",
-        _script(f"{GPU_TEST} -v tests/test_gpu_bad_metadata.py -k memcheck"),
+        _script(f"{GPU_TEST} -v tests/api/test_bad_input.py -k memcheck"),
         json_flag=None,
     ),
     # the 1-GPU row is the reference of the 2-GPU ones, measured on the same host

@@ -21,12 +21,14 @@ would leave only one fp32 rounding of slack for the kernel's own fp32 reductions
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import subprocess
 import sys
 
 import torch
+import torch.distributed as dist
 
 from flash_msa import reference, testing
 from flash_msa.problem import Config, Forward, Grads, Saved
@@ -122,7 +124,13 @@ def spawn_script(script: str, args, **env) -> subprocess.Popen:
     process: the compile-cache tests); read its result with :func:`script_result`."""
     return subprocess.Popen(
         [sys.executable, script, *map(str, args)],
-        env=dict(os.environ, **env),
+        env=dict(
+            os.environ,
+            **env,
+            PYTHONPATH=os.pathsep.join(
+                [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
+            ),
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -188,3 +196,72 @@ def random_rows(lengths, Hs, K, block, q_map, seed):
     nblk = (cu[1:] - cu[:-1] + block - 1) // block
     idx = (torch.rand(len(toks), Hs, K, generator=g) * nblk[seq].float()[:, None, None]).long()
     return cu, torch.where(torch.rand(idx.shape, generator=g) < 0.3, -1, idx).int()
+
+
+def marked(marks):
+    """Apply a mark or a list of marks (a merged module's former ``pytestmark``) to one test."""
+    marks = list(marks) if isinstance(marks, (list, tuple)) else [marks]
+
+    def apply(fn):
+        for mark in reversed(marks):
+            fn = mark(fn)
+        return fn
+
+    return apply
+
+
+def same_blocks(a, b):
+    NB = b.num_blocks
+    assert (a.num_blocks, a.block_size) == (NB, b.block_size)
+    for x, y in ((a.start, b.start), (a.end, b.end), (a.seq_first, b.seq_first)):
+        assert x.dtype == y.dtype == torch.int32 and x.shape == y.shape
+        assert torch.equal(x, y)
+    # both rows in one (2, ceil(NB / 4) * 4) buffer, each 16-byte aligned
+    assert a.start.data_ptr() + -(-NB // 4) * 16 == a.end.data_ptr()
+    assert a.start.is_contiguous() and a.start.data_ptr() % 16 == 0
+
+
+def same_items(a, b):
+    assert a.num_items == b.num_items and a.item_tokens == b.item_tokens
+    assert (a.num_blocks, a.slots, a.heads) == (b.num_blocks, b.slots, b.heads)
+    assert a.q_map is b.q_map  # (None: no map)
+    for x, y in ((a.perm, b.perm), (a.block_start, b.block_start), (a.block_end, b.block_end)):
+        assert x is y or torch.equal(x, y)  # passed through from the lists
+    assert a.item_list.dtype == torch.int32 and torch.equal(a.item_list, b.item_list)
+    for x, y in ((a.item_start, b.item_start), (a.item_end, b.item_end)):
+        assert x.dtype == torch.int64 and torch.equal(x, y)
+    # the (2, W') buffers, the padding column too (item_start / item_end: its two rows)
+    span, ref = a.item_start._base, b.item_start._base
+    assert a.item_end._base is span
+    assert span.shape == ref.shape == (2, b.num_items + b.num_items % 2)
+    assert span.is_contiguous() and torch.equal(span, ref)
+
+
+def same_lists(a, b):
+    assert a.perm.dtype == a.bounds.dtype == torch.int64
+    assert torch.equal(a.perm, b.perm) and torch.equal(a.bounds, b.bounds)
+    assert torch.equal(a.block_start, b.block_start) and torch.equal(a.block_end, b.block_end)
+    assert a[4:] == b[4:]  # NB, K, Hs, q_map (None), tok0, rows, block size, no chunks
+
+
+def poison_new_buffers(mp) -> None:
+    """Every buffer made by ``torch.empty`` / ``torch.empty_like`` while ``mp`` (a
+    ``pytest.MonkeyPatch``) is active starts poisoned (``testing.poison``: NaN for floats), so
+    that a tile, partial row or output the code under test forgot to write fails the check."""
+    real_empty, real_like = torch.empty, torch.empty_like
+    mp.setattr(torch, "empty", lambda *a, **kw: testing.poison(real_empty(*a, **kw)))
+    mp.setattr(torch, "empty_like", lambda *a, **kw: testing.poison(real_like(*a, **kw)))
+
+
+def gloo_group(rank: int, world: int, init_file: str, timeout_s: float) -> None:
+    """Join a spawned CPU test worker to its gloo group (file rendezvous), with one intra-op
+    thread (the ranks share the CI cores) and the torch backend; ``timeout_s`` bounds a hang."""
+    torch.set_num_threads(1)
+    os.environ["FLASH_MSA_BACKEND"] = "torch"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )

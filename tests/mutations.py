@@ -57,14 +57,14 @@ MUTANTS = (
                 "idx = None if indices is None else indices[_take(qrows, 0, c1 - c0)]",
             ),
         ),
-        ("tests/test_reference.py",),
+        ("tests/ops/test_reference.py",),
         "row_chunks",
     ),
     Mutant(
         "triton-proxy-head-map",
         "Triton forward: proxy key head of selection head p is p % Hpk, not p // (Hp / Hpk)",
         ((PKG + "triton_ref/sparse_fwd.py", "pk = p // (Hs // Hpk)", "pk = p % Hpk"),),
-        ("tests/test_triton.py",),
+        ("tests/ops/test_msa.py",),
         FWD_BWD,
     ),
     Mutant(
@@ -77,7 +77,7 @@ MUTANTS = (
                 "keep = m_k[None, :] & (kpos[None, :] < t[:, None])",
             ),
         ),
-        ("tests/test_triton.py",),
+        ("tests/ops/test_msa.py",),
         FWD_BWD,
     ),
     Mutant(
@@ -90,7 +90,7 @@ MUTANTS = (
                 "tl.store(LSE + t * H + h, finish_lse(0.0 * b_m, b_l), mask=m_h)",
             ),
         ),
-        ("tests/test_triton.py",),
+        ("tests/ops/test_msa.py",),
         FWD_BWD,
     ),
     Mutant(
@@ -103,7 +103,7 @@ MUTANTS = (
                 "dqp, dkp = (g for g in unit)",
             ),
         ),
-        ("tests/test_triton.py",),
+        ("tests/ops/test_msa.py",),
         FWD_BWD,
     ),
     Mutant(
@@ -116,7 +116,7 @@ MUTANTS = (
                 "b_diff = (b_tgt - tl.where(keep, tl.exp(b_logq), 0.0)).to(b_qp.dtype)",
             ),
         ),
-        ("tests/test_triton.py",),
+        ("tests/ops/test_msa.py",),
         FWD_BWD,
     ),
     Mutant(
@@ -129,7 +129,7 @@ MUTANTS = (
                 "tl.atomic_add(DV + p_kv, 0.5 * b_dv, mask=m_k[:, None]",
             ),
         ),
-        ("tests/test_triton.py",),
+        ("tests/ops/test_msa.py",),
         FWD_BWD,
     ),
     Mutant(
@@ -142,7 +142,7 @@ MUTANTS = (
                 "(tl.load(BLK_START + gb) + tl.arange(0, BN))",
             ),
         ),
-        ("tests/test_triton.py",),
+        ("tests/ops/test_msa.py",),
         "split_key_blocks and 32x32",  # 32 keys per program: blocks of 64 split in 2
     ),
     Mutant(
@@ -155,14 +155,14 @@ MUTANTS = (
                 "pass  # the own block competes like the others",
             ),
         ),
-        ("tests/test_reference.py",),
+        ("tests/ops/test_reference.py",),
         "select_matches_brute_force or selection_properties",
     ),
     Mutant(
         "ref-top-k-off-by-one",
         "reference.select keeps top_k - 1 blocks (the own block counted twice)",
         ((PKG + "reference.py", "kk = min(top_k, nb)", "kk = min(top_k - 1, nb)"),),
-        ("tests/test_reference.py",),
+        ("tests/ops/test_reference.py",),
         "select_matches_brute_force or selection_properties",
     ),
     Mutant(
@@ -176,7 +176,7 @@ MUTANTS = (
                 "seq_of_gb = torch.searchsorted(blk_end_cum, gb, right=False)",
             ),
         ),
-        ("tests/test_triton.py",),
+        ("tests/ops/test_msa.py",),
         FWD_BWD,
     ),
     Mutant(
@@ -186,7 +186,7 @@ MUTANTS = (
             (PKG + "reference.py", "            if cfg.compute_kl:\n", "            if True:\n"),
             (PKG + "reference.py", "    if proxy and cfg.compute_kl:\n", "    if proxy:\n"),
         ),
-        ("tests/test_reference.py",),
+        ("tests/ops/test_reference.py",),
         "compute_kl",
     ),
     Mutant(
@@ -195,23 +195,28 @@ MUTANTS = (
         (
             (
                 PKG + "sparse_forward.py",
-                "        if cfg.compute_kl:\n            kl_sum +=",
-                "        if True:\n            kl_sum +=",
+                "        if cfg.compute_kl and whole is None:\n            part =",
+                "        if whole is None:\n            part =",
             ),
             (
                 PKG + "sparse_forward.py",
-                "kl = kl_sum / (Hs * T) if proxy and cfg.compute_kl else None",
-                "kl = kl_sum / (Hs * T) if proxy else None",
+                "    if proxy and cfg.compute_kl and whole is not None:",
+                "    if proxy and whole is not None:",
+            ),
+            (
+                PKG + "sparse_forward.py",
+                "    if proxy and cfg.compute_kl:\n        kl = (",
+                "    if proxy:\n        kl = (",
             ),
         ),
-        ("tests/test_triton.py",),
+        ("tests/ops/test_msa.py",),
         "compute_kl or proxy_gradient_made",
     ),
     Mutant(
         "api-head-ratio-unchecked",
         "the API no longer checks that H is a multiple of the selection heads",
         ((PKG + "api.py", "    if H % Hsel:\n", "    if False:\n"),),
-        ("tests/test_validation.py",),
+        ("tests/api/test_validation.py",),
         "bad_input",
     ),
     Mutant(
@@ -224,7 +229,7 @@ MUTANTS = (
                 "    return top_k",
             ),
         ),
-        ("tests/test_topk.py",),
+        ("tests/api/test_top_k.py",),
         None,
     ),
     Mutant(
@@ -240,14 +245,14 @@ MUTANTS = (
                 "    return reference.bwd(*a, **kw)",
             ),
         ),
-        ("tests/test_cli.py",),
+        ("tests/integration/test_cli.py",),
         "check_fails_wrong_gradients",
     ),
     Mutant(
         "det-last-slot-dropped",
         "ordered.slot_sum stops one slot early (an off-by-one in the fixed-order row sum)",
         ((PKG + "ordered.py", "for s in range(K * S):", "for s in range(K * S - 1):"),),
-        ("tests/test_deterministic.py",),
+        ("tests/ops/test_deterministic.py",),
         "step_twice_same_bits_and_reference and not warmup",
     ),
     Mutant(
@@ -257,11 +262,11 @@ MUTANTS = (
         (
             (
                 PKG + "triton_ref/sparse_bwd.py",
-                "tile, options = _main_tile(q, k, probe, cfg, args, True)",
-                "tile, options = _main_tile(q, k, probe, cfg, args, False)",
+                "tile, options = _main_tile(q, k, probe, cfg, args, True, tables)",
+                "tile, options = _main_tile(q, k, probe, cfg, args, False, tables)",
             ),
         ),
-        ("tests/test_deterministic.py",),
+        ("tests/ops/test_deterministic.py",),
         "step_twice_same_bits_and_reference or program_order",
     ),
 )
