@@ -1,5 +1,5 @@
 """Per-gradient max errors of the CuTe and Triton backwards against the fp64 reference (and the
-same-dtype reference's), bf16, on the layouts of ``tests/test_gpu_cute_bwd.py``: a debugging
+same-dtype reference's), bf16, on the layouts of ``tests/ops/test_bwd.py``: a debugging
 view of what the tests check by the rule. Run from the repository root on a GPU:
 ``python benchmarks/bwd_errors.py``."""
 

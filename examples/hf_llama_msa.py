@@ -22,7 +22,7 @@ from flash_msa.integrations.hf import convert_to_msa
 __all__ = ["TINY", "convert_to_msa", "msa_layers", "tiny_config", "main"]
 
 # a 2-layer GQA decoder small enough for a CPU (about 0.1 M parameters, indexers included); the
-# same arguments make a Mistral, Qwen2 or Qwen3 config (tests/test_integrations_hf.py)
+# same arguments make a Mistral, Qwen2 or Qwen3 config (tests/integration/test_integrations_hf.py)
 TINY = dict(
     vocab_size=256,
     hidden_size=64,

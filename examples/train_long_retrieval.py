@@ -13,8 +13,8 @@ learn a multi-query associative-recall task over long sequences:
   FlashAttention-4 with ``--dense-impl fa4`` where it is installed. Not ``MSAttention`` with
   ``warmup=True``: that is dense attention *plus* the proxy and its KL, so it would overstate
   the dense model's step time. ``warmup=True`` computes the same attention output
-  (tests/test_nn.py checks it against SDPA), so during warmup the two runs differ only by
-  kernel rounding (tests/test_examples.py checks the losses match). The dense model has the
+  (tests/api/test_nn.py checks it against SDPA), so during warmup the two runs differ only by
+  kernel rounding (tests/integration/test_examples.py checks the losses match). The dense model has the
   same parameters minus the indexers, copied from the MSA model's initial state.
 
 Model (per layer, pre-norm): ``h = RMSNorm(x)``, ``h = h + conv(h)``, ``x = x + attn(h)``, then
@@ -129,7 +129,7 @@ Run (the H200 run; ``--seqlen`` 16384 to 65536, ``--batch-size`` defaults to 655
 
     PYTHONPATH=src python examples/train_long_retrieval.py --seqlen 16384 --out runs/lr16k
 
-and on CPU, a few seconds (what tests/test_examples.py runs):
+and on CPU, a few seconds (what tests/integration/test_examples.py runs):
 
     python examples/train_long_retrieval.py --device cpu --tiny --out /tmp/lr-tiny
 
@@ -457,7 +457,7 @@ def main_qk(attn, x):
     """The main ``q (B, S, H, D)`` and ``k (B, S, Hkv, D)`` of an :class:`MSAttention` or a
     :class:`DenseAttention` as its forward computes them from ``x (B, S, hidden_size)``:
     projections, the optional q/k RMSNorm, RoPE at positions ``0..S-1`` (the layers' default).
-    tests/test_examples.py holds it to ``MSAttention``'s output."""
+    tests/integration/test_examples.py holds it to ``MSAttention``'s output."""
     B, S, _ = x.shape
     q = attn.q_proj(x).view(B, S, attn.num_heads, attn.head_dim)
     k = attn.k_proj(x).view(B, S, attn.num_key_value_heads, attn.head_dim)

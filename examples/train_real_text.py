@@ -68,7 +68,7 @@ when ``--max-train-seconds`` stops it early; ``--stop-step`` ends another run at
 on the same schedule); ``--load CKPT`` resumes training from it, or with
 ``--eval-only`` evaluates it in a separate invocation (``--train-only`` skips the final
 evaluation). ``--tiny`` is a CPU configuration (tiny model, 512-byte sequences, 64-token blocks,
-the torch backend, one CPU thread) that runs in seconds; tests/test_train_real_text.py runs it.
+the torch backend, one CPU thread) that runs in seconds; tests/integration/test_train_real_text.py runs it.
 
 A comparison on one GPU, one invocation per command. ``--max-train-seconds T`` stops the MSA
 run if it would outlast its time limit (it then saves and evaluates what it has), and

@@ -395,7 +395,7 @@ def graph_replay_ms(step, names, iters=5):
 
     ``step()``: one training step on static inputs, returning its outputs and gradients (the
     order of ``names``) as new tensors, with no host synchronization (the MSA op is capture-safe:
-    tests/test_gpu.py -k sync_free). The recipe of the torch docs ("CUDA Graphs", whole-network
+    tests/ops/test_msa.py -k sync_free). The recipe of the torch docs ("CUDA Graphs", whole-network
     capture): warm-up calls on a side stream (compiles the kernels, fills the allocator's cache
     outside the capture), capture of one call, its returned tensors the static outputs, which
     live in the graph's private memory pool. The pool is freed before returning, whatever

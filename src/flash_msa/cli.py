@@ -24,7 +24,7 @@ from .bench import main as bench_main
 from .diagnostics import CASES, check, info
 from .quant import PRECISIONS
 
-# Every environment variable the package reads (tests/test_cli.py checks this list against the
+# Every environment variable the package reads (tests/integration/test_cli.py checks this list against the
 # os.environ reads in src/), with what it does; `flash-msa info` prints each with its value.
 ENV_VARS = {
     "FLASH_MSA_BACKEND": "backend for every op: auto (default: the fastest that runs the call), "

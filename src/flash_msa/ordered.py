@@ -35,8 +35,15 @@ the inputs only, whatever the scheduling of the programs.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:  # the package imports without Triton (the torch backend); launching these sums needs it
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:
+    triton = tl = None
+    jit = lambda fn: fn  # noqa: E731  (never launched: no backend that needs them loads)
 
 # Each partial buffer of deterministic mode stays below 1 GiB: the row partials of one token
 # chunk and the key-tile partials of one item range (so at most 2 GiB of partials live at once;
@@ -76,7 +83,7 @@ def list_items(wl) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.searchsorted(lists, ids), torch.searchsorted(lists, ids, right=True)
 
 
-@triton.jit
+@jit
 def _slot_sum_kernel(
     PART,  # [C, HP, K * S, D] fp32 row partials
     IDX,  # [C, Hs, K] int32 indices of the chunk (HAS_IDX), else unused
@@ -113,7 +120,7 @@ def _slot_sum_kernel(
     tl.store(p_out, b_acc.to(OUT.dtype.element_ty), mask=m_h[:, None])
 
 
-@triton.jit
+@jit
 def _item_sum_kernel(
     PA,
     PB,  # [items, RP, BLOCK, D] fp32 key-tile partials of one item range (PB: with TWO)

@@ -292,7 +292,7 @@ def fwd(
 # after the chunk loop over the whole lists' items (fuller items: the KL value changes by its
 # fp32 summation order only, the same bits every run) and keeps the lists for the backward
 # (which then does not sort). Paper 128K (16 chunks): 1 sort instead of 16, 67 torch ops of
-# driver glue instead of 464 (counted on CPU with stub stages: tests/test_one_sort.py).
+# driver glue instead of 464 (counted on CPU with stub stages: tests/ops/test_worklist.py).
 # Measured on the H200 (same run, verified bitwise against the per-chunk sorts): the CuTe
 # forward op at paper 128K 70.42 -> 66.02 ms
 # random, 65.29 -> 64.17 local (predicted 64-66); the bench's training step 173.6 -> 170.1 ms

@@ -593,7 +593,13 @@ def _spy(monkeypatch):
         log["ran"][op] = name
         return name, _Recorder(module, log)
 
+    def load(name):  # the custom ops load their backend by name
+        module, why = real_load(name)
+        return (None if module is None else _Recorder(module, log)), why
+
+    real_load = backends.load
     monkeypatch.setattr(backends, "resolve", resolve)
+    monkeypatch.setattr(backends, "load", load)
     return log
 
 

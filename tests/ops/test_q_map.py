@@ -215,7 +215,7 @@ def test_msa_attention_q_map_on_triton(monkeypatch):
     for name, dtype in (("triton", torch.float32), ("torch", torch.float64)):
         inputs = [x.detach().to(dtype).requires_grad_() for x in xs]
         with backends.forced(name):
-            out, kl = flash_msa.msa_attention(
+            out, kl = flash_msa.api._msa_attention(  # (the query map: distributed's entry)
                 *inputs, 2, block_size=b, cu_seqlens=cu, max_seqlen=max(lengths), q_map=q_map
             )
             testing.training_loss(out, kl, rows, seed=5).backward()

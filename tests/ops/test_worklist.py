@@ -226,7 +226,7 @@ def _triton_step(monkeypatch, det: bool, share: bool, mapped: bool = False):
         qp, q = qp[: len(kw["q_map"])], q[: len(kw["q_map"])]
     inputs = [x.detach().requires_grad_() for x in (qp, kp, q, k, v)]
     calls = _count_sorts(monkeypatch)
-    out, kl = flash_msa.msa_attention(
+    out, kl = flash_msa.api._msa_attention(  # (q_map: distributed's private entry)
         *inputs, s["top_k"], block_size=s["block"], cu_seqlens=cu,
         max_seqlen=max(s["lengths"]), deterministic=det, **kw,
     )  # fmt: skip

@@ -20,7 +20,7 @@ contract, docs/design.md), and ``FLASH_MSA_BACKEND=cute`` raises
 :class:`~flash_msa.BackendError`; so does a backward outside its limits (``auto`` runs it on
 Triton within the same autograd step). Blackwell (sm_100) kernels are not written.
 
-Modules, imports pointing one way (tests/test_import_graph.py): kernel modules (``*_sm90.py``:
+Modules, imports pointing one way (tests/integration/test_import_graph.py): kernel modules (``*_sm90.py``:
 a frozen dataclass per kernel, its static configuration as fields, ``can_implement`` saying why
 a configuration cannot run, and the kernel's own launch wrappers) import only :mod:`.common`
 (shared device and launch helpers, :mod:`.disk_cache`) and the package's leaf modules
@@ -62,10 +62,10 @@ BWD_LIMITS = Limits(
     head_dims=(64, 128),
     proxy_head_dims=(64, 128),
     # ordered sums of per-slot / per-item partials (BwdSm90(deterministic=True)); bitwise equal
-    # across runs and by the rule on the H200 (tests/test_gpu_cute_bwd.py)
+    # across runs and by the rule on the H200 (tests/ops/test_bwd.py)
     deterministic=True,
-    # BwdSm90 / BwdWsSm90(qmap=True); on the H200 tests/test_gpu_cute.py and
-    # tests/test_gpu_cute_bwd.py -k q_map check the mapped selection and backward against the
+    # BwdSm90 / BwdWsSm90(qmap=True); on the H200 tests/ops/test_fwd.py and
+    # tests/ops/test_bwd.py -k q_map check the mapped selection and backward against the
     # reference and the Triton backend
     q_map=True,
     # this backend's backward makes the proxy gradient itself: the forward need not
@@ -94,7 +94,7 @@ LIMITS = {
         **_SM90,
         head_dims=(64, 128),
         deterministic=True,
-        # FwdPartialsSm90(qmap=True), main and proxy parts (tests/test_gpu_cute.py -k q_map on
+        # FwdPartialsSm90(qmap=True), main and proxy parts (tests/ops/test_fwd.py -k q_map on
         # the H200); the KL of a mapped call is Triton's stage
         q_map=True,
         note="every stage on CuTe: the work list (with torch's sort; chunked and q_map "

@@ -189,7 +189,7 @@ def scaled(grad: torch.Tensor, dkl, dtype: torch.dtype) -> torch.Tensor:
     """``(grad * dkl).to(dtype)`` bit for bit, in one op: ``torch.mul`` computes in the inputs'
     common dtype (fp32: ``grad`` fp32, ``dkl`` the 0-dim fp32 gradient of ``kl``) and rounds once on the store into ``dtype``, as the cast of
     the fp32 product did: 2 launches instead of 4 per backward, 80 MB less moved at anchor
-    16K (~25 us, the audit's estimate). Bitwise checked on CPU (tests/test_glue_host2.py) and
+    16K (~25 us, the audit's estimate). Bitwise checked on CPU (tests/cute_host/test_bwd.py) and
     on the H200 (720 cases: bf16 / fp16 / fp32 out, 60 decades, signed zeros, inf, NaN,
     subnormals, overflow). A contiguous result, as the cast's. Where ``dkl``
     needs a gradient (a ``create_graph`` backward) ``out=`` is refused: the plain expression."""

@@ -49,7 +49,7 @@ No warp specialization (that is :mod:`.bwd_ws_sm90`, the default where it runs);
 (``gather_stages``) where shared memory allows; fp32 reductions by ``red.global.add.v2.f32``.
 Deterministic mode (:attr:`BwdSm90.deterministic`, ``backward._ordered``): stores into
 partials summed in a fixed order (bitwise equal across runs on the H200,
-tests/test_gpu_cute_bwd.py).
+tests/ops/test_bwd.py).
 """
 
 from __future__ import annotations

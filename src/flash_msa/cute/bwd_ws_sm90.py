@@ -31,7 +31,7 @@ thread issues its TMA.
 At G2 = 4 phase A's teacher is kept in registers: the (token, key)
 pairs a thread holds are the same in every sub-group r of a chunk (row = token-major), so each
 thread sums its tokens' head sums over r = 0 .. R - 1 in 8 registers (the same additions in the
-same order as BwdSm90's slab load-add-store chain: the same bits; tests/test_gpu_cute_bwd.py
+same order as BwdSm90's slab load-add-store chain: the same bits; tests/ops/test_bwd.py
 checks it against BwdSm90 where the atomic reductions commute) and stores them once per chunk,
 after r = R - 1, at addresses from one per-item offset plus constants; a lane pair splits the
 tokens by selects instead of a branch (:meth:`BwdSm90.teacher_add`). Why: the per-sub-group

@@ -1,7 +1,7 @@
 """The sparse forward's combine on Hopper (sm_90a) in CuTe DSL: merge per-block partials by LSE.
 
 The CuTe forward's ``combine`` stage (``cute.forward.forward_stages``) where :func:`combine_fits`
-holds for the call (tests/test_gpu_cute_combine.py on the H200); elsewhere the driver borrows
+holds for the call (tests/ops/test_combine.py on the H200); elsewhere the driver borrows
 Triton's combine.
 
 Driver stage ``combine(o_part, l_part, idx, out, lse)`` of :mod:`flash_msa.sparse_forward` (its

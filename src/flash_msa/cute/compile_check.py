@@ -412,7 +412,7 @@ def fwd_configurations():
     # the query map (FwdPartialsSm90(qmap=True), context parallelism), with and without the
     # proxy part (a CP forward has it wherever the KL or the proxy gradient is wanted); not the
     # paper layout: it spills 8 bytes with the map (fwd_partials_sm90's docstring), pinned by
-    # tests/test_cute_fwd_qmap_cpu.py instead
+    # tests/cute_host/test_fwd.py instead
     for name, *cfg in (layouts[i] for i in (0, 3, 5)):  # anchor D=64 / 128, fp16
         yield f"{name} qmap", *cfg, None, True
     for name, dtype, *cfg, hpk, dp in proxy:

@@ -21,7 +21,7 @@ device's compute capability, the DSL's compile settings (``CUTE_DSL_ARCH``, ``..
 its own cache key text), the compile options, and the source of the modules the kernel's code
 comes from (its class's modules and what they import from flash_msa at module level), so an
 edited kernel never loads a stale binary. On by default (``FLASH_MSA_CACHE=0`` turns it off):
-on the H200 (tests/test_gpu_cute_cache.py) a second process's first anchor-16K training step
+on the H200 (tests/integration/test_first_call_gpu.py) a second process's first anchor-16K training step
 took 3.5-3.7 s instead of 13.0-17.7 s, its three CuTe kernels loaded in 4-6 ms each, and its
 gradients equal the compiling process's.
 

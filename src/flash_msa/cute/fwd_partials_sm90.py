@@ -4,7 +4,7 @@ The CuTe forward's per-block stage (``cute.forward``): the kernel :class:`FwdPar
 the per-block partials (the driver stage :func:`partials`) and, in the same launch, the proxy
 LSE partials where :func:`proxy_fits` ("Proxy LSE" below); :class:`FwdKlSm90` makes the KL value
 (the driver stage :func:`kl`). Checked on an H200 against the Triton kernel (same work list,
-same partial buffers) and the reference (tests/test_gpu_cute.py, tests/test_gpu_cute_kl.py).
+same partial buffers) and the reference (tests/ops/test_fwd.py, tests/ops/test_kl.py).
 
 Same decomposition as the Triton forward (docs/algorithm.md, "Main attention: key-outer over a
 reverse index"): one CTA per work item = (selection head p, key block, up to TW query tokens
@@ -56,7 +56,7 @@ unchanged; only the causal mask of both parts compares the block's keys with the
 issued with the row's ``perm`` load, before the gather wait; every compiled layout is
 spill-free at 168 registers or fewer, the paper head layout (D = 128, R = 4 sub-groups) too
 since :meth:`FwdPartialsSm90.store_lse` has no branch: compile_check "fwd ... qmap", the paper
-one in tests/test_cute_fwd_qmap_cpu.py). Padding rows (``-1``) have no
+one in tests/cute_host/test_fwd.py). Padding rows (``-1``) have no
 entries (``worklist.build`` drops them), so a row the kernel visits always has a token. Without
 the map the kernel compiles to the PTX it had before the field existed (a compile-time branch;
 the map travels in the work-list argument, :class:`MappedWorkItems`, so no argument is added).
@@ -978,7 +978,7 @@ def proxy_fits(q, k, q_proxy, k_proxy, indices, cfg) -> bool:
 # ---------------------------------------------------------------------------------------------
 # the KL value on this kernel: FwdKlSm90, the driver stage kl
 # ---------------------------------------------------------------------------------------------
-# The CuTe forward's ``kl`` stage (``cute.forward.forward_stages``; tests/test_gpu_cute_kl.py on
+# The CuTe forward's ``kl`` stage (``cute.forward.forward_stages``; tests/ops/test_kl.py on
 # the H200). The KL stage alone, H200: 1.11 / 2.03 / 4.98 / 17.5 ms at anchor 16K / 32K, paper
 # 32K / 128K, against 2.17 / 3.66 / 12.11 / 43.75 for the fused backward's kernel in a KL mode
 # and 3.56 / 7.29 / 18.48 / 73.96 for Triton's stage; sums equal to 6e-7 relative. The calls
@@ -1031,7 +1031,7 @@ class FwdKlSm90(FwdPartialsSm90):
     Resources (sm_90a, 2 warpgroups = 256 threads; compile_check "fwd kl"): shared memory
     (:meth:`kl_shared_bytes`) 4 Q buffers of 64 x max(D, Dp) + K and k_proxy tiles + 2 log2 p'
     tiles of 64 x BLOCK fp32: 197,632 bytes at D = Dp = 128, block 128 (3 warpgroups fit only
-    with smaller tiles), so one CTA per SM; registers: see ``tests/test_cute_kl_fwd_cpu.py``
+    with smaller tiles), so one CTA per SM; registers: see ``tests/cute_host/test_kl.py``
     and the compile check (no spills)."""
 
     LABEL: ClassVar[str] = "CuTe KL stage"
@@ -1077,7 +1077,7 @@ class FwdKlSm90(FwdPartialsSm90):
         if head_dim != proxy_head_dim:
             # the q and q_proxy gathers share one double-buffered Q region read through two
             # views whose buffer strides are 64 x D and 64 x Dp elements: with D != Dp their
-            # buffers overlap (a race within and across warpgroups: tests/test_review_kl_cpu.py).
+            # buffers overlap (a race within and across warpgroups: tests/cute_host/test_kl.py).
             # Triton's stage runs these calls.
             return f"the CuTe KL stage needs D == Dp, not {head_dim} and {proxy_head_dim}"
         if block_size not in (64, 128):

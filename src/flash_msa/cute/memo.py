@@ -4,7 +4,7 @@ pick compute per call are pure functions of the call's shapes, dtypes and config
 
 Measured on the CPU of the H200 host: 49 us per training step for the three resolves
 (``resolve("fwd")`` 30 us, 20 of them the forward's stage pick) and 12 us for the forward's
-``stages_for``, ~2-3 us each remembered (tests/test_glue_host.py). The forward's and
+``stages_for``, ~2-3 us each remembered (tests/ops/test_worklist.py). The forward's and
 backward's keys leave out what varlen steps vary and no limit reads (:func:`run_free`,
 :func:`shape_key`), so a remembered value is the one a fresh call returns; the dict is bounded
 by clearing it when full (the selection's key keeps ``max_seqlen``: its grid limit).

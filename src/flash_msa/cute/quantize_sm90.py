@@ -31,7 +31,7 @@ two steps without it, both changed with this kernel (minimal changes in quant.py
   against ``quant.hadamard_transform``): at Dp 128, 85% of the rotated values and 79% of the
   row scales differ in the last bits, and 1.0e-5 of the e4m3 bytes (0.13% of the rows hold
   one); at Dp 64 (normalization 1/8, exact) 0.08% of the values and no byte. The butterflies
-  compute the same orthonormal rotation; tests/test_cute_quantize_cpu.py checks, bit for bit,
+  compute the same orthonormal rotation; tests/cute_host/test_quantize.py checks, bit for bit,
   that a torch emulation of this kernel's lanes and shuffles computes the reference's.
 - the scale was ``amax / 448.0``: torch on CUDA divides by a Python number as a multiply by its
   reciprocal (its ``div_true`` kernel: "may lose one bit"), on CPU it divides; on 100000 random
@@ -86,7 +86,7 @@ from cutlass.cute.runtime import make_ptr
 from .. import quant
 from .common import aligned, cutlass_dtype, run_typed, stream
 
-# Measured on the H200 at paper 128K (tests/test_gpu_cute_fp8.py: bytes and scales bitwise
+# Measured on the H200 at paper 128K (tests/ops/test_select_fp8.py: bytes and scales bitwise
 # equal to quant.quantize): 0.199 ms (8 warps x 1 pass, shipped) / 0.228 (4 x 2) / 0.217 (8 x 4)
 # / 0.237 (4 x 4) against 4.00 ms for the torch pass; the fp8 selection with it 12.45 ms (706
 # TFLOP/s) against 15.72 (560).

@@ -10,7 +10,7 @@ Measured (H200, bf16, random inputs; device ms, the kernel alone): paper 128K (T
 TB/s) against 15.9. The tunings 8 warps x 4 passes (shipped), 8 x 2 and 4 x 8 are within 1%
 of each other at 128K and 1M. With the host work (events around the Python call on an idle GPU): 1.01 / 0.079 /
 1.98 ms, ~45 us of it the host path at 16K (validation, three ``make_ptr``, the launch).
-tests/test_gpu_cute_row_delta.py: 19 passed there (the 2.2e9-element case included).
+tests/ops/test_row_delta.py: 19 passed there (the 2.2e9-element case included).
 
 What it computes: for contiguous ``dout`` and ``out`` ``(T, H, D)`` of one dtype (bf16 or
 fp16), ``delta[t, h] = sum_d fp32(dout[t, h, d]) * fp32(out[t, h, d])``, ``(T, H)`` fp32. Each

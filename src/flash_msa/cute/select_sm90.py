@@ -64,7 +64,7 @@ S=131072, kernel ms chain -> rank, the rank indices identical to the chain's on 
 random bf16 k=16 14.59 -> 13.01, fp8 k=16 11.83 -> 9.60, bf16 k=64 20.38 -> 15.53, fp8 k=64
 19.48 -> 12.68; local bf16 k=16 11.20 -> 11.21, fp8 k=16 8.19 -> 7.98. It keeps
 the sequential insertion's lists after every offer, ties included; that chain survives only as
-the CPU oracle of tests/test_select_insert_cpu.py, which replays both.
+the CPU oracle of tests/cute_host/test_select.py, which replays both.
 
 An MMA ping-pong (the consumer warpgroups taking turns to issue a tile's MMA on two named
 barriers) lost on the H200 (paper S=131072 random, kernel ms default -> ping-pong, identical
@@ -106,7 +106,7 @@ Barrier accounting (per CTA, N = ``n_tiles`` key tiles, CTA-uniform; slot ``s = 
   (key stages) and on the selector's read of R tiles back; the selector only on the
   consumers. The barriers are initialized with ``q_bar`` (warp 0, one elected thread) before
   the key pipeline's ``create()``, whose fence and CTA-wide ``bar.sync 0`` (all 512 threads)
-  publish them. tests/test_cute_select_selector_cpu.py replays this on a model of the
+  publish them. tests/cute_host/test_select.py replays this on a model of the
   mbarrier over random interleavings, and checks the ``mbarrier.init`` counts in the PTX.
 
 Registers (:meth:`SelectSm90.register_split`): 512 threads launch with 65,536 / 512 = 128;
@@ -769,7 +769,7 @@ class SelectSm90:
         do not keep (butterfly 2), then the pair of a row combines (butterfly 1): 2 shuffles
         and 2 maxima per block instead of the 4 and 4 of every lane reducing both rows (the
         reduction it replaced, with the sequential insertion). The same set of values is
-        reduced, so the maximum is the same float (tests/test_select_insert_cpu.py)."""
+        reduced, so the maximum is the same float (tests/cute_host/test_select.py)."""
         kept = []
         for sl in cutlass.range_constexpr(self.TILE_N // self.block_size):
             mine = cand[0][sl] if my_row == 0 else cand[1][sl]
@@ -894,7 +894,7 @@ class SelectSm90:
         Skip: ``vote.any`` over the warp (its 32 rows) of "the candidate enters"; a thread
         whose candidate does not enter has every comparison false and keeps its list. The
         vote is warp-uniform (no divergent branch) and needs the warp converged: it is called
-        at the loop's top level. The CPU replay (tests/test_select_insert_cpu.py) checks the
+        at the loop's top level. The CPU replay (tests/cute_host/test_select.py) checks the
         rule against the sequential insertion, ties and ``-inf`` included."""
         H = cute.size(topv)
         if cute.arch.vote_any_sync(cv > topv[H - 1]):
@@ -941,7 +941,7 @@ def select_into(
     ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` contiguous bf16/fp16 CUDA tensors,
     ``cu_seqlens (N+1,)`` int32; ``cfg.max_seqlen`` bounds the grid (no host synchronization).
     ``stages``: the kernel's pipeline depth (default ``SelectSm90.stages``, the shipped one;
-    another depth gives the same indices: tests/test_gpu_cute.py).
+    another depth gives the same indices: tests/ops/test_fwd.py).
     ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map): ``q_proxy`` and
     ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of a mapped row is
     written, those of padding rows (``-1``) are left as they are (:func:`select` fills them

@@ -4,7 +4,7 @@ The warmup (``msa_attention(..., warmup=True)``: dense causal main attention, KL
 visible key) is the sparse op with every causal block kept (docs/algorithm.md, "Warmup mode":
 the KL formula with the dense ``T``; ``reference.fwd`` with ``indices=None`` builds the causal mask,
 with the lists of :func:`flash_msa.worklist.causal_blocks` the block mask of every block
-``<= i // b`` and the causal mask: the same set, so the same outputs; tests/test_cute_warmup_cpu.py
+``<= i // b`` and the causal mask: the same set, so the same outputs; tests/ops/test_warmup.py
 checks it). So :func:`fwd` and :func:`bwd` build those lists on the device (no selection pass,
 no host synchronization) and run the CuTe sparse forward (the driver,
 :mod:`flash_msa.sparse_forward`) and the fused backward with ``top_k`` = the list width.

@@ -673,7 +673,7 @@ LAUNCH_SIGNATURE = "worklist_sm90.launch_arguments"
 def _launch(kernel, device: torch.device, *values) -> None:
     """Launch ``kernel`` on ``device``'s current stream with ``values`` (its addresses and
     counts, :func:`launch_arguments`' order) through ``common.run_typed``. The TVM-FFI call
-    takes these ints as they are (tests/test_cute_worklist_cpu.py checks that they equal
+    takes these ints as they are (tests/cute_host/test_worklist.py checks that they equal
     ``ffi_args`` of the typed arguments), so the typed arguments (``Int32(v)`` ~2.8 us and
     ``make_ptr`` ~2.1 us each on this CPU: 11.4 us for blocks' seven) are built only for the
     compile: no per-launch conversion and no cache of them."""

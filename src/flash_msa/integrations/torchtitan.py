@@ -18,7 +18,7 @@ modules under their own names (``qkv_linear``, fused or not, ``wo``, the optiona
   call with ``attention_masks=None`` or use a varlen model.
 
 In dense warmup the converted model computes the original model's logits. Tested on CPU with
-torchtitan 0.3.0 (tests/test_integrations_torchtitan.py). Training only: no KV cache; tensor,
+torchtitan 0.3.0 (tests/integration/test_integrations_torchtitan.py). Training only: no KV cache; tensor,
 context and pipeline parallelism of the attention are not handled (MSA's context parallelism is
 :mod:`flash_msa.distributed`).
 """

@@ -47,7 +47,7 @@ _ALL = Limits(
     # sm_80/89/100/120; sm_86 by hand: 35 configurations, 0 spills, at most 96 KB), and
     # tiles.pick walks the list to the first that fits the device. Run on an H200 only: sm_90
     # itself, and the other budgets forced there by FLASH_MSA_SMEM_LIMIT
-    # (tests/test_gpu_small_tiles.py). The fp8 selection is not declared here (the torch
+    # (tests/ops/test_tiles.py). The fp8 selection is not declared here (the torch
     # backend's alone); a Triton declaration of it must leave out sm_80/86 (no e4m3 MMA).
     capabilities=((8, 0), (8, 6), (8, 9), (9, None), (10, None), (12, 0)),
     capability_note=(

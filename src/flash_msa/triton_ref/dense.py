@@ -314,7 +314,7 @@ def _dense_proxy_dk_kernel(
             # (1 of 1 at 2), and issued this wgmma async, waited for in the next iteration
             # only: the cp.async of a later query tile overwrote the slot it was reading. That
             # race is the likely cause of dk_proxy differing between two runs on the H200
-            # (Triton 3.6). tests/test_deterministic.py checks every tile's code for it
+            # (Triton 3.6). tests/ops/test_deterministic.py checks every tile's code for it
             # (tiles.ring_hazards); tiles.pick skips a tile that has it.
             p_qp_b = row_ptrs(QP, prow, o_dp)
             b_qp_b = tl.load(p_qp_b, mask=m_t[:, None], other=0.0, eviction_policy="evict_last")
