@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The disk cache on, as users run it, in a directory of this test session's own (mode 0700,
+# The disk cache on, as users run it, in a directory of this pytest run's own (mode 0700,
 # removed at exit): the tests never read or write the user's cache. The first process of the
 # session (pytest, or xdist's controller) makes it; its workers and child processes inherit it
 # through the environment, so a kernel compiled by one of them is loaded by the others (the

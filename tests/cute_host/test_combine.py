@@ -3,7 +3,7 @@ on the GPU: tests/ops/test_combine.py): the main merge, the LSE-only mode and th
 compile for sm_90a without spills (the full list is ``compile_check.combine_configurations``, run by
 the CuTe compile check), the limits, the host's refusals of bad buffers, naming the argument, and
 what the host passes to a launch (addresses, token count; its CPU time). CPU time on the 2-core
-machine: ~2 s in pytest, ~1 s of it the three compiles (plus the session start).
+machine: ~2 s in pytest, ~1 s of it the three compiles (plus pytest start-up).
 
 Two invariants of the combine's host code that a CPU can show: the shared-memory count includes
 the staged rows, and an fp32 output is refused naming it. No kernel is compiled for these; CPU

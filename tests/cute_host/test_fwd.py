@@ -3,7 +3,7 @@ parallelism; its numerics are tested on the GPU: tests/ops/test_fwd.py -k q_map)
 compile for sm_90a within the register budget (no spills but the paper layout's known 8 bytes), the
 field is part of the kernel object (so of the compile cache's key), the host refuses a kernel /
 work-list mismatch and a bad map naming it, and the limits and stage picks declare the map. CPU time
-on the 2-core machine: ~17 s in pytest, 15 s of it the two compiles (plus the session start)."""
+on the 2-core machine: ~17 s in pytest, 15 s of it the two compiles (plus pytest start-up)."""
 
 from __future__ import annotations
 

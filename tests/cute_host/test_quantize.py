@@ -4,7 +4,7 @@ of the rotation's operations is the reference's (a torch emulation of its lanes,
 the kernels compile for sm_90a without spills (the full list is ``quantize_configurations``,
 run by the CuTe compile check), the limits, the host's refusals naming the argument, and the
 switch in the CuTe selection's fp8 branch. CPU time on the 2-core machine: 4-7 s of test calls,
-~2 s of it the two compiles (plus the session start)."""
+~2 s of it the two compiles (plus pytest start-up)."""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def test_cute_kernels_compile_for_sm90_without_spills():
     forward partials with the proxy LSE and the query map, the KL kernel, backward, combine,
     the fp8 quantize pass, the row delta, the work list) compiles without spills; all but the
     memory-bound ones (no MMA) use wgmma and TMA. Results of unchanged kernels come from the
-    check's content cache (in the session's cache directory, tests/conftest.py); no time limit
+    check's content cache (in the pytest run's cache directory, tests/conftest.py); no time limit
     of its own (CI's limit applies)."""
     pytest.importorskip("cutlass")
     from flash_msa.cute import compile_check

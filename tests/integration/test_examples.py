@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_msa_layer_example_trains():
-    """The layer example as a user runs it on a CPU: without the test session's
+    """The layer example as a user runs it on a CPU: without the pytest run's
     ``TRITON_INTERPRET`` (a child without a GPU then runs on the torch backend; the Triton
     kernels' numerics are tests/ops/test_msa.py's). Measured: 36 s on the interpreter, ~5 s so."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
