@@ -851,14 +851,7 @@ def msa_attention(
             causality, ``-inf`` blocks and the tie order stay, and the attention, the KL and
             every gradient over the kept blocks are exact. Only backends whose limits declare
             it select in fp8 (``cute`` on SM90 and ``torch``; ``auto`` skips the others, a
-            forced backend raises).
-            ``"fp8_rerank"``: the fp8 selection keeps ``top_k + quant.RERANK_EXTRA`` (16)
-            blocks and their exact block scores (fp32, the input-dtype operands, the scores
-            ``"bf16"`` ranks) keep ``top_k`` by the same rules: equal to the ``"bf16"``
-            selection whenever its blocks are among the fp8 candidates (recall 99.87-100 %
-            measured, docs/algorithm.md). Its two steps may run on two backends (the fp8 one on
-            a backend that declares it, the re-rank on ``triton`` or ``torch``:
-            ``flash_msa.backends``).
+            forced backend raises). Any other value raises ValueError.
 
     Returns:
         ``(out, kl)``: ``out`` like ``q``; ``kl`` a 0-dim fp32 tensor (fp64 for fp64 inputs),
@@ -1005,8 +998,7 @@ def select_blocks(
         k_proxy: ``(B, S, Hpk, Dp)`` or varlen ``(T, Hpk, Dp)``; ``Hp % Hpk == 0``.
         top_k, block_size, proxy_scale, cu_seqlens, max_seqlen, causal, selection_precision: as
             in :func:`msa_attention` (``top_k`` in ``[1, MAX_TOP_K]``; ``selection_precision``
-            ``"bf16"``, exact, ``"fp8"``, approximate, or ``"fp8_rerank"``, the fp8 top
-            ``top_k + 16`` re-ranked by exact scores).
+            ``"bf16"``, exact, or ``"fp8"``, approximate).
 
     Returns:
         int32 ``(B, S, Hp, top_k)`` (or ``(T, Hp, top_k)``): sequence-local block numbers,
