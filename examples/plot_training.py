@@ -7,8 +7,9 @@
    held-out loss of the periodic evaluations, one colour per run; a dashed line where an MSA
    run turns sparse;
 2. held-out loss by position bucket (0-1K, 1-4K, ...): one bar per model and bucket: dense,
-   MSA with the exact (``bf16``) selection, and MSA with the ``fp8`` and ``fp8_rerank``
-   selections where the summary has them; the bar's value is written above it;
+   MSA with the exact (``bf16``) selection, and MSA with the ``fp8`` selection where the
+   summary has it (every precision its ``heldout_by_precision`` holds); the bar's value is
+   written above it;
 3. per layer of each MSA run: the proxy's recall and covered attention mass against the oracle
    selection, and the fp8 selection's recall and covered-mass ratio against the exact one.
 
@@ -233,9 +234,9 @@ def recall_series(runs):
         name = run["name"]
         out.append((f"proxy recall vs oracle ({name})", [m["recall"] for m in proxy], False))
         out.append((f"proxy covered mass ({name})", [m["covered_mass"] for m in proxy], True))
-        for prec in ("fp8", "fp8_rerank"):
-            res = sel.get(f"{prec}_vs_exact")
-            if isinstance(res, list):
+        for key, res in sel.items():  # "fp8_vs_exact": each approximate selection's
+            prec = key.removesuffix("_vs_exact")
+            if key != prec and isinstance(res, list):
                 out.append((f"{prec} recall vs exact ({name})", [m["recall"] for m in res],
                             False))
                 out.append((f"{prec} mass ratio ({name})", [m["mass_ratio"] for m in res],

@@ -55,11 +55,11 @@ Outputs under ``--out``:
 - ``summary.json``: the configuration, parameter counts, tokens trained, corpus size, the held-out
   loss overall and by position (buckets 0-1K, 1-4K, 4-16K, 16-32K, and 32 equal bins), the median
   step time per phase, and for MSA: the held-out loss with each ``selection_precision`` (``bf16``,
-  ``fp8``, ``fp8_rerank``) and with dense attention on the same weights; per layer, over
-  ``--recall-batches`` held-out sequences, the proxy's recall and covered attention mass against the
-  oracle selection (the ``top_k`` blocks of most main attention mass) and each fp8 mode's recall and
-  covered mass against the exact selection (:mod:`flash_msa.recall`'s metrics), and ``fp8_gate``:
-  each fp8 mode against the fp8 selection's quality gate (covered mass >= 99.5 % of the exact
+  ``fp8``) and with dense attention on the same weights; per layer, over ``--recall-batches``
+  held-out sequences, the proxy's recall and covered attention mass against the oracle selection
+  (the ``top_k`` blocks of most main attention mass) and the fp8 selection's recall and covered
+  mass against the exact selection (:mod:`flash_msa.recall`'s metrics), and ``fp8_gate``: the
+  fp8 selection against its quality gate (covered mass >= 99.5 % of the exact
   selection's in every layer, held-out loss within 0.2 % of the bf16-selected model's). A mode the
   backend in use cannot run is reported with its error instead of numbers.
 
@@ -118,7 +118,7 @@ VOCAB = 256
 DOC_SEPARATOR = b"\x00"
 BUCKET_EDGES = (0, 1024, 4096, 16384, 32768, 65536, 131072)  # loss-by-position buckets
 POSITION_BINS = 32  # equal-width position bins of the finer held-out curve
-PRECISIONS = ("bf16", "fp8", "fp8_rerank")
+PRECISIONS = ("bf16", "fp8")  # the exact selection first, then the approximate one
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 

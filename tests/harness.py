@@ -27,10 +27,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from flash_msa import reference, testing
+from flash_msa import backends, reference, testing
 from flash_msa.problem import Config, Forward, Grads, Saved
 
 FWD = ("out", "lse", "proxy_lse", "kl")
@@ -56,6 +57,17 @@ def packed_inputs(lengths, H, Hkv, Hp, Hpk, D, Dp, *, dtype, device, seed=0, kin
     T = sum(lengths)
     xs = testing.make_inputs(1, T, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, seed=seed, kind=kind)
     return [x[0].to(device).contiguous() for x in xs], testing.cu(lengths, device)
+
+
+def selected_inputs(layout, *, dtype, device="cuda", seed=0):
+    """``(xs, cu_seqlens, cfg, idx)`` of one sparse call: :func:`packed_inputs` ``xs = [q_proxy,
+    k_proxy, q, k, v]`` of ``layout = (lengths, H, Hkv, Hp, Hpk, D, Dp, block, top_k)`` (as
+    :data:`CUTE_LAYOUTS`), its :func:`config` and the torch reference's selection ``idx``
+    ``(T, Hp, top_k)``."""
+    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = layout
+    xs, cu = packed_inputs(lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device=device, seed=seed)
+    cfg = config(max(lengths), D, Dp, b, top_k)
+    return xs, cu, cfg, reference.select(xs[0], xs[1], cu, cfg)
 
 
 def incoming(q, Hp, seed):
@@ -117,6 +129,28 @@ CUTE_LAYOUTS = {
     "Dp>D": ((777, 777), 8, 1, 4, 1, 64, 128, 128, 3),
     "D=64-b128": ((2049,), 16, 2, 4, 1, 64, 64, 128, 16),
 }
+
+
+# the marks of a module of GPU tests of the CuTe kernels (``pytestmark``, or per test through
+# :func:`marked`): ``gpu``, and skipped off an sm_90 device
+SM90 = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs an sm_90 GPU",
+    ),
+]
+
+
+def cute_backend():
+    """The CuTe backend module, loaded and available (a test without nvidia-cutlass-dsl
+    skips; one whose backend cannot load or run fails with the reason)."""
+    pytest.importorskip("cutlass")
+    module, why = backends.load("cute")
+    assert module is not None, why
+    why = module.unavailable_reason()
+    assert why is None, why
+    return module
 
 
 def spawn_script(script: str, args, **env) -> subprocess.Popen:

@@ -11,6 +11,7 @@ docs/design.md.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import operator
@@ -851,14 +852,7 @@ def msa_attention(
             causality, ``-inf`` blocks and the tie order stay, and the attention, the KL and
             every gradient over the kept blocks are exact. Only backends whose limits declare
             it select in fp8 (``cute`` on SM90 and ``torch``; ``auto`` skips the others, a
-            forced backend raises).
-            ``"fp8_rerank"``: the fp8 selection keeps ``top_k + quant.RERANK_EXTRA`` (16)
-            blocks and their exact block scores (fp32, the input-dtype operands, the scores
-            ``"bf16"`` ranks) keep ``top_k`` by the same rules: equal to the ``"bf16"``
-            selection whenever its blocks are among the fp8 candidates (recall 99.87-100 %
-            measured, docs/algorithm.md). Its two steps may run on two backends (the fp8 one on
-            a backend that declares it, the re-rank on ``triton`` or ``torch``:
-            ``flash_msa.backends``).
+            forced backend raises). Any other value raises ValueError.
 
     Returns:
         ``(out, kl)``: ``out`` like ``q``; ``kl`` a 0-dim fp32 tensor (fp64 for fp64 inputs),
@@ -885,29 +879,21 @@ def msa_attention(
     )
 
 
+# msa_attention's keyword-only arguments and their defaults: its signature is their one
+# definition, which _msa_attention (the same call plus q_map, key_gather) takes as they are
+_KEYWORDS = {
+    name: p.default
+    for name, p in inspect.signature(msa_attention).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
+
+
 def _msa_attention(
-    q_proxy,
-    k_proxy,
-    q,
-    k,
-    v,
-    top_k,
-    *,
-    block_size=128,
-    softmax_scale=None,
-    proxy_scale=None,
-    cu_seqlens=None,
-    max_seqlen=None,
-    causal=True,
-    warmup=False,
-    compute_kl=True,
-    deterministic=None,
-    selection_precision="bf16",
-    q_map=None,
-    key_gather=None,
-):
+    q_proxy, k_proxy, q, k, v, top_k, *, q_map=None, key_gather=None, **keywords
+):  # fmt: skip
     """:func:`msa_attention` with the context-parallel arguments, which only
-    :func:`flash_msa.distributed.msa_attention` passes (the other arguments as there).
+    :func:`flash_msa.distributed.msa_attention` passes; ``keywords`` are those of
+    :func:`msa_attention`, with its defaults (:data:`_KEYWORDS`), the other arguments as there.
 
     Args:
         q_map: queries that are not the keys' own tokens (context parallelism: local queries,
@@ -925,7 +911,15 @@ def _msa_attention(
             ``k`` and ``v`` only after the selection; ``cu_seqlens`` ends at
             ``key_gather.total_tokens``. ``None`` (default): the keys are given whole.
     """
-    _causal_arg(causal)
+    unknown = [name for name in keywords if name not in _KEYWORDS]
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {', '.join(unknown)}: the keywords are "
+            f"msa_attention's ({', '.join(_KEYWORDS)}) and q_map, key_gather"
+        )
+    kw = {**_KEYWORDS, **keywords}
+    _causal_arg(kw["causal"])
+    cu_seqlens = kw["cu_seqlens"]
     varlen = cu_seqlens is not None
     tensors = {"q_proxy": q_proxy, "k_proxy": k_proxy, "q": q, "k": k, "v": v}
     if key_gather is not None and q_map is None:
@@ -938,15 +932,15 @@ def _msa_attention(
     _check_proxy(q_proxy, k_proxy)
     _check_heads(q.shape[-2], k.shape[-2], q_proxy.shape[-2], "q_proxy")
     top_k = _top_k_arg(top_k)
-    block_size = _block_size_arg(block_size)
-    softmax_scale = _scale_arg("softmax_scale", softmax_scale, q.shape[-1] ** -0.5)
-    proxy_scale = _scale_arg("proxy_scale", proxy_scale, q_proxy.shape[-1] ** -0.5)
-    warmup = _bool_arg("warmup", warmup)
-    compute_kl = _bool_arg("compute_kl", compute_kl)
-    deterministic = backends.deterministic(deterministic)
-    selection_precision = quant.check_precision(selection_precision)
+    block_size = _block_size_arg(kw["block_size"])
+    softmax_scale = _scale_arg("softmax_scale", kw["softmax_scale"], q.shape[-1] ** -0.5)
+    proxy_scale = _scale_arg("proxy_scale", kw["proxy_scale"], q_proxy.shape[-1] ** -0.5)
+    warmup = _bool_arg("warmup", kw["warmup"])
+    compute_kl = _bool_arg("compute_kl", kw["compute_kl"])
+    deterministic = backends.deterministic(kw["deterministic"])
+    selection_precision = quant.check_precision(kw["selection_precision"])
     total = None if key_gather is None else key_gather.total_tokens
-    cu, max_seqlen = _sequences(q if q_map is None else k, cu_seqlens, max_seqlen, total)
+    cu, max_seqlen = _sequences(q if q_map is None else k, cu_seqlens, kw["max_seqlen"], total)
     _check_finite(tensors)
     keys_total = k.shape[0] if total is None else total
     seqs = _guarded(cu, max_seqlen, keys_total, trusted=not varlen)
@@ -1005,8 +999,7 @@ def select_blocks(
         k_proxy: ``(B, S, Hpk, Dp)`` or varlen ``(T, Hpk, Dp)``; ``Hp % Hpk == 0``.
         top_k, block_size, proxy_scale, cu_seqlens, max_seqlen, causal, selection_precision: as
             in :func:`msa_attention` (``top_k`` in ``[1, MAX_TOP_K]``; ``selection_precision``
-            ``"bf16"``, exact, ``"fp8"``, approximate, or ``"fp8_rerank"``, the fp8 top
-            ``top_k + 16`` re-ranked by exact scores).
+            ``"bf16"``, exact, or ``"fp8"``, approximate).
 
     Returns:
         int32 ``(B, S, Hp, top_k)`` (or ``(T, Hp, top_k)``): sequence-local block numbers,

@@ -15,28 +15,17 @@ Rules:
   ``triton``; on CPU tensors ``triton`` when ``TRITON_INTERPRET=1`` (Triton's CPU interpreter) and
   ``torch`` otherwise or as fallback. ``auto`` never falls back to the O(S^2) ``torch`` backend for
   GPU tensors: it raises, naming each backend's reason. A fallback is logged once per reason.
-
-``selection_precision="fp8_rerank"`` (:mod:`flash_msa.quant`) is a ``select`` in two steps, each
-resolved by these rules on its own, so that no backend reaches into another's kernels: the fp8
-selection of ``top_k + RERANK_EXTRA`` candidates (``select`` of
-:func:`flash_msa.quant.candidates_config`: a backend that declares ``fp8_selection``), then
-the exact re-rank (:data:`RERANK`: a backend module with a ``rerank`` function, within its
-``select`` limits for the exact selection, :func:`rerank_reason`). :func:`resolve` of such a
-``select`` returns both as one :class:`RerankSelect`, named ``"<fp8 backend>+<re-rank
-backend>"`` (e.g. ``"cute+triton"`` on Hopper).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib
 import logging
 import os
 from types import ModuleType
 
-from . import quant
 from .problem import Problem
 
 MODULES = {
@@ -45,9 +34,6 @@ MODULES = {
     "torch": "flash_msa.reference",
 }
 OPS = ("select", "fwd", "bwd")
-# the second step of an "fp8_rerank" select (module docstring): not an op of the contract's
-# table (limits.OPS), a function a backend module may have, run within its "select" limits
-RERANK = "rerank"
 CHOICES = ("auto", *MODULES)
 
 log = logging.getLogger("flash_msa")
@@ -113,26 +99,6 @@ def reason_not(name: str, op: str, problem: Problem) -> str | None:
     return module.unavailable_reason() or module.unsupported_reason(op, problem)
 
 
-def rerank_reason(name: str, problem: Problem) -> str | None:
-    """Why backend ``name`` cannot run the exact re-rank of ``problem`` (an ``"fp8_rerank"``
-    call); ``None`` if it can: it needs a ``rerank`` function and runs within the limits of
-    its exact ``select`` (the re-rank reads the same input-dtype operands)."""
-    module, why = load(name)
-    if module is None:
-        return why
-    if not callable(getattr(module, RERANK, None)):
-        return (
-            'no re-rank op (selection_precision="fp8_rerank": the exact re-rank of the fp8 '
-            "candidates)"
-        )
-    exact = dataclasses.replace(problem.cfg, selection_precision="bf16")
-    return reason_not(name, "select", dataclasses.replace(problem, cfg=exact))
-
-
-def _reason(name: str, op: str, problem: Problem) -> str | None:
-    return rerank_reason(name, problem) if op == RERANK else reason_not(name, op, problem)
-
-
 def candidates(device_type: str) -> tuple[str, ...]:
     """Backends ``auto`` tries, in order of preference, for tensors on ``device_type``."""
     if device_type == "cpu":
@@ -147,45 +113,21 @@ def choose(op: str, problem: Problem) -> tuple[str | None, list[tuple[str, str]]
     """``auto``'s pick for one op: ``(name or None, [(rejected backend, reason), ...])``."""
     rejected = []
     for name in candidates(problem.device_type):
-        why = _reason(name, op, problem)
+        why = reason_not(name, op, problem)
         if why is None:
             return name, rejected
         rejected.append((name, why))
     return None, rejected
 
 
-class RerankSelect:
-    """The ``select`` of an ``"fp8_rerank"`` call as one backend-like object: ``fp8`` (a
-    backend module that declares ``fp8_selection``) selects the candidates, ``rerank`` (one
-    with a ``rerank`` function) keeps ``cfg.top_k`` of them by their exact scores."""
-
-    def __init__(self, fp8: ModuleType, rerank: ModuleType):
-        self.fp8, self.rerank = fp8, rerank
-
-    def select(self, q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None):
-        """The op contract's ``select`` for ``cfg.selection_precision == "fp8_rerank"``:
-        ``(Tq, Hp, cfg.top_k)`` int32, ascending, -1 padded."""
-        kw = {} if q_map is None else {"q_map": q_map}
-        wide = quant.candidates_config(cfg)
-        cand = self.fp8.select(q_proxy, k_proxy, cu_seqlens, wide, **kw)
-        return self.rerank.rerank(q_proxy, k_proxy, cu_seqlens, cand, cfg, **kw)
-
-
 def resolve(op: str, problem: Problem):
-    """Pick the backend for one op of one call; returns ``(name, module)`` or raises. The
-    ``select`` of an ``"fp8_rerank"`` call resolves its two steps (module docstring) and
-    returns ``("<fp8>+<re-rank>", RerankSelect)``."""
-    if op == "select" and problem.selection_precision == "fp8_rerank":
-        wide = dataclasses.replace(problem, cfg=quant.candidates_config(problem.cfg))
-        fp8_name, fp8 = resolve("select", wide)
-        rr_name, rr = resolve(RERANK, problem)
-        return f"{fp8_name}+{rr_name}", RerankSelect(fp8, rr)
+    """Pick the backend for one op of one call; returns ``(name, module)`` or raises."""
     choice = requested()
     where = problem.device_type
     if problem.capability is not None:
         where += f" (sm_{problem.capability[0]}{problem.capability[1]})"
     if choice != "auto":
-        why = _reason(choice, op, problem)
+        why = reason_not(choice, op, problem)
         if why is not None:
             raise BackendError(f"FLASH_MSA_BACKEND={choice} cannot run {op!r} on {where}: {why}")
         return choice, load(choice)[0]

@@ -228,8 +228,7 @@ def main(argv=None) -> int:
         default=["bf16"],
         choices=list(PRECISIONS),
         help="run each MSA backend with these selection precisions (default bf16, exact; fp8: "
-        "the opt-in e4m3 selection, approximate; fp8_rerank: the fp8 top_k + 16 re-ranked "
-        "exactly)",
+        "the opt-in e4m3 selection, approximate)",
     )
     p.add_argument(
         "--cuda-graph",

@@ -871,8 +871,7 @@ def msa_attention(
             ``deterministic`` covers this rank's op; the sums inside the collectives (the fp32
             reduce-scatter of the key gradients) are ordered by the process group's backend.
         selection_precision: as in :func:`flash_msa.msa_attention` (``"fp8"``: e4m3 selection;
-            ``"fp8_rerank"``: its top ``top_k + quant.RERANK_EXTRA`` (16) re-ranked by exact
-            scores; the key scales are those of the gathered keys, so every rank ranks like the
+            the key scales are those of the gathered keys, so every rank ranks like the
             single-process op).
         layout: this rank's :class:`Layout`; group: the CP process group (default: the world).
         overlap: ``True`` (default) waits for the ``k``/``v`` all-gathers after the selection

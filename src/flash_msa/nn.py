@@ -363,11 +363,9 @@ class MSAttention(nn.Module):
         deterministic: bitwise-reproducible outputs and gradients (the ``deterministic=``
             keyword of :func:`flash_msa.msa_attention`); ``None`` (default) follows
             ``FLASH_MSA_DETERMINISTIC``. Attribute, may be changed between steps.
-        selection_precision: ``"bf16"`` (default, the exact selection), ``"fp8"`` (an
-            approximate selection by e4m3 proxy scores) or ``"fp8_rerank"`` (the fp8 top
-            ``top_k + quant.RERANK_EXTRA`` (16) re-ranked by exact scores); the
-            ``selection_precision=`` keyword of :func:`flash_msa.msa_attention`, which says
-            where it runs. Attribute, may be
+        selection_precision: ``"bf16"`` (default, the exact selection) or ``"fp8"`` (an
+            approximate selection by e4m3 proxy scores); the ``selection_precision=`` keyword
+            of :func:`flash_msa.msa_attention`, which says where it runs. Attribute, may be
             changed between steps (checked again at each call).
         device, dtype: parameter factory arguments.
 

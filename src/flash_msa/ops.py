@@ -22,9 +22,7 @@ pass it, so a map-less graph has no map argument.
 ``select`` also takes the keyword-only ``selection_precision: str = "bf16"``
 (``Config.selection_precision``; ``api.py`` passes it only when it is not ``"bf16"``, so a
 bf16 graph has no such keyword): it reaches ``backends.resolve`` (a backend whose ``Limits``
-do not declare ``fp8_selection`` is not chosen; ``"fp8_rerank"`` resolves its fp8 candidates
-and its exact re-rank as two steps, ``backends.RerankSelect``, inside this one op) and the backend's
-``Config``.
+do not declare ``fp8_selection`` is not chosen) and the backend's ``Config``.
 
 Each also takes the keyword-only ``deterministic: bool = False`` (``Config.deterministic``, the
 value ``api.py`` resolved when the graph was traced): it reaches ``backends.resolve`` (a backend
@@ -85,8 +83,7 @@ def _module(name: str):
 
 def resolved(backend: str, op: str, problem: Problem):
     """``(name, module)`` that runs ``op``: :func:`backends.resolve` as if ``FLASH_MSA_BACKEND``
-    were ``backend`` (the value read when the graph was traced), the same rules and messages
-    (an ``"fp8_rerank"`` select: its two steps as one :class:`backends.RerankSelect`)."""
+    were ``backend`` (the value read when the graph was traced), the same rules and messages."""
     if backend == backends.requested():
         return backends.resolve(op, problem)
     if backend not in backends.CHOICES:
@@ -234,7 +231,7 @@ def select(
         q_map,
         selection_precision,
     )
-    module = resolved(backend, "select", problem)[1]  # a RerankSelect for "fp8_rerank"
+    module = resolved(backend, "select", problem)[1]
     return module.select(q_proxy, k_proxy, cu_seqlens, cfg, **_mapped(q_map))
 
 

@@ -39,15 +39,6 @@ docs/algorithm.md, "FP8 selection: semantics and recall"):
   spread (random 97.43 -> 97.42 %, local 98.69 -> 98.53 %). The cost is a ``Dp x Dp`` product
   per token and head in the quantize pass.
 
-``selection_precision="fp8_rerank"`` (the 99 % recall gate): the fp8 selection of
-:func:`candidate_top_k` blocks (``top_k + RERANK_EXTRA``), then their exact block scores (the
-fp32 causal block max of ``proxy_scale * q_proxy . k_proxy`` from the input-dtype operands, the
-score ``"bf16"`` ranks) keep ``top_k`` by the selection's rules (:func:`refine`). It equals the
-exact selection whenever the exact top_k are among the fp8 candidates (up to the order of the
-fp32 sums, which may swap blocks whose exact scores differ in the last bits). The scores are
-each backend's own op (``reference.rerank``, ``triton_ref/reranking.py``); :func:`refine`, the
-rules on ``(T, Hp, K)`` values, is shared by them and by ``flash_msa.recall``.
-
 Values: ``x / scale`` is clamped to ``[-448, 448]`` (a division can round just past it; the
 cast saturates on CPU but the behaviour is not promised everywhere) and rounded to nearest
 even by the cast. An all-zero row or block gets scale 1 (its e4m3 values are 0 either way).
@@ -61,28 +52,12 @@ anyway.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import NamedTuple
 
 import torch
 
-# Config.selection_precision: "bf16" = the input dtype, exact; "fp8" the e4m3 top-k;
-# "fp8_rerank" the e4m3 top (top_k + RERANK_EXTRA), re-ranked by exact scores (:func:`refine`)
-PRECISIONS = ("bf16", "fp8", "fp8_rerank")
-# The blocks an "fp8_rerank" selection keeps beyond top_k before its exact re-rank. Measured
-# (recall.measure's "refine+m", torch reference, Dp 128, top_k 16, block 128; docs/algorithm.md
-# "FP8 selection: semantics and recall"): recall of the bf16 selection with m = 2 is
-# 99.66-100 % on the structured cases, 99.28-99.73 % on random (below the 99 % gate's margin
-# at S 8192); m = 4 gives 99.87-100 % everywhere, above bf16's own recall of the fp32
-# selection (99.68-99.91 %). Each extra block costs 2 * Dp * b FLOPs per (row, proxy head).
-# At paper 128K (1024 blocks, top_k 16) the structured inputs need more: H200 sweep
-# (`benchmarks/fp8_rerank_time.py --extra 4 8 16 32`), recall of the bf16 selection random / local: m = 4 99.22 / 96.35 %, m = 8 99.91 /
-# 98.25 %, m = 16 99.999 / 99.53 %, m = 32 100 / 99.91 %; the whole select 19.7 / 16.9, 21.1 /
-# 17.6, 23.7 / 18.8, 33.7 / 27.5 ms (bf16 14.1 / 11.2, fp8 12.0 / 8.7). m = 16 is the smallest
-# that passes the 99 % gate on the structured inputs at 128K. It caps fp8_rerank's top_k at
-# 64 - 16 = 48 where the fp8 selection kernels keep at most 64 slots.
-RERANK_EXTRA = 16
+# Config.selection_precision: "bf16" = the input dtype, exact; "fp8" the e4m3 top-k
+PRECISIONS = ("bf16", "fp8")
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite e4m3fn value
 KEY_SCALES = ("block", "token")
@@ -94,10 +69,10 @@ _MIN_AMAX = E4M3_MAX * torch.finfo(torch.float32).tiny
 
 def check_precision(selection_precision) -> str:
     """``selection_precision`` checked: one of :data:`PRECISIONS` (``"bf16"``, the exact
-    selection, ``"fp8"``, or ``"fp8_rerank"``, the fp8 top ``top_k + RERANK_EXTRA`` re-ranked
-    exactly: :func:`refine`); raises TypeError (not a str) or ValueError (another str) naming
-    the argument. The one check of every entry point that takes it (``flash_msa.msa_attention``,
-    ``select_blocks``, ``nn.MSAttention``, ``distributed.msa_attention``)."""
+    selection, or ``"fp8"``, the approximate e4m3 one); raises TypeError (not a str) or
+    ValueError (another str) naming the argument and the accepted values. The one check of
+    every entry point that takes it (``flash_msa.msa_attention``, ``select_blocks``,
+    ``nn.MSAttention``, ``distributed.msa_attention``)."""
     choices = ", ".join(map(repr, PRECISIONS))
     if not isinstance(selection_precision, str):
         raise TypeError(
@@ -246,73 +221,3 @@ def dequantize(qz: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
     selection's scores times the row's ``q_scale`` (in the rotated basis when ``rotated``), e.g.
     for :func:`flash_msa.testing.selection_mismatch`'s near-tie rule."""
     return qz.q.float() * qz.q_scale[..., None], qz.k.float() * qz.k_scale[..., None]
-
-
-# ---------------------------------------------------------------------------------------------
-# the exact re-rank of selection_precision="fp8_rerank" (backend-neutral parts)
-# ---------------------------------------------------------------------------------------------
-def candidate_top_k(top_k: int, max_seqlen: int, block_size: int) -> int:
-    """How many blocks the fp8 pass of an ``"fp8_rerank"`` selection keeps: ``top_k +
-    RERANK_EXTRA``, but no more than the longest sequence's ``ceil(max_seqlen / block_size)``
-    blocks (no row sees more) and never fewer than ``top_k``; with ``top_k`` at or above that
-    count every visible block is kept and the re-rank changes nothing."""
-    nb = -(-max_seqlen // block_size)
-    return max(top_k, min(top_k + RERANK_EXTRA, nb))
-
-
-def candidates_config(cfg):
-    """The :class:`~flash_msa.problem.Config` of an ``"fp8_rerank"`` call's fp8 pass: ``cfg``
-    with ``selection_precision="fp8"`` and ``top_k`` = :func:`candidate_top_k`."""
-    k = candidate_top_k(cfg.top_k, cfg.max_seqlen, cfg.block_size)
-    return dataclasses.replace(cfg, selection_precision="fp8", top_k=k)
-
-
-def query_positions(
-    cu_seqlens: torch.Tensor, rows: int, q_map: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 ``(start, pos)``, both ``(rows,)``: the packed index of the first key of each
-    query row's sequence and the row's position in it (``-1`` for a padding row of a query
-    map; its ``start`` is then that of sequence 0). ``q_map``: ``None`` (the rows are the keys'
-    tokens, ``rows = T``) or ``(rows,)`` int32, the packed key index of each row's token."""
-    cu = cu_seqlens.long()
-    if q_map is None:
-        tok = torch.arange(rows, device=cu.device)
-    else:
-        tok = q_map.long()
-    seq = torch.searchsorted(cu[1:], tok.clamp_min(0), right=True)  # cu[seq] <= tok < cu[seq+1]
-    start = cu[seq.clamp_max(cu.numel() - 2)]
-    return start, torch.where(tok >= 0, tok - start, -1)
-
-
-def refine(
-    candidates: torch.Tensor, scores: torch.Tensor, top_k: int, own: torch.Tensor
-) -> torch.Tensor:
-    """The re-rank of an ``"fp8_rerank"`` selection: the top ``top_k`` of ``candidates``
-    by their exact ``scores``, with the selection's rules: the own block first, among equal
-    scores the lower block, a ``-inf`` score (or a ``-1`` slot) never kept.
-
-    Args:
-        candidates: ``(T, Hp, K)`` int32 sequence-local blocks (an fp8 selection of ``K >=
-            top_k`` blocks), ``-1`` for an unused slot.
-        scores: ``(T, Hp, K)`` float: the exact block score of each candidate (any value in a
-            ``-1`` slot).
-        top_k: the blocks to keep.
-        own: ``(T,)`` int64: each row's own block (``-1`` for a padding row: nothing kept).
-    Returns:
-        ``(T, Hp, top_k)`` int32, ascending, ``-1`` padded.
-    """
-    T, Hp, K = candidates.shape
-    cand = candidates.long()
-    none = torch.iinfo(torch.int64).max  # sorts after every block
-    cand = torch.where(cand < 0, none, cand)
-    s = torch.where(cand == none, -math.inf, scores)
-    s = torch.where(cand == own[:, None, None], math.inf, s)
-    # ties to the lower block: order the slots by block first, then a stable sort by score
-    by_block = torch.sort(cand, dim=-1, stable=True).indices
-    cand, s = cand.gather(-1, by_block), s.gather(-1, by_block)
-    kk = min(top_k, K)
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :kk]
-    pick = torch.where(s.gather(-1, order) == -math.inf, none, cand.gather(-1, order))
-    pick = torch.sort(pick, dim=-1).values
-    out = torch.where(pick == none, -1, pick).to(torch.int32)
-    return torch.nn.functional.pad(out, (0, top_k - kk), value=-1)

@@ -144,38 +144,6 @@ def downstream(tensors, idx, ref, cfg: Config, seed=0):
     return {name: rel(a[name], b[name]) for name in ("out", "kl", *GRADS)}
 
 
-def block_scores(q_proxy, k_proxy, cfg: Config, chunk=1024):
-    """fp32 ``(T, Hp, nb)`` exact block scores (semantics.md: the causal block max of
-    ``proxy_scale * q.k`` over input-dtype operands, ``-inf`` for a block with no visible key)
-    of one sequence, packed ``(T, heads, Dp)``."""
-    T, Hp, _ = q_proxy.shape
-    b = cfg.block_size
-    nb = -(-T // b)
-    kh = k_proxy.float().transpose(0, 1).repeat_interleave(Hp // k_proxy.shape[1], 0)
-    out = torch.empty(T, Hp, nb)
-    keys = torch.arange(T)
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
-        z = cfg.proxy_scale * (q_proxy[c0:c1].float().transpose(0, 1) @ kh.transpose(1, 2))
-        z = z.masked_fill(keys[None, None, :] > torch.arange(c0, c1)[None, :, None], -math.inf)
-        z = torch.nn.functional.pad(z, (0, nb * b - T), value=-math.inf)
-        out[c0:c1] = z.view(Hp, c1 - c0, nb, b).amax(-1).transpose(0, 1)
-    return out
-
-
-def refine(candidates, scores, top_k, block_size):
-    """The top ``top_k`` of ``candidates`` ``(T, Hp, top_k + m)`` (an fp8 selection with ``m``
-    more blocks) ranked by the exact ``scores`` ``(T, Hp, nb)`` of :func:`block_scores`, with
-    the selection's rules (own block first, ties to the lower block, ``-inf`` never kept):
-    int32 ``(T, Hp, top_k)``, ascending, -1 padded (one sequence). The protocol's form of the
-    shipped ``selection_precision="fp8_rerank"`` with any ``m``: the same rules,
-    :func:`flash_msa.quant.refine`, on the dense scores instead of the candidates' own."""
-    T, Hp, nb = scores.shape
-    cand = torch.where(candidates < 0, nb, candidates.long())
-    s = torch.nn.functional.pad(scores, (0, 1), value=-math.inf).gather(-1, cand)
-    return quant.refine(candidates, s, top_k, torch.arange(T) // block_size)
-
-
 def measure(
     kind,
     S,
@@ -186,22 +154,15 @@ def measure(
     block_size=128,
     seed=0,
     variants=VARIANTS,
-    refine_extra=(2,),
-    rerank=True,
     with_downstream=True,
     downstream_all=False,
     fp8_select=None,
 ):
     """One case, every variant against the bf16 selection: ``{name: metrics}`` with the fp8
     variants of ``variants`` (``"block"``, ``"token"``, ``"+rot"`` for the rotation), the
-    shipped one also over-selected by ``m`` blocks and re-ranked exactly (``"refine+m"``,
-    :func:`refine`, for ``m`` in ``refine_extra``), with ``rerank`` the shipped
-    ``selection_precision="fp8_rerank"`` (``"fp8_rerank"``: the fp8 top
-    ``quant.candidate_top_k`` blocks re-ranked by :func:`flash_msa.reference.rerank`, i.e.
-    ``"refine+4"`` computed as the op computes it), the bf16 selection against the fp32 one of
-    the inputs before their rounding to bf16 (``"bf16_vs_fp32"``: the floor that bf16 itself
-    sets), and ``"seconds"``. Downstream errors (:func:`downstream`) for the shipped variant
-    and ``"fp8_rerank"``, with ``downstream_all`` also for the ``refine`` variants and for
+    bf16 selection against the fp32 one of the inputs before their rounding to bf16
+    (``"bf16_vs_fp32"``: the floor that bf16 itself sets), and ``"seconds"``. Downstream
+    errors (:func:`downstream`) for the shipped variant, with ``downstream_all`` also for
     ``bf16_vs_fp32`` (the fp32 selection's indices against the bf16 one's, on the same bf16
     tensors).
 
@@ -235,25 +196,6 @@ def measure(
         if with_downstream and (key_scale, rotate) == shipped:
             m.update(downstream(tensors, idx, ref, cfg, seed))
         out[key_scale + ("+rot" if rotate else "")] = m
-    if refine_extra:
-        scores = block_scores(qp, kp, cfg)
-        for extra in refine_extra:
-            wide = dataclasses.replace(fp8, top_k=top_k + extra)
-            qz = quant.quantize(qp, kp, cu, block_size)
-            pick = refine(select(qp, kp, cu, wide, quantized=qz), scores, top_k, block_size)
-            m = selection_metrics(pick, ref, mass, top_k, block_size)
-            if with_downstream and downstream_all:
-                m.update(downstream(tensors, pick, ref, cfg, seed))
-            out[f"refine+{extra}"] = m
-    if rerank:
-        mode = dataclasses.replace(cfg, selection_precision="fp8_rerank")
-        qz = quant.quantize(qp, kp, cu, block_size)
-        cand = select(qp, kp, cu, quant.candidates_config(mode), quantized=qz)
-        pick = reference.rerank(qp, kp, cu, cand, mode)
-        m = selection_metrics(pick, ref, mass, top_k, block_size)
-        if with_downstream:
-            m.update(downstream(tensors, pick, ref, cfg, seed))
-        out["fp8_rerank"] = m
     exact = reference.select(fp32[0], fp32[1], cu, cfg)
     m = selection_metrics(ref, exact, mass, top_k, block_size)
     if with_downstream and downstream_all:

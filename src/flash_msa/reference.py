@@ -163,10 +163,9 @@ def select(
         q_map: ``None`` (the queries are the keys' tokens) or ``(Tq,)`` int32: the packed key
             index of each query row's token, ``-1`` for a padding row (docs/distributed.md,
             "Scheme"); ``q_proxy`` then has ``Tq`` rows and ``k_proxy`` the keys' ``T``.
-        quantized: with ``selection_precision="fp8"`` (or ``"fp8_rerank"``: its fp8 pass), the
-            :class:`flash_msa.quant.Quantized` operands to rank (default: ``quant.quantize``
-            of ``q_proxy``, ``k_proxy`` with the shipped choices), e.g. another key-scale
-            granularity or the rotation.
+        quantized: with ``selection_precision="fp8"``, the :class:`flash_msa.quant.Quantized`
+            operands to rank (default: ``quant.quantize`` of ``q_proxy``, ``k_proxy`` with the
+            shipped choices), e.g. another key-scale granularity or the rotation.
     Returns:
         ``(Tq, Hp, top_k)`` int32: sequence-local block numbers, ascending, -1 padded (a
         padding row: all -1).
@@ -177,14 +176,7 @@ def select(
     times the key scale (per token before the block max, or per block after it); the query
     row's scale and ``proxy_scale`` are left out (positive per-row constants). The own block,
     causality, ``-inf`` blocks and the tie order are those of the exact selection.
-
-    ``selection_precision="fp8_rerank"``: the fp8 selection of
-    ``quant.candidate_top_k`` blocks (``top_k + quant.RERANK_EXTRA``), then :func:`rerank`.
     """
-    if cfg.selection_precision == "fp8_rerank":  # the fp8 candidates, then the exact re-rank
-        wide = quant.candidates_config(cfg)
-        cand = select(q_proxy, k_proxy, cu_seqlens, wide, q_map=q_map, quantized=quantized)
-        return rerank(q_proxy, k_proxy, cu_seqlens, cand, cfg, q_map=q_map)
     T, Hp, _ = q_proxy.shape
     Hpk = k_proxy.shape[1]
     b, top_k = cfg.block_size, cfg.top_k
@@ -229,59 +221,6 @@ def select(
             order = torch.where(order == nb, -1, order)
             out[sl, :, :kk] = order.permute(1, 0, 2).to(torch.int32)
     return out
-
-
-def rerank_scores(
-    q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None
-) -> torch.Tensor:
-    """The exact block score of each candidate block: fp32 (fp64 for fp64 inputs)
-    ``(Tq, Hp, K)``, the max of ``proxy_scale * q_proxy[t, p] . k_proxy[j, p // (Hp/Hpk)]``
-    over the candidate block's keys ``j`` that row ``t`` sees (causal), the score the exact
-    selection ranks; ``-inf`` for a ``-1`` slot (and for every slot of a padding row).
-
-    Args:
-        q_proxy: ``(Tq, Hp, Dp)``; k_proxy: ``(T, Hpk, Dp)``; cu_seqlens: ``(N+1,)`` int32.
-        candidates: ``(Tq, Hp, K)`` int32 sequence-local blocks, ``-1`` padded.
-        cfg: uses ``block_size`` and ``proxy_scale``.
-        q_map: as in :func:`select`.
-
-    Only the candidates' keys are read: ``O(Tq * Hp * K * block_size * Dp)`` work in chunks of
-    rows whose gathered keys stay below ~128 MB, not the ``O(T^2)`` of a dense score tile.
-    """
-    Tq, Hp, Dp = q_proxy.shape
-    T, Hpk = k_proxy.shape[:2]
-    K, b = candidates.shape[-1], cfg.block_size
-    sdt = _stat_dtype(q_proxy.dtype)
-    dev = q_proxy.device
-    start, pos = quant.query_positions(cu_seqlens, Tq, q_map)
-    head = torch.arange(Hp, device=dev) // (Hp // Hpk)  # the key head of each proxy head
-    offs = torch.arange(b, device=dev)
-    out = torch.empty(Tq, Hp, K, dtype=sdt, device=dev)
-    step = max(1, _TILE_BYTES // (4 * Hp * max(1, K) * b * Dp))
-    for c0 in range(0, Tq, step):
-        c1 = min(Tq, c0 + step)
-        cand = candidates[c0:c1].long()  # [C, Hp, K]
-        key = cand[..., None] * b + offs  # sequence-local key positions, [C, Hp, K, b]
-        p = pos[c0:c1, None, None, None]
-        seen = (cand[..., None] >= 0) & (key <= p)  # causal; p < L keeps it in the sequence
-        tok = torch.where(seen, start[c0:c1, None, None, None] + key, 0).clamp_max(T - 1)
-        kg = k_proxy[tok, head[None, :, None, None]].to(sdt)  # [C, Hp, K, b, Dp]
-        q = q_proxy[c0:c1].to(sdt)  # [C, Hp, Dp]
-        dot = (kg.view(c1 - c0, Hp, K * b, Dp) @ q[..., None]).view(c1 - c0, Hp, K, b)
-        z = (cfg.proxy_scale * dot).masked_fill(~seen, -math.inf)
-        out[c0:c1] = z.amax(-1)
-    return out
-
-
-def rerank(q_proxy, k_proxy, cu_seqlens, candidates, cfg: Config, *, q_map=None):
-    """Backend op ``rerank`` (``selection_precision="fp8_rerank"``'s second step): the top
-    ``cfg.top_k`` of ``candidates`` ``(Tq, Hp, K)`` (an fp8 selection) by their exact scores
-    (:func:`rerank_scores`), with the selection's rules (:func:`flash_msa.quant.refine`).
-    Returns ``(Tq, Hp, cfg.top_k)`` int32, ascending, -1 padded."""
-    scores = rerank_scores(q_proxy, k_proxy, cu_seqlens, candidates, cfg, q_map=q_map)
-    _, pos = quant.query_positions(cu_seqlens, q_proxy.shape[0], q_map)
-    own = torch.where(pos >= 0, pos // cfg.block_size, -1)
-    return quant.refine(candidates, scores, cfg.top_k, own)
 
 
 # ---------------------------------------------------------------------------------------------

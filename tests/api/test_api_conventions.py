@@ -137,9 +137,14 @@ def test_context_parallel_arguments_are_not_public():
     public = inspect.signature(flash_msa.msa_attention).parameters
     assert "q_map" not in public and "key_gather" not in public and "causal" in public
     private = inspect.signature(api._msa_attention).parameters
-    assert set(public) <= set(private) and {"q_map", "key_gather"} <= set(private)
+    assert {"q_map", "key_gather"} <= set(private)
+    # the private entry takes the public keywords with the public defaults, and no others
+    keywords = {n: p.default for n, p in public.items() if p.kind is p.KEYWORD_ONLY}
+    assert api._KEYWORDS == keywords
     with pytest.raises(TypeError, match="q_map"):
         flash_msa.msa_attention(*_inputs((150,)), TOP_K, q_map=torch.zeros(150))
+    with pytest.raises(TypeError, match="blocksize"):
+        api._msa_attention(*_inputs((150,)), TOP_K, blocksize=64)
 
 
 # ---------------------------------------------------------------------------------------------

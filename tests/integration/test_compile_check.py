@@ -48,15 +48,11 @@ def test_triton_kernels_compile_for_sm90_without_spills():
         assert r["shared_bytes"] <= 232448, r
         # no MMA in the combine and the ordered sums; the proxy-only forward's MMA has BT = 32
         # rows (< wgmma's M = 64), as have tiles of 32 rows (the last candidates; the
-        # selection's tile is (warps, rows, stages), the re-rank's (rows, warps))
+        # selection's tile is (warps, rows, stages))
         rows_ = r["tile"][1] if r["kernel"].startswith("select") else r["tile"]
         small = isinstance(rows_, list) and rows_[0] < 64 or isinstance(rows_, int) and rows_ < 64
         exempt = ("combine", "fwd-proxy-only", "slot-sum", "item-sum")
         assert r["wgmma"] or small or r["kernel"].startswith(exempt), r
-    # the fp8_rerank re-rank's scores on wgmma (a work item's gathered q_proxy rows against the
-    # block's k_proxy tile, as the forward's proxy stage)
-    rerank = [r for r in rows if r["kernel"].startswith("rerank")]
-    assert len(rerank) >= 4 and all(r["wgmma"] for r in rerank), rerank
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -88,7 +84,7 @@ def test_triton_kernels_compile_for_other_targets_within_their_shared_memory(arc
     sparse = {"select", "fwd", "fwd-proxy-only", "bwd", "kl", "kl+grad", "proxy-grad"}
     sparse |= {"bwd-det", "kl+grad-det", "proxy-grad-det"}
     dense = {"dense-fwd", "dense-bwd", "dense-bwd-det", "dense-bwd-dq", "dense-proxy"}
-    dense |= {"dense-proxy-det", "dense-proxy-dk", "combine", "slot-sum", "item-sum", "rerank"}
+    dense |= {"dense-proxy-det", "dense-proxy-dk", "combine", "slot-sum", "item-sum"}
     assert families >= sparse | dense, families
     assert {r["kernel"] for r in rows} >= {"dense-proxy paper D=128", "kl+grad paper D=128 b=128"}
     # sm_100: tcgen05 where the tile allows it (Triton may fall back to mma.sync)

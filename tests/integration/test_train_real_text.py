@@ -118,14 +118,15 @@ def test_summaries(runs, example):
     assert set(dense["step_seconds_median"]) == {"dense"}
     assert set(msa["step_seconds_median"]) == {"warmup", "sparse"}
     by_prec = msa["heldout_by_precision"]
-    assert set(by_prec) == {"bf16", "fp8", "fp8_rerank"}
+    assert set(by_prec) == {"bf16", "fp8"}
     for res in by_prec.values():  # the torch backend runs every selection precision
         _check_heldout(res, tiny["seq_len"])
     assert by_prec["bf16"] == msa["heldout"]
     _check_heldout(msa["heldout_dense_attention"], tiny["seq_len"])
     sel = msa["selection"]
     layers = tiny["layers"]
-    for key in ("proxy_vs_oracle", "fp8_vs_exact", "fp8_rerank_vs_exact"):
+    assert set(sel) == {"proxy_vs_oracle", "fp8_vs_exact"}
+    for key in sel:
         assert isinstance(sel[key], list) and len(sel[key]) == layers, sel[key]
         for m in sel[key]:
             assert 0.0 <= m["recall"] <= 1.0 and 0.0 <= m["exact_rows"] <= 1.0
@@ -134,7 +135,8 @@ def test_summaries(runs, example):
         assert m["covered_mass"] <= m["oracle_covered_mass"] + 1e-6
         assert m["mass_ratio"] <= 1.0 + 1e-6
     gate = msa["fp8_gate"]
-    for p in ("fp8", "fp8_rerank"):
+    assert set(gate) == {"fp8", "gate"}
+    for p in ("fp8",):
         g = gate[p]
         assert g["min_mass_ratio"] == min(m["mass_ratio"] for m in sel[f"{p}_vs_exact"])
         rel = by_prec[p]["loss"] / by_prec["bf16"]["loss"] - 1
@@ -147,9 +149,9 @@ def test_plot(runs):
     assert root.tag.endswith("svg")
     ns = "{http://www.w3.org/2000/svg}"
     lines = root.findall(f"{ns}polyline")
-    assert len(lines) >= 2 + 2 + 2 * 3  # train + held-out per run, recall/mass per layer set
+    assert len(lines) >= 2 + 2 + 2 * 2  # train + held-out per run; recall, mass: proxy, fp8
     bars = [r for r in root.findall(f"{ns}rect") if r.get("fill", "").startswith("#")]
-    assert len(bars) >= 4  # dense, msa bf16, fp8, fp8_rerank in the one bucket
+    assert len(bars) >= 3  # dense, msa bf16, fp8 in the one bucket
     text = " ".join(t.text or "" for t in root.iter(f"{ns}text"))
     for word in ("held-out", "fp8", "proxy recall vs oracle", "0-1K"):
         assert word in text
@@ -160,9 +162,7 @@ def test_table(runs):
     their difference to the dense run, and the step times per phase."""
     rows = [line for line in runs["table"].splitlines() if line.startswith("| ")]
     losses = {r.split(" | ")[0][2:]: r for r in rows}
-    assert {"dense (dense)", "msa bf16 (msa)", "msa fp8 (msa)", "msa fp8_rerank (msa)"} <= set(
-        losses
-    )
+    assert {"dense (dense)", "msa bf16 (msa)", "msa fp8 (msa)"} <= set(losses)
     dense = json.loads((runs["dense"] / "summary.json").read_text())["heldout"]["loss"]
     assert f"{dense:.4f}" in losses["dense (dense)"]
     assert "%)" in losses["msa bf16 (msa)"] and "%)" not in losses["dense (dense)"]

@@ -17,25 +17,19 @@ import math
 import pytest
 import torch
 
-from flash_msa import backends, reference, sparse_forward, testing
+from flash_msa import backends, sparse_forward, testing
 from harness import (
     CUTE_LAYOUTS,
     FWD,
+    SM90,
     check,
-    config,
-    packed_inputs,
     poison_new_buffers,
     references,
     results,
+    selected_inputs,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="needs an sm_90 GPU",
-    ),
-]
+pytestmark = SM90
 
 # C tokens, H, Hs, K, D: the anchor and paper layouts, D 64, K 64 (two slots per lane), and
 # K that no slot-group count divides (K 5 at D 64: 4 groups; K 33: past 32 lanes)
@@ -194,13 +188,9 @@ def test_cute_forward_with_the_cute_combine_matches_reference(case, dtype, fused
     assert cute_be is not None, why
     from flash_msa.cute.fwd_partials_sm90 import partials
 
-    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = case
-    (qp, kp, q, k, v), cu = packed_inputs(
-        lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device="cuda", seed=11
-    )
-    cfg = config(max(lengths), D, Dp, b, top_k)
-    idx = reference.select(qp, kp, cu, cfg)
-    assert combine_sm90.combine_fits(dtype, H, Hp, top_k, D)
+    (qp, kp, q, k, v), cu, cfg, idx = selected_inputs(case, dtype=dtype, seed=11)
+    H, Hp, D = q.shape[1], qp.shape[1], q.shape[2]
+    assert combine_sm90.combine_fits(dtype, H, Hp, cfg.top_k, D)
     stages = sparse_forward.Stages(  # fused: as cute.forward_stages gives it
         partials=partials, combine=combine_sm90.combine, combine_makes_proxy=fused
     )

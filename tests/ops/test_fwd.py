@@ -30,6 +30,7 @@ from harness import (
     CUTE_LAYOUTS,
     FWD,
     GRADS,
+    SM90,
     check,
     config,
     incoming,
@@ -38,23 +39,11 @@ from harness import (
     poison_new_buffers,
     references,
     results,
+    selected_inputs,
 )
+from harness import cute_backend as _cute
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="needs an sm_90 GPU",
-    ),
-]
-
-
-def _cute():
-    pytest.importorskip("cutlass")
-    module, why = backends.load("cute")
-    assert module is not None, why
-    assert module.unavailable_reason() is None
-    return module
+pytestmark = SM90
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,20 +64,24 @@ def _select_into_poisoned(qp, kp, cu, cfg, **variant):
     return select_sm90.select_into(out, qp, kp, cu, cfg, **variant)
 
 
-def _check_format(idx, cu, b):
-    """Ascending valid entries, then -1; min(K, own + 1) of them; the own block among them."""
-    T, Hp, K = idx.shape
-    lens = (cu[1:] - cu[:-1]).tolist()
-    pos = torch.cat([torch.arange(n, device=idx.device) for n in lens])  # sequence-local
-    own = (pos // b)[:, None, None]
+def _check_rows(idx, own):
+    """The index format of rows ``idx`` ``(R, Hp, K)`` whose own blocks are ``own`` ``(R, 1,
+    1)``: ascending valid entries, then -1; ``min(K, own + 1)`` of them; the own block among
+    them; no future block."""
     valid = idx >= 0
-    n_valid = valid.sum(-1)
-    assert (n_valid == torch.clamp(own[..., 0] + 1, max=K)).all(), "entry count"
+    assert (valid.sum(-1) == torch.clamp(own[..., 0] + 1, max=idx.shape[-1])).all(), "count"
     assert (valid[..., 1:] <= valid[..., :-1]).all(), "-1 only after the valid entries"
     big = torch.where(valid, idx, torch.iinfo(torch.int32).max)
     assert (big[..., 1:] > big[..., :-1])[valid[..., 1:]].all(), "ascending, no duplicates"
     assert ((idx == own) & valid).any(-1).all(), "own block kept"
     assert (idx[valid] <= own.expand_as(idx)[valid]).all(), "no future block"
+
+
+def _check_format(idx, cu, b):
+    """:func:`_check_rows` on every row, positions from ``cu``."""
+    lens = (cu[1:] - cu[:-1]).tolist()
+    pos = torch.cat([torch.arange(n, device=idx.device) for n in lens])  # sequence-local
+    _check_rows(idx, (pos // b)[:, None, None])
 
 
 SELECT_CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype
@@ -250,11 +243,8 @@ def test_cute_forward_partials_match_reference(case):
 
     lengths, H, Hkv, Hp, D, b, top_k, (c0, c1) = case
     T = sum(lengths)
-    (qp, kp, q, k, v), cu = packed_inputs(
-        lengths, H, Hkv, Hp, 1, D, D, dtype=torch.bfloat16, device="cuda", seed=5
-    )
-    cfg = config(max(lengths), D, D, b, top_k)
-    idx = reference.select(qp, kp, cu, cfg)
+    layout = (lengths, H, Hkv, Hp, 1, D, D, b, top_k)
+    (qp, kp, q, k, v), cu, cfg, idx = selected_inputs(layout, dtype=torch.bfloat16, seed=5)
     wl = worklist.build(idx[c0:c1], cu, b, worklist.ITEM_TOKENS, c0, T)
     kept = (idx[c0:c1] >= 0).repeat_interleave(H // Hp, dim=1)  # (C, H, K)
     exact, same = (
@@ -270,11 +260,9 @@ def test_cute_forward_partials_match_reference(case):
 
 
 def _fwd_case(lengths, H, Hkv, Hp, D, b, top_k, dtype, seed):
-    (qp, kp, q, k, v), cu = packed_inputs(
-        lengths, H, Hkv, Hp, 1, D, D, dtype=dtype, device="cuda", seed=seed
-    )
-    cfg = config(max(lengths), D, D, b, top_k)
-    return qp, kp, q, k, v, cu, cfg, reference.select(qp, kp, cu, cfg)
+    layout = (lengths, H, Hkv, Hp, 1, D, D, b, top_k)
+    xs, cu, cfg, idx = selected_inputs(layout, dtype=dtype, seed=seed)
+    return *xs, cu, cfg, idx
 
 
 def _cute_fwd(cute_be, qp, kp, q, k, v, cu, cfg, idx, proxy_grad=False):
@@ -394,16 +382,11 @@ PROXY_LAYOUTS["Dp<D"] = ((2000, 600), 16, 2, 4, 1, 128, 64, 128, 16)
 
 def _proxy_partials_case(layout, dtype, seed=7):
     """Inputs, config, indices and the work list of a later query chunk (``tok0 = T // 3``)."""
-    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = PROXY_LAYOUTS[layout]
-    (qp, kp, q, k, v), cu = packed_inputs(
-        lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device="cuda", seed=seed
-    )
-    T = q.shape[0]
-    cfg = config(max(lengths), D, Dp, b, top_k)
-    idx = reference.select(qp, kp, cu, cfg)
+    xs, cu, cfg, idx = selected_inputs(PROXY_LAYOUTS[layout], dtype=dtype, seed=seed)
+    T = xs[2].shape[0]
     c0 = T // 3
-    wl = worklist.build(idx[c0:], cu, b, worklist.ITEM_TOKENS, c0, T)
-    return (qp, kp, q, k, v), cfg, idx[c0:], wl, c0
+    wl = worklist.build(idx[c0:], cu, cfg.block_size, worklist.ITEM_TOKENS, c0, T)
+    return xs, cfg, idx[c0:], wl, c0
 
 
 def _cute_partials_into_poisoned(xs, cfg, idx, wl, c0, proxy=True):
@@ -487,12 +470,7 @@ def test_cute_forward_op_with_proxy_lse_on_cute_matches_reference(layout, dtype,
 
     monkeypatch.setattr(sparse_fwd, "proxy_partials", not_this_stage)
     cute_be = _cute()
-    lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k = PROXY_LAYOUTS[layout]
-    (qp, kp, q, k, v), cu = packed_inputs(
-        lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device="cuda", seed=9
-    )
-    cfg = config(max(lengths), D, Dp, b, top_k)
-    idx = reference.select(qp, kp, cu, cfg)
+    (qp, kp, q, k, v), cu, cfg, idx = selected_inputs(PROXY_LAYOUTS[layout], dtype=dtype, seed=9)
     assert fwd_partials_sm90.proxy_fits(q, k, qp, kp, idx, cfg)
     mine = _cute_fwd(cute_be, qp, kp, q, k, v, cu, cfg, idx)
     check(results(mine), *references(qp, kp, q, k, v, idx, cu, cfg), FWD)
@@ -545,20 +523,11 @@ def _on_tokens(idx, q_map, base):
 
 
 def _check_mapped_format(idx, q_map, cu, b):
-    """The index format on the mapped rows (ascending valid entries, then -1; ``min(K, own +
-    1)`` of them; the own block kept; no future block), positions from the map."""
+    """:func:`_check_rows` on the mapped rows, positions from the map."""
     real = q_map >= 0
     tok = q_map[real].long()
     seq = torch.searchsorted(cu[1:].long(), tok, right=True)
-    own = ((tok - cu[seq].long()) // b)[:, None, None]
-    idx = idx[real]
-    valid = idx >= 0
-    assert (valid.sum(-1) == torch.clamp(own[..., 0] + 1, max=idx.shape[-1])).all(), "count"
-    assert (valid[..., 1:] <= valid[..., :-1]).all(), "-1 only after the valid entries"
-    big = torch.where(valid, idx, torch.iinfo(torch.int32).max)
-    assert (big[..., 1:] > big[..., :-1])[valid[..., 1:]].all(), "ascending, no duplicates"
-    assert ((idx == own) & valid).any(-1).all(), "own block kept"
-    assert (idx[valid] <= own.expand_as(idx)[valid]).all(), "no future block"
+    _check_rows(idx[real], ((tok - cu[seq].long()) // b)[:, None, None])
 
 
 QMAP_SELECT_CASES = [  # lengths, Hp, Hpk, Dp, block, top_k, dtype
@@ -713,15 +682,11 @@ def test_cute_forward_partials_identity_q_map_is_the_plain_kernel(block):
     """``q_map = arange(T)``: the same rows, positions and work list as without a map, so the
     mapped kernel's partials equal the map-less kernel's bit for bit (proxy part included)."""
     _cute()
-    lengths = (3000, 1, 900)
-    (qp, kp, q, k, v), cu = packed_inputs(
-        lengths, 16, 2, 4, 1, 128, 128, dtype=torch.bfloat16, device="cuda", seed=12
-    )
-    cfg = config(max(lengths), 128, 128, block, 8)
-    T, c0 = q.shape[0], 1000
-    idx = reference.select(qp, kp, cu, cfg)[c0:]
+    layout = ((3000, 1, 900), 16, 2, 4, 1, 128, 128, block, 8)
+    xs, cu, cfg, idx = selected_inputs(layout, dtype=torch.bfloat16, seed=12)
+    T, c0 = xs[2].shape[0], 1000
+    idx = idx[c0:]
     ident = torch.arange(T, dtype=torch.int32, device="cuda")
-    xs = (qp, kp, q, k, v)
     lists = [worklist.build(idx, cu, block, worklist.ITEM_TOKENS, c0, T, m) for m in (None, ident)]
     plain, mapped = (_cute_partials_into_poisoned(xs, cfg, idx, wl, c0) for wl in lists)
     for x, y in zip(plain, mapped):

@@ -476,7 +476,6 @@ def test_q_map_kernels_compile_for_small_targets_within_their_shared_memory(arch
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     want = {"select-qmap bf16 Dp=128 b=128 k=16 G=4"}
     want |= {f"{f}-qmap {n} D=128 b=128" for n, fams in QMAP_FAMILIES.items() for f in fams}
-    want |= {"rerank-qmap Dp=128 b=128"}
     assert {r["kernel"] for r in rows} == want, res.stderr[-3000:]
     for r in rows:
         assert r["spill_bytes"] == 0, r
@@ -630,7 +629,7 @@ def test_fp32_kernels_have_a_tile_within_the_shared_memory(arch):
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     families = {r["kernel"].split()[0] for r in rows}
     want = {"select", "fwd", "fwd-proxy-only", "bwd", "bwd-det", "kl", "kl+grad", "proxy-grad"}
-    want |= {"kl+grad-det", "proxy-grad-det", "combine", "slot-sum", "item-sum", "rerank"}
+    want |= {"kl+grad-det", "proxy-grad-det", "combine", "slot-sum", "item-sum"}
     want |= {"dense-fwd", "dense-bwd", "dense-bwd-det", "dense-bwd-dq", "dense-proxy"}
     want |= {"dense-proxy-det", "dense-proxy-dk"}
     assert families == want, (families, res.stderr[-3000:])

@@ -1,11 +1,10 @@
 """Triton backend: readable kernels, the oracle of the CuTe backend and the portable fallback.
 
-Ops (contract in docs/design.md): ``select`` (``selection.py``), ``rerank`` (``reranking.py``: the
-exact re-rank of ``selection_precision="fp8_rerank"``'s fp8 candidates), ``fwd``
-(``sparse_fwd.py``) and ``bwd`` (``sparse_bwd.py``) over the reverse index of ``worklist.py``,
-the proxy KL value and gradient (``proxy.py``); warmup (dense causal attention, KL over every
-visible key) in ``dense.py``; deterministic mode's ordered reductions (``Config.deterministic``)
-in the neutral ``flash_msa.ordered`` (the CuTe backward uses them too).
+Ops (contract in docs/design.md): ``select`` (``selection.py``), ``fwd`` (``sparse_fwd.py``) and
+``bwd`` (``sparse_bwd.py``) over the reverse index of ``worklist.py``, the proxy KL value and
+gradient (``proxy.py``); warmup (dense causal attention, KL over every visible key) in
+``dense.py``; deterministic mode's ordered reductions (``Config.deterministic``) in the neutral
+``flash_msa.ordered`` (the CuTe backward uses them too).
 On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 triton is first imported). Triton is optional: without it this package imports (its limits
 readable) and :func:`unavailable_reason` says why the backend cannot run; the kernel modules
@@ -36,7 +35,7 @@ except ImportError as e:
     _NO_TRITON = f"triton is not importable: {e}"
 else:
     _NO_TRITON = None
-    from . import dense, reranking, selection, sparse_bwd, sparse_fwd
+    from . import dense, selection, sparse_bwd, sparse_fwd
 
 _DIMS = (16, 32, 64, 128)
 _ALL = Limits(
@@ -119,18 +118,6 @@ def select(q_proxy, k_proxy, cu_seqlens, cfg, *, q_map=None, tables: Tables = SH
     (every op): the tile candidates (:class:`flash_msa.triton_ref.tiles.Tables`; the shipped
     tables by default)."""
     return selection.select(q_proxy, k_proxy, cu_seqlens, cfg, q_map=q_map, tables=tables)
-
-
-def rerank(
-    q_proxy, k_proxy, cu_seqlens, candidates, cfg, *, q_map=None, tables: Tables = SHIPPED
-):  # fmt: skip
-    """Backend op ``rerank`` (``selection_precision="fp8_rerank"``'s exact re-rank of the fp8
-    candidates, any ``top_k + m`` of them; run within ``LIMITS["select"]``,
-    ``backends.rerank_reason``): the candidates' block scores on tensor cores over their work
-    list, then ``quant.refine``; see :func:`flash_msa.triton_ref.reranking.rerank`."""
-    return reranking.rerank(
-        q_proxy, k_proxy, cu_seqlens, candidates, cfg, q_map=q_map, tables=tables
-    )
 
 
 def fwd(

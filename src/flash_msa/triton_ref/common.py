@@ -9,8 +9,7 @@
   each MMA row of a token chunk), for the sparse forward, backward and proxy pass.
 - Proxy scores of a work item: :func:`proxy_chunk` (one token chunk: the gathered q_proxy rows'
   ``[BT, BLOCK]`` scores against the block's k_proxy tile), the loop body of the forward's proxy
-  LSE (``sparse_fwd``) and of the fp8_rerank re-rank (``reranking``); each kernel keeps its own
-  mask and reduction (a logsumexp, a max).
+  LSE (``sparse_fwd``), which keeps its own mask and reduction.
 - Block-local LSE: :func:`row_exp` (row max and ``exp``) and :func:`finish_lse` (``m + log l``,
   ``-inf`` for a row with no visible key), for the forward's partials, the combine and the dense
   forward.
@@ -26,15 +25,14 @@
 Import graph of ``triton_ref/`` (``a -> b``: ``a`` imports ``b``; one way, no cycles, every
 import at module level)::
 
-    __init__      -> tiles; selection, sparse_fwd, sparse_bwd, dense, reranking (where triton
-                     imports: the package imports without it)
-    compile_check -> selection, selection_fp8, sparse_fwd, sparse_bwd, proxy, dense, reranking,
-                     tiles                        (+ flash_msa.ordered, worklist, cubin)
+    __init__      -> tiles; selection, sparse_fwd, sparse_bwd, dense (where triton imports: the
+                     package imports without it)
+    compile_check -> selection, selection_fp8, sparse_fwd, sparse_bwd, proxy, dense, tiles
+                                                  (+ flash_msa.ordered, worklist, cubin)
     sparse_fwd    -> proxy, common, tiles         (+ flash_msa.sparse_forward: the driver)
     sparse_bwd    -> proxy, common, tiles         (+ flash_msa.ordered, worklist)
     dense         -> common, tiles
     proxy         -> common, tiles                (+ flash_msa.ordered)
-    reranking     -> common, tiles                (+ flash_msa.worklist, quant)
     selection     -> tiles                        (+ flash_msa.worklist: query_order)
     selection_fp8 -> selection, tiles             (+ flash_msa.quant)
     tiles         -> (flash_msa.backends, cubin)
@@ -150,15 +148,15 @@ def proxy_chunk(
     HAS_QMAP: tl.constexpr,
 ):
     """One step of a work item's proxy score loop over its entries ``c .. min(c + BT, e1)`` of
-    ``PERM`` (one MMA row per token, selection head ``p``), the body the forward's proxy LSE and
-    the fp8_rerank re-rank share; the caller reduces the scores (a logsumexp, a max).
+    ``PERM`` (one MMA row per token, selection head ``p``), the loop body of the forward's proxy
+    LSE; the caller scales, masks and reduces the scores.
 
     ``nxt`` is this chunk's :func:`item_rows` (loaded one step ahead), ``b_kp`` the block's k_proxy tile [BN, Dp] of ``p``'s proxy key head, ``cols``
     ``tl.arange(0, Dp)``; ``QP`` is q_proxy [Tq, Hs, Dp], ``QMAP`` [Tq] int32 the rows' packed
     key tokens (with ``HAS_QMAP``, else ``None``). Returns
 
     - ``b_z`` [BT, BN] fp32: ``q_proxy k_proxy^T`` of the gathered rows, neither scaled nor
-      masked (the callers differ: the forward scales before its mask, the re-rank after its max);
+      masked (the forward scales before its mask);
     - ``qrow`` [BT] (int64 query rows), ``slot`` [BT], ``t`` [BT] (int64 packed key positions of
       the rows, for causality: ``qrow`` itself without a map), ``m_t`` [BT] (the rows' mask);
     - the next chunk's :func:`item_rows` (loaded before the MMA so that it overlaps it), for the

@@ -32,10 +32,9 @@ is the one that runs without a map); the ``-qmap`` configurations (``HAS_QMAP``,
 the pointers int32) cover the selection and the shapes and families of :data:`QMAP_FAMILIES`.
 
 The list (:func:`configurations`) is every shipped configuration: the selection, the sparse
-forward, backward and proxy pass, the fp8_rerank re-rank (``rerank``), the warmup's dense
-kernels, the combine and deterministic mode's ordered sums; ``--fp8`` adds the fp8 selection
-oracle (``selection_fp8.py``). The kernel modules declare their tables and signatures; this
-module reads them, none imports it.
+forward, backward and proxy pass, the warmup's dense kernels, the combine and deterministic
+mode's ordered sums; ``--fp8`` adds the fp8 selection oracle (``selection_fp8.py``). The kernel
+modules declare their tables and signatures; this module reads them, none imports it.
 
 Results by content (``--record FILE`` reads and extends, ``--cached FILE`` only reads a
 :class:`Record`): a compile whose :func:`content_key` (Triton's own cache key: its build, the
@@ -73,7 +72,7 @@ from triton.compiler.compiler import get_cache_invalidating_env_vars
 from .. import ordered
 from ..cubin import resources as cubin_resources
 from ..worklist import geometry
-from . import dense, proxy, reranking, selection, selection_fp8, sparse_bwd, sparse_fwd, tiles
+from . import dense, proxy, selection, selection_fp8, sparse_bwd, sparse_fwd, tiles
 from .tiles import SHARED_LIMITS
 
 # (H, Hkv, Hs, Hpk) of the head layouts checked: the anchor and paper shapes, and a selection
@@ -436,22 +435,6 @@ def _bf16_configurations(layouts, dims, blocks, qmap):
             sparse_fwd.SIGNATURE["combine"],
             [(HB, consts, 4, 1)],
         )
-    # the fp8_rerank re-rank: G = Hp / Hpk = 4 (the paper layout; G only indexes), K = 20
-    # candidates (top_k 16 + 4), the paper configuration (Dp 128, block 128) with a map too
-    for Dp in dims:
-        for block in blocks:
-            variants = [("", False)]
-            if qmap and Dp == 128 and block == 128:
-                variants.append(("-qmap", True))
-            for suffix, has_qmap in variants:
-                cands = []
-                for t in reranking.RERANK_TILES:
-                    consts = reranking.options(4, 1, 20, Dp, block, "tf32", has_qmap, t)
-                    warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
-                    cands.append((t, dict(consts, QMAP=None) if not has_qmap else consts, warps,
-                                  stages))  # fmt: skip
-                name = f"rerank{suffix} Dp={Dp} b={block}"
-                yield name, reranking._rerank_kernel, reranking.SIGNATURE, cands
     # deterministic mode's ordered reductions (anchor heads; K = 16 slots, 2 key parts)
     for D in dims:
         for out, acc in (("bf16", False), ("fp32", True)):  # dQ (written), dQ_proxy (added)

@@ -125,9 +125,9 @@ def _fwd_kernel(
                 tl.store(L_PART + part, b_lse, mask=m_r)
     if HAS_PROXY:
         o_dp = tl.arange(0, Dp)
-        # the key tile stays spelled out (the re-rank loads it with common.load_rows): loaded by
-        # a helper, its inlined line info moved ptxas's register allocation (same PTX, another
-        # SASS at Hs<Hkv D=128)
+        # the key tile stays spelled out: loaded by a helper (common.load_rows), its inlined
+        # line info moved ptxas's register allocation (same PTX, another SASS at Hs<Hkv
+        # D=128)
         pk = p // (Hs // Hpk)
         b_kp = tl.load(
             KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :], mask=m_k[:, None], other=0.0

@@ -91,7 +91,6 @@ class Tables:
     proxy: tuple | None = None  # proxy.PROXY_TILES: (rows, BN, PREFETCH[, stages])
     dense: tuple | None = None  # dense.DENSE_TILES: (rows, keys, warps[, stages])
     dense_fwd: tuple | None = None  # dense.FWD_TILES: (rows, keys, warps[, stages])
-    rerank: tuple | None = None  # reranking.RERANK_TILES: (BT, warps)
     select: Callable[[tuple], tuple] | None = None  # of selection.tile_candidates' list
 
 
