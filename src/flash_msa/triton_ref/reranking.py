@@ -105,7 +105,7 @@ def _rerank_kernel(
     kpos, m_k = (k0 + o_k).to(tl.int64), o_k < n_k  # [BLOCK] packed keys, in the block
     o_dp = tl.arange(0, Dp)
     b_kp = load_rows(KP, kpos * Hpk + p // (Hs // Hpk), m_k, o_dp)  # [BLOCK, Dp]: p's key head
-    nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, 1)
+    nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, 1, 1)
     for c in range(e0, e1, BT):
         # b_z [BT, BLOCK] = q_proxy k_proxy^T; t: the rows' packed key positions
         b_z, qrow, slot, t, m_t, nxt = proxy_chunk(
