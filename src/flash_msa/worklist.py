@@ -21,7 +21,8 @@ are the call's.
 
 Backend-neutral: both backends' forward and backward kernels walk these lists (the Triton
 kernels and the CuTe kernels read the same six tensors), and :func:`geometry` says how a work
-item's main heads are packed into MMA rows.
+item's main heads are packed into MMA rows (:func:`padded_geometry`: any head group, padded
+to a power of two).
 
 With a query map (``q_map``, context parallelism: docs/distributed.md) the entries stay keyed
 by query row, and only the row's sequence comes from its token ``q_map[row]`` (a padding row,
@@ -49,14 +50,42 @@ SORT_BYTES_PER_ENTRY = 40
 
 
 def geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int]:
-    """``(G, G2, R, BT)`` for MMA tiles of about ``rows`` rows.
+    """``(G, G2, R, BT)`` for MMA tiles of about ``rows`` rows (the CuTe kernels' packing).
 
     G main heads share a selection head; they are visited in R sub-groups of G2 heads that share
     one KV head (G2 <= rows / 16); a tile holds BT >= 16 tokens x G2 heads (BM = BT * G2).
+    Where ``H // max(Hs, Hkv)`` is not a power of two, ``G2 * R`` may fall short of ``G`` (the
+    callers refuse that); :func:`padded_geometry` packs any group.
     """
     G = H // Hs
     G2 = min(H // max(Hs, Hkv), rows // 16)
     return G, G2, G // G2, max(16, rows // G2)
+
+
+def padded_geometry(H: int, Hkv: int, Hs: int, rows: int) -> tuple[int, int, int, int, int]:
+    """``(G, G2, G2P, R, BT)`` for MMA tiles of about ``rows`` rows, any head group (the Triton
+    kernels' packing).
+
+    The G = H / Hs main heads of a selection head are visited in R = G / G2 sub-groups of G2
+    heads that share one KV head: G2 is the largest divisor of ``g = H // max(Hs, Hkv)`` (the
+    heads of one selection head on one KV head) whose power-of-two padding ``G2P`` is at most
+    ``rows / 16``. A tile holds BT >= 16 tokens x G2P head slots (BM = BT * G2P rows, row r =
+    token r // G2P, slot r % G2P; ``tl.arange`` sizes are powers of two); the slots ``>= G2``
+    are masked (no load, no store, no contribution). Where ``g`` is a power of two this is
+    :func:`geometry` with ``G2P = G2`` (no padding). E.g. H 28, Hkv 4, Hs 4 (g = 7) at 128
+    rows: G2 7, G2P 8, R 1, BT 16.
+    """
+    G = H // Hs
+    g = H // max(Hs, Hkv)
+    cap = max(1, rows // 16)
+    G2 = max(d for d in range(1, g + 1) if g % d == 0 and _next_pow2(d) <= cap)
+    G2P = _next_pow2(G2)
+    return G, G2, G2P, G // G2, max(16, rows // G2P)
+
+
+def _next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 class WorkList(NamedTuple):

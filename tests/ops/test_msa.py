@@ -115,14 +115,17 @@ def test_select_properties_hypothesis(data):
 # ---------------------------------------------------------------------------------------------
 def _fwd_bwd(
     lengths, H, Hkv, Hp, Hpk, D, Dp, b, top_k, dtype, seed=1, in_fwd=False, warmup=False,
-    tables=None,
+    tables=None, deterministic=False,
 ):  # fmt: skip
     """Forward and backward of one problem by the Triton ops, and the two references.
 
     ``in_fwd``: the proxy gradient comes from the forward's KL pass (``proxy_grad=True``, what
     training takes) instead of the backward's own pass. ``tables``: the tile candidates
-    (``triton_ref.tiles.Tables``; default the shipped ones). Returns ``(mine, exact, same)``.
+    (``triton_ref.tiles.Tables``; default the shipped ones). ``deterministic``: the ordered
+    sums (``Config.deterministic``). Returns ``(mine, exact, same)``.
     """
+    import dataclasses
+
     from flash_msa import triton_ref
 
     tables = triton_ref.SHIPPED if tables is None else tables
@@ -131,6 +134,7 @@ def _fwd_bwd(
         lengths, H, Hkv, Hp, Hpk, D, Dp, dtype=dtype, device=DEV, seed=seed
     )
     cfg = config(max(lengths), D, Dp, b, top_k, warmup=warmup)
+    cfg = dataclasses.replace(cfg, deterministic=deterministic)
     idx = None if warmup else reference.select(qp, kp, cu, cfg)
     fwd = triton_ref.fwd(q, k, v, idx, cu, cfg, qp, kp, proxy_grad=in_fwd, tables=tables)
     assert (fwd.proxy_grad is not None) == in_fwd
@@ -208,6 +212,46 @@ def test_fwd_bwd_fp16_tolerance_rule(monkeypatch):
     check(*_fwd_bwd((260,), 8, 2, 4, 2, 32, 32, 64, 3, torch.float16, in_fwd=True))
 
 
+# Head groups that are not powers of two: G2 = H / max(Hp, Hkv) main heads per (selection
+# head, KV head), padded to G2P rows per token in the MMA tiles (worklist.padded_geometry);
+# and head dim 256. lengths, H, Hkv, Hp, Hpk, D, Dp, block, top_k, proxy gradient in the
+# forward, deterministic
+WIDE_CASES = {
+    "G2=7-Qwen2.5-7B": ((150,), 28, 4, 4, 1, 16, 16, 64, 2, True, False),  # 28 / 4 heads
+    "G2=5-varlen-Hp>Hpk>1": ((0, 70, 1, 60), 20, 4, 4, 2, 16, 16, 64, 2, False, False),
+    "G2=6-Dp!=D": ((140,), 12, 2, 2, 1, 16, 32, 128, 2, True, False),
+    "G2=3-Hp<Hkv": ((130,), 12, 4, 2, 1, 16, 16, 64, 2, False, False),  # 2 KV heads (R = 2)
+    "G2=3-Hp>Hkv-det": ((130,), 24, 2, 8, 2, 16, 16, 64, 2, True, True),
+    "D=256": ((100,), 4, 2, 2, 1, 256, 128, 64, 2, True, False),
+    "D=256-G2=7-det": ((70,), 28, 4, 4, 1, 256, 128, 64, 2, False, True),
+}
+
+
+@marked(MARKS_MSA)
+@pytest.mark.parametrize("case", WIDE_CASES.values(), ids=WIDE_CASES.keys())
+def test_fwd_bwd_padded_head_groups_and_d256_equal_reference(case, monkeypatch):
+    """The sparse forward (partials, proxy LSE, KL value), the backward and the proxy gradient
+    of layouts whose head group is padded: the padded rows add nothing to the teacher (its mean
+    is over the G real heads), the LSEs, dK/dV or any atomic, and write nothing (poisoned
+    buffers)."""
+    *shape, in_fwd, det = case
+    poison_new_buffers(monkeypatch)
+    check(*_fwd_bwd(*shape, torch.float32, in_fwd=in_fwd, deterministic=det))
+
+
+@marked(MARKS_MSA)
+def test_padded_head_groups_in_several_sub_groups_equal_reference(monkeypatch):
+    """Tiles of 64 rows: H 12, Hkv 2, Hp 2 (G2 = 6) runs in R = 2 padded sub-groups of 3 heads
+    (G2P = 4) in every sparse pass, the teacher's second key tile loaded per sub-group."""
+    from flash_msa.triton_ref.tiles import Tables
+    from flash_msa.worklist import padded_geometry
+
+    assert padded_geometry(12, 2, 2, 64) == (6, 3, 4, 2, 16)
+    poison_new_buffers(monkeypatch)
+    tables = Tables(bwd=((64, 64, 1),), proxy=((64, 64, True),), fwd=((64, 1),))
+    check(*_fwd_bwd((140,), 12, 2, 2, 1, 16, 16, 64, 2, torch.float32, tables=tables))
+
+
 @marked(MARKS_MSA)
 @given(st.data())
 def test_fwd_bwd_hypothesis(data):
@@ -247,6 +291,28 @@ def test_warmup_fp32_equals_reference(case, monkeypatch):
     poison_new_buffers(monkeypatch)
     lengths, H, Hkv, Hp, Hpk, D, Dp = case
     check(*_fwd_bwd(lengths, H, Hkv, Hp, Hpk, D, Dp, 64, None, torch.float32, 2, warmup=True))
+
+
+# padded head groups and head dim 256 in the warmup's kernels (the proxy pass, and in
+# deterministic mode its key-outer dk_proxy kernel): lengths, H, Hkv, Hp, Hpk, D, Dp,
+# deterministic, the dense tile (rows, keys, warps): 128 rows hold G2 = 7 heads in G2P = 8
+# slots, 64 rows G2 = 6 in two sub-groups of 3 in 4 slots, and G2 = 3 in 4
+WARMUP_WIDE_CASES = {
+    "G2=7": ((130, 0, 40), 28, 4, 4, 1, 16, 16, False, (128, 32, 4)),
+    "G2=6-det": ((120,), 12, 2, 2, 1, 16, 16, True, (64, 32, 4)),
+    "D=256-G2=3": ((90,), 12, 4, 4, 1, 256, 128, False, (64, 64, 4)),
+}
+
+
+@marked(MARKS_MSA)
+@pytest.mark.parametrize("case", WARMUP_WIDE_CASES.values(), ids=WARMUP_WIDE_CASES.keys())
+def test_warmup_padded_head_groups_and_d256_equal_reference(case, monkeypatch):
+    from flash_msa.triton_ref.tiles import Tables
+
+    *shape, det, tile = case
+    poison_new_buffers(monkeypatch)
+    kw = dict(warmup=True, deterministic=det, tables=Tables(dense=(tile,)))
+    check(*_fwd_bwd(*shape, 64, None, torch.float32, 2, **kw))
 
 
 @marked(MARKS_MSA)
@@ -323,14 +389,29 @@ def test_unsupported_reasons_name_the_limit():
         cfg=cfg,
         num_seqs=8,
     )
-    assert all(triton_ref.unsupported_reason(op, ok) is None for op in ("select", "fwd", "bwd"))
+    runs = {
+        "anchor": ok,
+        # head groups that are not powers of two: Qwen2.5-7B's 28 / 4 heads (G2 = 7), 40 / 8
+        # (5), 48 / 8 (6), 24 / 8 (3); 16 per (selection head, KV head); head dim 256
+        "G2=7": dataclasses.replace(ok, num_heads=28, num_kv_heads=4),
+        "G2=5": dataclasses.replace(ok, num_heads=40, num_kv_heads=8, num_sel_heads=8),
+        "G2=6": dataclasses.replace(ok, num_heads=48, num_kv_heads=8, num_sel_heads=8),
+        "G2=3": dataclasses.replace(ok, num_heads=24, num_kv_heads=8, num_sel_heads=8),
+        "G2=16": dataclasses.replace(ok, num_heads=64, num_kv_heads=4),
+        "D=256": dataclasses.replace(ok, head_dim=256),
+    }
+    for what, prob in runs.items():
+        for op in ("select", "fwd", "bwd"):
+            assert triton_ref.unsupported_reason(op, prob) is None, (what, op)
     cases = {
         "sm_75": dataclasses.replace(ok, capability=(7, 5)),
-        "head_dim 256": dataclasses.replace(ok, head_dim=256),
+        "head_dim 512": dataclasses.replace(ok, head_dim=512),
+        "proxy head_dim 256": dataclasses.replace(ok, proxy_head_dim=256),
         "top_k 65": dataclasses.replace(ok, cfg=dataclasses.replace(cfg, top_k=65)),
         "70000 sequences": dataclasses.replace(ok, num_seqs=70000),
         "float64": dataclasses.replace(ok, dtype=torch.float64),
-        "3 main heads": dataclasses.replace(ok, num_heads=24, num_kv_heads=8, num_sel_heads=8),
+        "17 main heads": dataclasses.replace(ok, num_heads=34, num_kv_heads=2, num_sel_heads=2),
+        "H must be a multiple": dataclasses.replace(ok, num_heads=18),
     }
     for what, prob in cases.items():
         why = triton_ref.unsupported_reason("fwd", prob)
@@ -538,6 +619,14 @@ SHAPES = [  # lengths, H, Hkv, Hp, Hpk, D, Dp, block, top_k
     ((3000, 1, 0, 700, 129), 8, 4, 2, 1, 64, 64, 64, 8),  # varlen, Hp < Hkv, block 64
     ((1500,), 8, 1, 4, 2, 64, 128, 128, 64),  # Hp > Hkv, top_k 64, Dp != D
     ((4096,), 64, 4, 4, 1, 128, 128, 128, 16),  # paper heads (G2 = 16)
+    # head groups padded to a power of two in the Triton kernels (worklist.padded_geometry)
+    ((4096,), 28, 4, 4, 1, 128, 128, 128, 16),  # Qwen2.5-7B heads, Hp = Hkv (G2 = 7)
+    ((3000, 1, 0, 900), 40, 8, 8, 1, 128, 128, 128, 16),  # 40 / 8 heads, varlen (G2 = 5)
+    ((2500,), 48, 8, 8, 2, 128, 128, 64, 8),  # 48 / 8 heads, block 64, Hpk 2 (G2 = 6)
+    ((3000,), 12, 4, 2, 1, 64, 64, 128, 8),  # Hp < Hkv (G2 = 3, two sub-groups)
+    # head dim 256 (Gemma's; Dp at most 128)
+    ((2000,), 16, 8, 8, 1, 256, 128, 128, 16),  # Gemma-2/3's 16 / 8 heads, Dp 128
+    ((1700, 300), 28, 4, 4, 1, 256, 64, 64, 8),  # D 256 with G2 = 7, Dp 64, block 64
 ]
 
 
@@ -629,6 +718,8 @@ TRAIN_CASES = {  # (batch, seqlen) or varlen lengths, H, Hkv, Hp, Hpk, D, Dp, bl
     "Hp>Hpk>1-varlen": ([700, 0, 1300, 1], 8, 2, 4, 2, 64, 64, 64, 8),  # empty, 1-token seqs
     "Hp<Hkv-varlen": ([0, 900, 513], 8, 4, 2, 1, 128, 64, 64, 6),  # empty first sequence
     "Hp>Hkv-batch": ((2, 777), 8, 1, 4, 1, 64, 128, 128, 3),  # partial last block, Dp != D
+    "Qwen2.5-7B-varlen": ([1500, 0, 700], 28, 4, 4, 1, 128, 128, 128, 8),  # G2 = 7 (padded)
+    "D=256-batch": ((2, 1024), 16, 8, 8, 1, 256, 128, 128, 4),  # Gemma's heads, Dp 128
 }
 
 
@@ -767,4 +858,27 @@ def test_warmup_matches_reference(name, dtype):
     (qp, kp, q, k, v), cu, cfg = _case(
         (3000, 1, 0, 1100), 16, 2, 4, 1, 128, 128, 128, None, dtype, warmup=True
     )
+    _check_after_selection(be, qp, kp, q, k, v, None, cu, cfg)
+
+
+WARMUP_WIDE = {  # lengths, H, Hkv, Hp, Hpk, D, Dp
+    "Qwen2.5-7B": ((2000, 1, 900), 28, 4, 4, 1, 128, 128),  # G2 = 7
+    "G2=6": ((1500,), 48, 8, 8, 1, 128, 128),
+    "D=256": ((1800, 0, 300), 16, 8, 8, 1, 256, 128),
+}
+
+
+@marked(MARKS_GPU)
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", WARMUP_WIDE.values(), ids=WARMUP_WIDE.keys())
+def test_warmup_padded_head_groups_and_d256_match_reference(case, det, dtype, name):
+    """The warmup's kernels at head groups padded to a power of two and at head dim 256, with
+    the atomic and the ordered (deterministic) proxy gradient."""
+    import dataclasses
+
+    be = _module(name)
+    (qp, kp, q, k, v), cu, cfg = _case(*case, 128, None, dtype, warmup=True)
+    cfg = dataclasses.replace(cfg, deterministic=det)
     _check_after_selection(be, qp, kp, q, k, v, None, cu, cfg)

@@ -113,6 +113,36 @@ def test_split_items_keeps_every_entry_in_order(lengths, TW, size):
 
 
 # ---------------------------------------------------------------------------------------------
+# head packing: padded_geometry (the Triton kernels') tiles every group of up to 16 heads
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [32, 64, 128, 256])
+def test_padded_geometry_tiles_every_head_group(rows):
+    """For every layout with up to 16 main heads per (selection head, KV head): the sub-groups
+    tile the G heads exactly and each lies on one KV head, G2 is the largest divisor of the
+    group whose power-of-two padding G2P fits ``rows / 16``, and the tile is BT tokens x G2P
+    slots = ``rows`` MMA rows; a group that is a power of two is ``geometry``'s, unpadded."""
+
+    def G2P_of(d):  # the next power of two
+        return next(p for p in (1, 2, 4, 8, 16, 32) if p >= d)
+
+    for Hkv in (1, 2, 4, 8):
+        for Hs in (1, 2, 4, 8, 16):
+            if Hs % Hkv and Hkv % Hs:  # not a legal layout
+                continue
+            for g in range(1, 17):
+                H = g * max(Hs, Hkv)
+                G, G2, G2P, R, BT = worklist.padded_geometry(H, Hkv, Hs, rows)
+                assert G == H // Hs and G2 * R == G and (H // Hkv) % G2 == 0, (H, Hkv, Hs)
+                assert G2P == G2P_of(G2)
+                fits = [d for d in range(1, g + 1) if g % d == 0 and G2P_of(d) <= rows // 16]
+                assert G2 == max(fits) and BT * G2P == rows and BT >= 16
+                if g & (g - 1) == 0:
+                    assert worklist.geometry(H, Hkv, Hs, rows) == (G, G2, R, BT) and G2P == G2
+    assert worklist.padded_geometry(28, 4, 4, 128) == (7, 7, 8, 1, 16)  # Qwen2.5-7B, Hs = 4
+    assert worklist.padded_geometry(48, 8, 8, 64) == (6, 3, 4, 2, 16)  # two padded sub-groups
+
+
+# ---------------------------------------------------------------------------------------------
 # lists (the sort) and items (the cut): the same work list as a plain-Python reverse index
 # ---------------------------------------------------------------------------------------------
 def _expected(idx, lengths, block, TW, tok0, total, q_map):

@@ -27,7 +27,7 @@ from .. import limits
 from ..backends import interpreting
 from ..limits import OPS, Limits
 from ..problem import Problem
-from .tiles import SHIPPED, Tables
+from .tiles import HEAD_DIMS, PROXY_HEAD_DIMS, SHIPPED, Tables
 
 try:  # optional: without triton the package imports and the backend says why it cannot run
     import triton  # noqa: F401
@@ -37,7 +37,6 @@ else:
     _NO_TRITON = None
     from . import dense, selection, sparse_bwd, sparse_fwd
 
-_DIMS = (16, 32, 64, 128)
 _ALL = Limits(
     devices=("cuda", "cpu"),
     # The architectures whose tiles are checked: every candidate list ends in tiles that fit
@@ -58,14 +57,19 @@ _ALL = Limits(
     # auto falls back to torch on CPU instead of returning garbage
     cpu_dtypes=(torch.float16, torch.float32),
     cpu_note="Triton's CPU interpreter computes bf16 wrongly",
-    head_dims=_DIMS,
-    proxy_head_dims=_DIMS,
+    head_dims=HEAD_DIMS,  # tiles.py says why these (D 256, Dp at most 128)
+    proxy_head_dims=PROXY_HEAD_DIMS,
     block_sizes=(64, 128),
     max_top_k=64,
     # deterministic mode (Config.deterministic): ordered reductions instead of fp32 atomics in
     # the sparse backward, the proxy pass and the warmup backward (ordered.py, dense.py)
     deterministic=True,
 )
+# Main heads per (selection head, KV head) the sparse and warmup kernels run: any count up to
+# 16 (worklist.padded_geometry pads a group that is not a power of two to G2P rows per token,
+# the padded rows masked), the most that one sub-group of the largest tiles (256 rows, G2P <=
+# 256 / 16) holds, and the envelope the tests and the compile check cover
+MAX_GROUP = 16
 # every op, warmup included, within one envelope; the sparse ops also take a query map (with
 # or without deterministic mode), the warmup's dense kernels do not
 LIMITS = {op: dataclasses.replace(_ALL, q_map=op != "warmup") for op in OPS}
@@ -94,9 +98,19 @@ def unsupported_reason(op: str, problem: Problem) -> str | None:
         if problem.num_sel_heads // problem.num_proxy_k_heads > 128:
             return "more than 128 proxy heads share one proxy key head"
         return None
-    g2 = problem.num_heads // max(problem.num_sel_heads, problem.num_kv_heads)
-    if g2 > 16 or g2 & (g2 - 1):
-        return f"{g2} main heads per (selection head, KV head): must be a power of two <= 16"
+    H, Hkv, Hs = problem.num_heads, problem.num_kv_heads, problem.num_sel_heads
+    if H % Hs or H % Hkv or (Hs % Hkv and Hkv % Hs):
+        return (
+            f"H={H}, Hkv={Hkv}, selection heads {Hs}: H must be a multiple of both, and one of "
+            "Hkv and the selection heads a multiple of the other"
+        )
+    g2 = H // max(Hs, Hkv)
+    if g2 > MAX_GROUP:
+        return (
+            f"{g2} main heads per (selection head, KV head): at most {MAX_GROUP} (any count "
+            f"up to it runs, padded to a power of two in the MMA rows: "
+            f"worklist.padded_geometry)"
+        )
     return None
 
 

@@ -108,15 +108,29 @@ def row_offsets(row, cols):
 
 
 @triton.jit
-def item_rows(PERM, c, e1, HsK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, G2: tl.constexpr):
-    """Token (int64), slot, head-in-group and mask of each of the ``BT * G2`` rows of the chunk
-    of entries ``c .. min(c + BT, e1)`` of ``PERM`` (row = token-major: token ``r // G2``, head
-    ``r % G2``); ``HsK = Hs * K`` entries per token."""
-    o_r = tl.arange(0, BT * G2)
-    e = c + o_r // G2
+def item_rows(
+    PERM,
+    c,
+    e1,
+    HsK: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    G2: tl.constexpr,
+    G2P: tl.constexpr,
+):
+    """Token (int64), slot, head-in-group and mask of each of the ``BT * G2P`` rows of the
+    chunk of entries ``c .. min(c + BT, e1)`` of ``PERM`` (row = token-major: token ``r //
+    G2P``, head ``r % G2P``); ``HsK = Hs * K`` entries per token. ``G2P`` is ``G2`` padded to a
+    power of two (:func:`flash_msa.worklist.padded_geometry`): the rows of head slots ``>= G2``
+    are masked, so that they load nothing and every load, store and sum they reach through the
+    mask adds nothing. Where ``G2 == G2P`` that test is not emitted (a constexpr branch)."""
+    o_r = tl.arange(0, BT * G2P)
+    e = c + o_r // G2P
     m_r = e < e1
+    if G2 != G2P:  # padded head slots
+        m_r = m_r & (o_r % G2P < G2)
     flat = tl.load(PERM + e, mask=m_r, other=0)
-    return (flat // HsK).to(tl.int64), flat % K, o_r % G2, m_r
+    return (flat // HsK).to(tl.int64), flat % K, o_r % G2P, m_r
 
 
 @triton.jit
@@ -169,7 +183,7 @@ def proxy_chunk(
     b_qp = tl.load(
         QP + (qrow * Hs + p)[:, None] * cols.shape[0] + cols[None, :], mask=m_t[:, None], other=0.0
     )  # [BT, Dp]
-    nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)  # loads while this chunk computes
+    nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1, 1)  # loads while this chunk computes
     b_z = tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC)  # [BT, BN] fp32
     return b_z, qrow, slot, t, m_t, nxt
 
@@ -237,6 +251,7 @@ def teacher(
     D: tl.constexpr,
     G: tl.constexpr,
     G2: tl.constexpr,
+    G2P: tl.constexpr,
     R: tl.constexpr,
     BT: tl.constexpr,
     BN: tl.constexpr,
@@ -246,11 +261,13 @@ def teacher(
     probabilities on the keys ``kpos`` [BN] (packed, int64; mask ``m_k``).
 
     The G heads are visited in R sub-groups of G2 heads that share a KV head, packed into the
-    MMA's M dimension: BT * G2 rows of token ``tok`` (packed, int64) and head ``p * G + r * G2 +
-    hj``, mask ``m_r``; causality compares ``k_pos`` [BN] with ``q_pos`` [BT * G2] (see
-    :func:`probs`). With one sub-group (R == 1) the key tile is the caller's ``b_k0`` [BN, D],
-    which it may keep in registers over several calls; otherwise each sub-group's tile is
-    loaded here."""
+    MMA's M dimension: BT * G2P rows (G2 padded to a power of two) of token ``tok`` (packed,
+    int64) and head ``p * G + r * G2 + hj``, mask ``m_r`` (False on the padded head slots
+    ``hj >= G2``: their probabilities are 0, so the sum over the G2P slots is the sum over the
+    G2 heads, and the mean divides by the G real heads); causality compares ``k_pos`` [BN]
+    with ``q_pos`` [BT * G2P] (see :func:`probs`). With one sub-group (R == 1) the key tile is
+    the caller's ``b_k0`` [BN, D], which it may keep in registers over several calls;
+    otherwise each sub-group's tile is loaded here."""
     o_d = tl.arange(0, D)
     b_tgt = tl.zeros([BT, BN], tl.float32)
     for r in tl.static_range(R):
@@ -262,8 +279,8 @@ def teacher(
             p_k = Kt + (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
             b_k = tl.load(p_k, mask=m_k[:, None], other=0.0)  # [BN, D]
         row = tok * H + h0 + hj
-        b_p, _ = probs(Q, LSE, b_k, row, m_r, q_pos, k_pos, m_k, scale, D, PREC)  # [BT * G2, BN]
-        b_tgt += tl.sum(tl.reshape(b_p, [BT, G2, BN]), axis=1)
+        b_p, _ = probs(Q, LSE, b_k, row, m_r, q_pos, k_pos, m_k, scale, D, PREC)  # [BT * G2P, BN]
+        b_tgt += tl.sum(tl.reshape(b_p, [BT, G2P, BN]), axis=1)
     return b_tgt / G
 
 

@@ -71,16 +71,30 @@ from triton.compiler.compiler import get_cache_invalidating_env_vars
 
 from .. import ordered
 from ..cubin import resources as cubin_resources
-from ..worklist import geometry
+from ..worklist import padded_geometry
 from . import dense, proxy, selection, selection_fp8, sparse_bwd, sparse_fwd, tiles
 from .tiles import SHARED_LIMITS
 
-# (H, Hkv, Hs, Hpk) of the head layouts checked: the anchor and paper shapes, and a selection
-# spanning 2 KV heads
-LAYOUTS = {"anchor": (16, 2, 4, 1), "paper": (64, 4, 4, 1), "Hs<Hkv": (8, 4, 2, 1)}
-DENSE_LAYOUTS = ("anchor", "paper")  # the warmup kernels' head layouts
+# (H, Hkv, Hs, Hpk) of the head layouts checked: the anchor and paper shapes, a selection
+# spanning 2 KV heads, and head groups that are not powers of two (G2 heads per selection and
+# KV head, padded to G2P rows per token: worklist.padded_geometry): Qwen2.5-7B's 28 / 4 heads
+# with 4 selection heads (G2 = 7), 20 / 4 with 4 (G2 = 5), 48 / 8 with 8 (G2 = 6)
+LAYOUTS = {
+    "anchor": (16, 2, 4, 1), "paper": (64, 4, 4, 1), "Hs<Hkv": (8, 4, 2, 1),
+    "G2=7": (28, 4, 4, 1), "G2=5": (20, 4, 4, 1), "G2=6": (48, 8, 8, 1),
+}  # fmt: skip
+# the head dims (of the call's) each layout's sparse and warmup-proxy kernels are checked at:
+# D = 256 at the anchor and G2 = 7 layouts, the padded groups at D = 128 (the mask's code does
+# not depend on D)
+LAYOUT_DIMS = {
+    "anchor": (64, 128, 256), "paper": (64, 128), "Hs<Hkv": (64, 128), "G2=7": (128, 256),
+    "G2=5": (128,), "G2=6": (128,),
+}  # fmt: skip
+DENSE_LAYOUTS = ("anchor", "paper", "G2=7")  # the warmup kernels' head layouts
+DIMS = (64, 128, 256)  # head dims checked by default (D; Dp = proxy_dim(D))
 UNSUPPORTED = 3  # exit status when the installed Triton cannot compile for the target
 DTYPES = ("bf16", "fp16", "fp32")  # input dtypes (--dtype)
+GEOMETRY = ("G", "G2", "G2P", "R", "BT")  # the constexprs of worklist.padded_geometry
 
 
 def mma_kind(ptx: str) -> str | None:
@@ -264,7 +278,13 @@ QMAP_FAMILIES = {
 }  # fmt: skip
 
 
-def configurations(layouts=None, dims=(64, 128), blocks=(64, 128), qmap=True, dtype="bf16"):
+def proxy_dim(D: int) -> int:
+    """The proxy head dim checked with main head dim ``D``: ``D``, or the largest the backend
+    declares (``tiles.PROXY_HEAD_DIMS``) below it (D = 256: Dp = 128)."""
+    return D if D in tiles.PROXY_HEAD_DIMS else max(d for d in tiles.PROXY_HEAD_DIMS if d < D)
+
+
+def configurations(layouts=None, dims=DIMS, blocks=(64, 128), qmap=True, dtype="bf16"):
     """(name, fn, signature, candidates) of every shipped kernel configuration; a candidate is
     ``(tile, constexprs, num_warps, num_stages)``, in the order the host code tries them
     (``tiles.pick`` runs the first that compiles without spills and fits the shared memory).
@@ -275,10 +295,12 @@ def configurations(layouts=None, dims=(64, 128), blocks=(64, 128), qmap=True, dt
 
     ``layouts``: names of :data:`LAYOUTS` to check (default all); with a subset the selection
     is checked only for their proxy heads per proxy key head ``Hs / Hpk``. ``dims``: the head
-    dims (``D = Dp``) checked, ``blocks`` the block sizes of the selection and the sparse
-    kernels; ``qmap=False`` leaves out the ``-qmap`` configurations. The dense kernels hold one
-    head per row, except the warmup proxy pass (``H / Hs`` heads per token): by default it is
-    checked for the anchor layout (the shipped list), with ``layouts`` for those of
+    dims checked (``D``, and ``Dp`` = :func:`proxy_dim`; a layout's sparse kernels at those
+    of :data:`LAYOUT_DIMS` among them, the selection and the re-rank at the proxy head dims
+    among them), ``blocks`` the block sizes of the selection and the sparse kernels;
+    ``qmap=False`` leaves out the ``-qmap`` configurations. The dense kernels hold one head per
+    row, except the warmup proxy pass (``H / Hs`` heads per token): by default it is checked
+    for the anchor and G2 = 7 layouts (the shipped list), with ``layouts`` for those of
     :data:`DENSE_LAYOUTS` among them (named with the layout, except the anchor's)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {DTYPES}")
@@ -298,7 +320,7 @@ def configurations(layouts=None, dims=(64, 128), blocks=(64, 128), qmap=True, dt
 def _bf16_configurations(layouts, dims, blocks, qmap):
     """:func:`configurations` for bf16 inputs."""
     if layouts is None:
-        layouts, groups, dense_layouts = tuple(LAYOUTS), (1, 4), ("anchor",)
+        layouts, groups, dense_layouts = tuple(LAYOUTS), (1, 4), ("anchor", "G2=7")
     else:
         dense_layouts = tuple(n for n in DENSE_LAYOUTS if n in layouts)
         unknown = set(layouts) - set(LAYOUTS)
@@ -307,7 +329,7 @@ def _bf16_configurations(layouts, dims, blocks, qmap):
         groups = tuple(sorted({LAYOUTS[n][2] // LAYOUTS[n][3] for n in layouts}))
     # without a query map its pointers are constexpr None (as the host passes them)
     no_qmap = dict.fromkeys(selection.QMAP_ARGS, None) | dict(HAS_QMAP=False)
-    for Dp in dims:
+    for Dp in (d for d in dims if d in tiles.PROXY_HEAD_DIMS):
         for block in blocks:
             for top_k in (16, 64):
                 for G in groups:
@@ -328,10 +350,11 @@ def _bf16_configurations(layouts, dims, blocks, qmap):
                         )
     for name in layouts:
         H, Hkv, Hs, Hpk = LAYOUTS[name]
-        for D in dims:
+        for D in (d for d in dims if d in LAYOUT_DIMS[name]):
             for block in blocks:
-                tag = f"{name} D={D} b={block}"
-                base = dict(H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=16, D=D, Dp=D, BLOCK=block)
+                Dp = proxy_dim(D)
+                tag = f"{name} D={D}{'' if Dp == D else f' Dp={Dp}'} b={block}"
+                base = dict(H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=16, D=D, Dp=Dp, BLOCK=block)
                 base.update(PREC="tf32")
 
                 def maps(fam, name=name, D=D, block=block):
@@ -343,14 +366,14 @@ def _bf16_configurations(layouts, dims, blocks, qmap):
                         yield "-qmap", dict(HAS_QMAP=True)
 
                 def geo(rows, H=H, Hkv=Hkv, Hs=Hs):
-                    return dict(zip(("G", "G2", "R", "BT"), geometry(H, Hkv, Hs, rows)))
+                    return dict(zip(GEOMETRY, padded_geometry(H, Hkv, Hs, rows)))
 
                 for fam, has_main in (("fwd", True), ("fwd-proxy-only", False)):
                     for q, qconsts in maps(fam):
                         fixed = dict(base, HAS_PROXY=True)
                         fixed.update(HAS_MAIN=has_main, **qconsts)
                         cands = []
-                        for t in sparse_fwd.fwd_tiles(has_main):
+                        for t in sparse_fwd.fwd_tiles(has_main, D=D):
                             consts = dict(fixed, OUT_SPLIT=t[1], **geo(t[0]))
                             warps = t[2] if len(t) > 2 else 8  # as sparse_fwd.py
                             cands.append((t, consts, warps, sparse_fwd.FWD_STAGES))
@@ -398,12 +421,12 @@ def _bf16_configurations(layouts, dims, blocks, qmap):
             consts = dict(common, H=16, Hkv=2, DETERMINISTIC=det)
             cands = [
                 (t, dict(consts, BM=t[0], BN=t[1]), t[2], dense.tile_stages(t))
-                for t in dense.DENSE_TILES
+                for t in dense.dense_tiles(D)
             ]
             yield f"dense-bwd{suffix} D={D}", dense._dense_bwd_kernel, dense.SIGNATURE["bwd"], cands
         cands = [
             (t, dict(common, H=16, Hkv=2, BM=t[0], BN=t[1]), t[2], dense.tile_stages(t))
-            for t in dense.DENSE_TILES
+            for t in dense.dense_tiles(D)
         ]
         yield f"dense-bwd-dq D={D}", dense._dense_bwd_dq_kernel, dense.SIGNATURE["bwd-dq"], cands
         fams = (  # deterministic mode: dq_proxy in the usual kernel, dk_proxy key-outer
@@ -411,26 +434,28 @@ def _bf16_configurations(layouts, dims, blocks, qmap):
             ("dense-proxy-det", dense._dense_proxy_kernel, dict(KL_VALUE=False, DK_PROXY=False)),
             ("dense-proxy-dk", dense._dense_proxy_dk_kernel, {}),
         )
-        for name in dense_layouts:
+        for name in (n for n in dense_layouts if D in LAYOUT_DIMS[n]):
             H, Hkv, Hs, Hpk = LAYOUTS[name]
-            proxy_consts = dict(common, H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, Dp=D)
-            tag = f"D={D}" if name == "anchor" else f"{name} D={D}"
+            Dp = proxy_dim(D)
+            proxy_consts = dict(common, H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, Dp=Dp)
+            tag = f"D={D}{'' if Dp == D else f' Dp={Dp}'}"
+            tag = tag if name == "anchor" else f"{name} {tag}"
             for fam, fn, extra in fams:
                 extra = dict(extra, GRAD=True)
                 cands = []
-                for t in dense.DENSE_TILES:
-                    G, G2, R, BT = geometry(H, Hkv, Hs, t[0])
-                    consts = dict(proxy_consts, **extra, G=G, G2=G2, R=R, BT=BT, BN=t[1])
+                for t in dense.dense_tiles(D):
+                    geo = dict(zip(GEOMETRY, padded_geometry(H, Hkv, Hs, t[0])))
+                    consts = dict(proxy_consts, **extra, **geo, BN=t[1])
                     dk = fam == "dense-proxy-dk"  # its stages as dense.py's
                     stages = dense.tile_stages(t, dense.PROXY_DK_STAGES if dk else 3)
                     cands.append((t, consts, t[2], stages))
                 sig = dense.SIGNATURE["proxy-dk" if fam == "dense-proxy-dk" else "proxy"]
                 yield f"{fam} {tag}", fn, sig, cands
-    for K in (16, 64):
-        HB = sparse_fwd.combine_heads(16, K)
-        consts = dict(H=16, Hs=4, K=K, KP2=K, D=128, G=4, HB=HB, HAS_O=True)
+    for D, K in ((D, K) for D in (128, 256) if D in dims for K in (16, 64)):
+        HB = sparse_fwd.combine_heads(16, K, D)
+        consts = dict(H=16, Hs=4, K=K, KP2=K, D=D, G=4, HB=HB, HAS_O=True)
         yield (
-            f"combine K={K} D=128",
+            f"combine K={K} D={D}",
             sparse_fwd._combine_kernel,
             sparse_fwd.SIGNATURE["combine"],
             [(HB, consts, 4, 1)],
@@ -529,7 +554,9 @@ def main(argv=None) -> int:
         "--arch", type=int, default=90, choices=sorted(SHARED_LIMITS), help="target sm_ARCH"
     )
     parser.add_argument("--layouts", help=f"comma-separated subset of {','.join(LAYOUTS)}")
-    parser.add_argument("--dims", default="64,128", help="comma-separated head dims (D = Dp)")
+    parser.add_argument(
+        "--dims", default=",".join(map(str, DIMS)), help="comma-separated head dims (D; Dp <= 128)"
+    )
     parser.add_argument("--blocks", default="64,128", help="comma-separated block sizes")
     parser.add_argument("--no-qmap", action="store_true", help="without the -qmap kernels")
     parser.add_argument(
@@ -595,8 +622,8 @@ def main(argv=None) -> int:
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
     confs = list(configurations(layouts, dims, blocks, not args.no_qmap, args.dtype))
-    if args.fp8:
-        confs += fp8_configurations(dims)
+    if args.fp8:  # at the CuTe fp8 selection's head dims
+        confs += fp8_configurations(tuple(d for d in dims if d <= 128))
     bad, verified = 0, set()
     try:
         for name, fn, sig, cands in confs:

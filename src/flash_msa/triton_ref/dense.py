@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..problem import Config, Forward, Grads, Saved, row_delta
-from ..worklist import geometry
+from ..worklist import padded_geometry
 from . import tiles
 from .common import (
     finish_lse,
@@ -65,6 +65,25 @@ DENSE_TILES = (
     (64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4), (256, 32, 8, 1), (256, 16, 8, 2),
     (32, 32, 4, 1), (64, 16, 4, 1),
 )  # fmt: skip
+# the same for D = 256 (the K / V tiles [keys, 256]; sm_90, Triton 3.9): the backward spills
+# with every DENSE_TILES entry (296-656 bytes at best) but 32 x 32 with 8 warps, 1 stage
+# (176 registers, 82 KB); the proxy pass at G2 = 7 heads (padded to 8) with every one but
+# 128 rows x 32 keys, 8 warps, 1 stage (R = 1: 217 registers, 84 KB; its dk_proxy kernel 177,
+# 92 KB). Both go before the 256-row entries, which spill there.
+DENSE_TILES_WIDE = (
+    (64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4), (128, 32, 8, 1), (32, 32, 8, 1),
+    (256, 32, 8, 1), (256, 16, 8, 2), (32, 32, 4, 1), (64, 16, 4, 1),
+)  # fmt: skip
+
+
+def dense_tiles(D: int, table=None) -> tuple[tuple[int, ...], ...]:
+    """The candidates of the warmup's backward and proxy kernels at head dim ``D`` (``table``,
+    default :data:`DENSE_TILES`, at ``D = 256`` :data:`DENSE_TILES_WIDE`)."""
+    if table is not None:
+        return table
+    return DENSE_TILES if D <= 128 else DENSE_TILES_WIDE
+
+
 # the same for the forward (and the proxy LSE): 64 x 64 with 4 warps runs on sm_90; with 8
 # warps it does not spill on sm_120 (D = 128: 4 warps spill 72 bytes there, Triton 3.9)
 FWD_TILES = ((64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 32, 4))
@@ -190,6 +209,7 @@ def _dense_proxy_kernel(
     Dp: tl.constexpr,
     G: tl.constexpr,
     G2: tl.constexpr,
+    G2P: tl.constexpr,  # G2 padded to a power of two (worklist.padded_geometry)
     R: tl.constexpr,
     BT: tl.constexpr,
     BN: tl.constexpr,
@@ -210,9 +230,11 @@ def _dense_proxy_kernel(
     i, m_t, prow = tile_rows(s0, m0, L, p, Hs, BT)  # [BT] tokens, mask, q_proxy rows
     b_qp = load_rows(QP, prow, m_t, o_dp)
     b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
-    o_r = tl.arange(0, BT * G2)  # main rows: token-major (token r // G2, head r % G2)
-    ir = m0 + o_r // G2  # [BT * G2] sequence-local positions
+    o_r = tl.arange(0, BT * G2P)  # main rows: token-major (token r // G2P, head r % G2P)
+    ir = m0 + o_r // G2P  # [BT * G2P] sequence-local positions
     m_r = ir < L
+    if G2 != G2P:  # padded head slots: masked (common.teacher)
+        m_r = m_r & (o_r % G2P < G2)
     kl_acc = tl.zeros([BT], tl.float32)
     b_dqp = tl.zeros([BT, Dp], tl.float32)
     if GRAD:
@@ -225,8 +247,8 @@ def _dense_proxy_kernel(
         b_k0 = load_rows(Kt, kpos * Hkv + (p * G) // (H // Hkv), m_j, o_d)  # [BN, D]
         tok = (s0 + ir).to(tl.int64)  # packed tokens of the main rows (loop-invariant, hoisted)
         b_tgt = teacher(  # [BT, BN]
-            Q, LSE, Kt, b_k0, tok, o_r % G2, m_r, ir, kpos, j, m_j, p, scale,
-            H, Hkv, D, G, G2, R, BT, BN, PREC,
+            Q, LSE, Kt, b_k0, tok, o_r % G2P, m_r, ir, kpos, j, m_j, p, scale,
+            H, Hkv, D, G, G2, G2P, R, BT, BN, PREC,
         )  # fmt: skip
         b_kp = load_rows(KP, kpos * Hpk + pk, m_j, o_dp)  # [BN, Dp]
         kl_acc, b_diff = proxy_step(
@@ -267,6 +289,7 @@ def _dense_proxy_dk_kernel(
     Dp: tl.constexpr,
     G: tl.constexpr,
     G2: tl.constexpr,
+    G2P: tl.constexpr,
     R: tl.constexpr,
     BT: tl.constexpr,
     BN: tl.constexpr,
@@ -287,7 +310,7 @@ def _dense_proxy_dk_kernel(
     kpos = (s0 + j).to(tl.int64)
     b_kp = load_rows(KP, kpos * Hpk + pk, m_j, o_dp)  # [BN, Dp]
     coef = tl.load(DKL).to(tl.float32) * inv_rows
-    o_r = tl.arange(0, BT * G2)  # main rows: token-major (token r // G2, head r % G2)
+    o_r = tl.arange(0, BT * G2P)  # main rows: token-major (token r // G2P, head r % G2P)
     b_dkp = tl.zeros([BN, Dp], tl.float32)
     for pp in range(Hs // Hpk):
         p = pk * (Hs // Hpk) + pp
@@ -296,11 +319,13 @@ def _dense_proxy_dk_kernel(
             i, m_t, prow = tile_rows(s0, m0, L, p, Hs, BT)  # [BT] tokens, mask, q_proxy rows
             b_qp = load_rows(QP, prow, m_t, o_dp)
             b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
-            ir = m0 + o_r // G2
+            ir = m0 + o_r // G2P
             m_r = ir < L
+            if G2 != G2P:  # padded head slots: masked (common.teacher)
+                m_r = m_r & (o_r % G2P < G2)
             b_tgt = teacher(  # [BT, BN]
-                Q, LSE, Kt, b_k0, (s0 + ir).to(tl.int64), o_r % G2, m_r, ir, kpos, j, m_j, p,
-                scale, H, Hkv, D, G, G2, R, BT, BN, PREC,
+                Q, LSE, Kt, b_k0, (s0 + ir).to(tl.int64), o_r % G2P, m_r, ir, kpos, j, m_j, p,
+                scale, H, Hkv, D, G, G2, G2P, R, BT, BN, PREC,
             )  # fmt: skip
             _, b_diff = proxy_step(
                 tl.zeros([BT], tl.float32), b_tgt, b_qp, b_kp, b_plse, m_t, i, j, m_j, pscale,
@@ -475,7 +500,7 @@ def _proxy_pass(
     T, H, D = q.shape
     Hs, Dp = q_proxy.shape[1:]
     Hkv, Hpk = k.shape[1], k_proxy.shape[1]
-    cands = _dense_tiles(tables)
+    cands = dense_tiles(D, tables.dense)
     grad = dkl is not None
     det = grad and cfg.deterministic
     most = (triton.cdiv(cfg.max_seqlen, 16), cu.numel() - 1, Hs)  # grid at the smallest tile
@@ -488,9 +513,9 @@ def _proxy_pass(
 
     def options(tile):
         rows, keys, warps = tile[:3]
-        G, G2, R, BT = geometry(H, Hkv, Hs, rows)
+        G, G2, G2P, R, BT = padded_geometry(H, Hkv, Hs, rows)
         return dict(
-            H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, D=D, Dp=Dp, G=G, G2=G2, R=R, BT=BT, BN=keys,
+            H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, D=D, Dp=Dp, G=G, G2=G2, G2P=G2P, R=R, BT=BT, BN=keys,
             KL_VALUE=kl_value, GRAD=grad, PREC=_prec(q), DK_PROXY=not det, num_warps=warps,
             num_stages=tile_stages(tile),
         )  # fmt: skip
@@ -517,10 +542,6 @@ def _proxy_pass(
         grid = (triton.cdiv(cfg.max_seqlen, tile[1]), cu.numel() - 1, Hpk)
         _dense_proxy_dk_kernel[grid](*dk_args, **dk_options(tile))
     return kl_part.sum() / (Hs * T) if kl_value else None
-
-
-def _dense_tiles(tables: tiles.Tables):
-    return DENSE_TILES if tables.dense is None else tables.dense
 
 
 def fwd(
@@ -585,12 +606,13 @@ def bwd(
             return dict(options(tile), DETERMINISTIC=det)
 
         key = (q.dtype, H, Hkv, D, det)
-        tile = tiles.pick(_dense_bwd_kernel, args, _dense_tiles(tables), bwd_options, key)
+        cands = dense_tiles(D, tables.dense)
+        tile = tiles.pick(_dense_bwd_kernel, args, cands, bwd_options, key)
         grid = (triton.cdiv(cfg.max_seqlen, tile[1]), N, Hkv if det else H)
         _dense_bwd_kernel[grid](*args, **bwd_options(tile))
         if det:
             dq_args = (q, k, v, dout, delta, lse, cu_seqlens, dq, cfg.softmax_scale)
-            tile = tiles.pick(_dense_bwd_dq_kernel, dq_args, _dense_tiles(tables), options, key)
+            tile = tiles.pick(_dense_bwd_dq_kernel, dq_args, cands, options, key)
             grid = (triton.cdiv(cfg.max_seqlen, tile[0]), N, H)
             _dense_bwd_dq_kernel[grid](*dq_args, **options(tile))
     if dkl is not None:

@@ -3,8 +3,8 @@
 One program per work item (worklist.py) = (selection head p, key block, up to TW tokens). For
 each chunk of BT tokens it rebuilds the teacher ``target = mean over the G main heads of P``
 (P from the saved main LSE; the G heads are visited in R sub-groups of G2 heads that share a KV
-head, packed into the MMA's M dimension) and the proxy distribution ``Q = exp(z - proxy_lse)``
-on the block's visible keys, then
+head, packed into the MMA's M dimension, padded to G2P rows per token: common.teacher) and the
+proxy distribution ``Q = exp(z - proxy_lse)`` on the block's visible keys, then
 
 - KL value: ``sum target * (log target - log Q)`` over the item (one fp32 partial per item);
 - gradient: ``dz = coef * (Q - target)`` with ``coef = dkl / (Hs * T)``,
@@ -31,7 +31,7 @@ import triton.language as tl
 from triton import jit
 
 from .. import ordered
-from ..worklist import geometry
+from ..worklist import padded_geometry
 from . import tiles
 from .common import item_block, item_rows, proxy_step, teacher
 
@@ -70,6 +70,7 @@ def _proxy_kernel(
     Dp: tl.constexpr,
     G: tl.constexpr,
     G2: tl.constexpr,
+    G2P: tl.constexpr,  # G2 padded to a power of two (worklist.padded_geometry)
     R: tl.constexpr,
     BN: tl.constexpr,  # keys per program: the block's part program_id(1) (BN <= block size)
     BT: tl.constexpr,
@@ -108,12 +109,12 @@ def _proxy_kernel(
     # with one KV sub-group (R == 1) the key tile stays in registers for the whole item
     p_k0 = Kt + (kpos * Hkv + (p * G) // (H // Hkv))[:, None] * D + o_d[None, :]
     b_k0 = tl.load(p_k0, mask=m_k[:, None], other=0.0)
-    nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, G2)  # (token, slot, head, mask) of G2 rows
-    nxt1 = item_rows(PERM, e0, e1, Hs * K, K, BT, 1)  # one row per token
+    nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, G2, G2P)  # (token, slot, head, mask) per row
+    nxt1 = item_rows(PERM, e0, e1, Hs * K, K, BT, 1, 1)  # one row per token
     for c in range(e0, e1, BT):
         if not PREFETCH:
-            nxt = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
-            nxt1 = item_rows(PERM, c, e1, Hs * K, K, BT, 1)
+            nxt = item_rows(PERM, c, e1, Hs * K, K, BT, G2, G2P)
+            nxt1 = item_rows(PERM, c, e1, Hs * K, K, BT, 1, 1)
         tr, _, hj, m_r = nxt
         t, slot, _, m_t = nxt1
         tr_pos, t_pos = tr, t  # the queries' packed key positions (causality)
@@ -124,11 +125,11 @@ def _proxy_kernel(
         b_qp = tl.load(QP + prow[:, None] * Dp + o_dp[None, :], mask=m_t[:, None], other=0.0)
         b_plse = tl.load(PLSE + prow, mask=m_t, other=0.0)
         if PREFETCH:  # the next chunk's entries load while this one computes
-            nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
-            nxt1 = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1)
+            nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2, G2P)
+            nxt1 = item_rows(PERM, c + BT, e1, Hs * K, K, BT, 1, 1)
         b_tgt = teacher(  # [BT, BN]
             Q, LSE, Kt, b_k0, tr, hj, m_r, tr_pos, kpos, kpos, m_k, p, scale,
-            H, Hkv, D, G, G2, R, BT, BN, PREC,
+            H, Hkv, D, G, G2, G2P, R, BT, BN, PREC,
         )  # fmt: skip
         kl_acc, b_diff = proxy_step(
             kl_acc, b_tgt, b_qp, b_kp, b_plse, m_t, t_pos, kpos, m_k, pscale, KL_VALUE, GRAD, PREC
@@ -255,10 +256,10 @@ def launch(
 
     def options(tile):
         rows, BN, prefetch, *stages = tile  # stages: PROXY_TILES' optional 4th entry
-        G, G2, R, BT = geometry(H, k.shape[1], Hs, rows)
+        G, G2, G2P, R, BT = padded_geometry(H, k.shape[1], Hs, rows)
         return dict(
             H=H, Hkv=k.shape[1], Hs=Hs, Hpk=Hpk, K=wl.slots, D=D,
-            Dp=Dp, G=G, G2=G2, R=R, BN=BN, BT=BT, NB=wl.num_blocks,
+            Dp=Dp, G=G, G2=G2, G2P=G2P, R=R, BN=BN, BT=BT, NB=wl.num_blocks,
             KL_VALUE=kl_value, GRAD=grad,
             PREC="ieee" if q.dtype.itemsize == 4 else "tf32", PREFETCH=prefetch,
             DETERMINISTIC=ordered_sums, HAS_QMAP=wl.q_map is not None, num_warps=8,

@@ -4,7 +4,9 @@ Same work items as the forward (worklist.py). A program owns (selection head p, 
 TW tokens); for each sub-group of G2 heads sharing a KV head it keeps the block's dK/dV in
 registers over its tokens and adds them to fp32 buffers once; dQ rows are added with fp32
 atomics (a query's gradient arrives from its K kept blocks). Probabilities are rebuilt from the
-saved LSE; indices are reused, never recomputed.
+saved LSE; indices are reused, never recomputed. Where G2 is not a power of two the MMA rows
+hold G2P (padded) head slots per token: a padded slot's row mask is False, so its dO, delta
+and P are 0 (dS = 0: it adds exactly 0 to dK/dV) and no dQ atomic or store targets it.
 
 The proxy gradient (closed form, only when the KL receives a gradient) is usually made by the
 forward: its KL-value pass also accumulates the gradient for ``dkl = 1`` (``Saved.proxy_grad``),
@@ -38,7 +40,7 @@ import triton.language as tl
 
 from .. import ordered, worklist
 from ..problem import Config, Grads, Saved, row_delta
-from ..worklist import ITEM_TOKENS, geometry
+from ..worklist import ITEM_TOKENS, padded_geometry
 from . import proxy as proxy_pass
 from . import tiles
 from .common import item_block, item_rows, probs
@@ -71,6 +73,7 @@ def _bwd_kernel(
     D: tl.constexpr,
     G: tl.constexpr,
     G2: tl.constexpr,
+    G2P: tl.constexpr,  # G2 padded to a power of two (worklist.padded_geometry)
     R: tl.constexpr,
     BN: tl.constexpr,  # keys per program: the block's part program_id(1) (BN <= block size)
     BT: tl.constexpr,
@@ -103,7 +106,7 @@ def _bwd_kernel(
         b_dk = tl.zeros([BN, D], tl.float32)
         b_dv = tl.zeros([BN, D], tl.float32)
         for c in range(e0, e1, BT):
-            t, slot, hj, m_r = item_rows(PERM, c, e1, Hs * K, K, BT, G2)
+            t, slot, hj, m_r = item_rows(PERM, c, e1, Hs * K, K, BT, G2, G2P)
             t_pos = t  # the query's packed key position (causality)
             if HAS_QMAP:
                 t_pos = tl.load(QMAP + t, mask=m_r, other=0).to(tl.int64)
@@ -194,9 +197,9 @@ def _main_tile(q, k, wl, cfg: Config, args, deterministic: bool, tables: tiles.T
 
     def options(tile):
         rows, BN, split = tile
-        G, G2, R, BT = geometry(H, Hkv, Hs, rows)
+        G, G2, G2P, R, BT = padded_geometry(H, Hkv, Hs, rows)
         return dict(
-            H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, R=R, BN=BN, BT=BT, DQ_SPLIT=split,
+            H=H, Hkv=Hkv, Hs=Hs, K=K, D=D, G=G, G2=G2, G2P=G2P, R=R, BN=BN, BT=BT, DQ_SPLIT=split,
             NB=wl.num_blocks, PREC="ieee" if q.dtype == torch.float32 else "tf32",
             DETERMINISTIC=deterministic, HAS_QMAP=has_qmap, num_warps=8,
             num_stages=BWD_STAGES,
@@ -310,7 +313,7 @@ def _ordered(
         args = _main_args(q, k, v, dout, delta, lse, probe, stub, stub, stub, probe.perm, cfg)
         tile, options = _main_tile(q, k, probe, cfg, args, True, tables)
         S = block // tile[1]
-        G, G2, R, _ = geometry(H, Hkv, Hs, tile[0])
+        G, G2, _, R, _ = padded_geometry(H, Hkv, Hs, tile[0])
         per_token = H * K * S * D * 4
         per_item = 2 * R * block * D * 4
         dq = torch.empty_like(q)  # slot_sum writes every row

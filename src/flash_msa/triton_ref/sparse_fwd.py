@@ -3,7 +3,8 @@
 Layout (see worklist.py): one program per work item = (selection head p, key block, up to TW
 query tokens that kept the block). The program loads the key block's K/V tile once per KV head
 and streams its tokens BT at a time; the G2 main heads of a token that share a KV head are
-packed into the MMA's M dimension (BM = BT * G2 rows, row r = token r // G2, head r % G2).
+packed into the MMA's M dimension (BM = BT * G2P rows, row r = token r // G2P, head r % G2P;
+G2P is G2 padded to a power of two, the padded rows masked: worklist.padded_geometry).
 
 Because a query's keys are split over its K kept blocks, the forward writes one partial
 (normalized o, lse) per (token, head, slot) and a combine kernel merges the K partials by their
@@ -34,7 +35,7 @@ import triton.language as tl
 
 from .. import sparse_forward
 from ..problem import Config
-from ..worklist import geometry
+from ..worklist import padded_geometry
 from . import proxy, tiles
 from .common import finish_lse, item_block, item_rows, proxy_chunk, row_exp
 
@@ -68,6 +69,7 @@ def _fwd_kernel(
     Dp: tl.constexpr,
     G: tl.constexpr,
     G2: tl.constexpr,
+    G2P: tl.constexpr,  # G2 padded to a power of two (worklist.padded_geometry)
     R: tl.constexpr,
     BLOCK: tl.constexpr,
     BT: tl.constexpr,
@@ -92,7 +94,7 @@ def _fwd_kernel(
             p_kv = (kpos * Hkv + kvh)[:, None] * D + o_d[None, :]
             b_k = tl.load(Kt + p_kv, mask=m_k[:, None], other=0.0)  # [BLOCK, D]
             b_v = tl.load(V + p_kv, mask=m_k[:, None], other=0.0)
-            nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, G2)
+            nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, G2, G2P)
             for c in range(e0, e1, BT):
                 qrow, slot, hj, m_r = nxt
                 t = qrow  # the query's packed key position (causality)
@@ -101,7 +103,7 @@ def _fwd_kernel(
                 row = qrow * H + h0 + hj  # [BM] (token, head)
                 b_q = tl.load(Q + row[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
                 # the next chunk's entries load while this one computes
-                nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2)
+                nxt = item_rows(PERM, c + BT, e1, Hs * K, K, BT, G2, G2P)
                 b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BM, BLOCK]
                 keep = m_k[None, :] & (kpos[None, :] <= t[:, None])
                 b_s = tl.where(keep, b_s, float("-inf"))
@@ -132,7 +134,7 @@ def _fwd_kernel(
         b_kp = tl.load(
             KP + (kpos * Hpk + pk)[:, None] * Dp + o_dp[None, :], mask=m_k[:, None], other=0.0
         )  # [BLOCK, Dp]
-        nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, 1)
+        nxt = item_rows(PERM, e0, e1, Hs * K, K, BT, 1, 1)
         for c in range(e0, e1, BT):
             b_z, qrow, slot, t, m_t, nxt = proxy_chunk(
                 QP, QMAP, PERM, b_kp, nxt, p, c, e1, o_dp, Hs, K, BT, PREC, HAS_QMAP
@@ -214,13 +216,18 @@ SIGNATURE = {  # runtime-argument types, for compile checks without a GPU (bf16 
 # layout, D = 64, block 128 every 8-warp tile spills 16-48 bytes there (Triton 3.9; sm_86/89/
 # 120 take 128 rows with O in 4 slices); 32 rows with 4 warps do not (215 registers, 40 KB).
 FWD_TILES = ((128, 1), (128, 4), (128, 2), (64, 1), (64, 4), (64, 2), (32, 1), (32, 1, 4))
+# the same for D = 256 (K and V tiles [block, 256]): at block 128 every 128- and 64-row entry
+# of FWD_TILES spills on sm_90 (Triton 3.9) but for 32 rows on mma.sync; O in 8 slices of 32
+# columns does not (241 registers, 128 KB), nor 4 slices at block 64 (254, 96 KB)
+FWD_TILES_WIDE = ((128, 4), (128, 8), (64, 4, 4), (32, 1), (32, 1, 4))
 
 
-def fwd_tiles(has_main: bool, table=None) -> tuple[tuple[int, ...], ...]:
-    """The forward's candidates (``table``, default :data:`FWD_TILES`); without the main pass
-    (another kernel makes it) ``OUT_SPLIT`` changes nothing, so only the row counts (and
-    warps) remain."""
-    table = FWD_TILES if table is None else table
+def fwd_tiles(has_main: bool, table=None, D: int = 128) -> tuple[tuple[int, ...], ...]:
+    """The forward's candidates (``table``, default :data:`FWD_TILES`, at ``D = 256``
+    :data:`FWD_TILES_WIDE`); without the main pass (another kernel makes it) ``OUT_SPLIT``
+    changes nothing, so only the row counts (and warps) remain."""
+    if table is None:
+        table = FWD_TILES if D <= 128 else FWD_TILES_WIDE
     if has_main:
         return table
     return tuple(dict.fromkeys((t[0], 1, *t[2:]) for t in table))
@@ -229,9 +236,11 @@ def fwd_tiles(has_main: bool, table=None) -> tuple[tuple[int, ...], ...]:
 FWD_STAGES = 1  # software-pipelining stages of the main forward
 
 
-def combine_heads(H: int, K: int) -> int:
-    """Heads merged per combine program: an [HB, K, D] tile of ~16K elements (no spills)."""
-    return max(1, min(triton.next_power_of_2(H), 128 // triton.next_power_of_2(K)))
+def combine_heads(H: int, K: int, D: int = 128) -> int:
+    """Heads merged per combine program: an [HB, K, D] tile of ~16K elements at D <= 128 (no
+    spills), half as many heads at D = 256."""
+    wide = max(1, D // 128)
+    return max(1, min(triton.next_power_of_2(H), 128 // triton.next_power_of_2(K) // wide))
 
 
 def partials(
@@ -276,9 +285,9 @@ def _launch(q, k, v, wl, cfg: Config, tok0: int, main, proxy, tables: tiles.Tabl
 
     def options(tile):
         rows, split, *warps = tile  # warps: FWD_TILES' optional 3rd entry
-        G, G2, R, BT = geometry(H, Hkv, Hs, rows)
+        G, G2, G2P, R, BT = padded_geometry(H, Hkv, Hs, rows)
         return dict(
-            H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, R=R,
+            H=H, Hkv=Hkv, Hs=Hs, Hpk=Hpk, K=K, D=D, Dp=Dp, G=G, G2=G2, G2P=G2P, R=R,
             BLOCK=cfg.block_size, BT=BT, NB=wl.num_blocks, PREC=prec,
             HAS_PROXY=proxy is not None, HAS_MAIN=has_main,
             OUT_SPLIT=split, HAS_QMAP=has_qmap, num_warps=warps[0] if warps else 8,
@@ -287,7 +296,7 @@ def _launch(q, k, v, wl, cfg: Config, tok0: int, main, proxy, tables: tiles.Tabl
 
     key = (q.dtype, H, Hkv, Hs, Hpk, K, D, Dp, cfg.block_size, proxy is not None, has_main)
     key += (has_qmap,)
-    cands = fwd_tiles(has_main, tables.fwd)
+    cands = fwd_tiles(has_main, tables.fwd, D)
     tile = tiles.pick(_fwd_kernel, args, cands, options, (*key, FWD_STAGES))
     _fwd_kernel[(wl.num_items,)](*args, **options(tile))
 
@@ -299,7 +308,7 @@ def combine(o_part, l_part, idx, out, lse):
     H = lse.shape[1]
     has_o = o_part is not None
     D = out.shape[-1] if has_o else 16
-    HB = combine_heads(H, K)
+    HB = combine_heads(H, K, D)
     _combine_kernel[(C, triton.cdiv(H, HB))](
         o_part if has_o else l_part, l_part, idx, out if has_o else lse, lse,
         H=H, Hs=Hs, K=K, KP2=max(2, triton.next_power_of_2(K)), D=D, G=H // Hs, HB=HB,

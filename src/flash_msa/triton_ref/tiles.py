@@ -75,6 +75,15 @@ SHARED_LIMITS = {
 }
 SMEM_LIMIT_ENV = "FLASH_MSA_SMEM_LIMIT"  # a cap (bytes per block) below the device's, for tests
 
+# The head dims the tables hold a spill-free tile for that fits the shared memory (the
+# backend's LIMITS declare them; compile_check checks them). D = 256 (Gemma's): the main
+# kernels' K / V tiles are [BN, 256] (2 x 64 KB per block of 128 keys in bf16), so the lists
+# walk further (sm_90, Triton 3.9: the forward 32 rows at block 128, the backward 32 rows x 32
+# keys, 82 KB: every larger tile spills). Dp stops at 128: at D = Dp = 256 the deterministic
+# proxy pass spills with every candidate on sm_90 (24-40 bytes), at Dp = 128 it does not.
+HEAD_DIMS = (16, 32, 64, 128, 256)
+PROXY_HEAD_DIMS = (16, 32, 64, 128)
+
 
 @dataclasses.dataclass(frozen=True)
 class Tables:
