@@ -22,7 +22,7 @@ def main():
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--inputs", default="random")
-    ap.add_argument("--no-kl", action="store_true", help="compute_kl=False (issue 13/14 step)")
+    ap.add_argument("--no-kl", action="store_true", help="compute_kl=False (the step without the KL)")
     ap.add_argument("--trace", default=None, help="write a Chrome trace (host and GPU) here")
     args = ap.parse_args()
     os.environ["FLASH_MSA_BACKEND"] = args.backend

@@ -94,6 +94,17 @@ WORKLOADS = (
         json_flag=None,
     ),
     Workload("guard-cost", _script("benchmarks/guard_cost.py"), json_flag=None),
+    # kernel-time breakdown of one CuTe training step (torch.profiler): what each kernel costs
+    Workload(
+        "profile-step-anchor-32k",
+        _script("benchmarks/profile_step.py --shape anchor --seqlen 32768 --backend cute"),
+        json_flag=None,
+    ),
+    Workload(
+        "profile-step-paper-128k",
+        _script("benchmarks/profile_step.py --shape paper --seqlen 131072 --backend cute"),
+        json_flag=None,
+    ),
     Workload(
         "first-step-cache",
         _script(f"{GPU_TEST} -q -s tests/integration/test_first_call_gpu.py -k first_step"),
