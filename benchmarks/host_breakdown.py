@@ -12,7 +12,7 @@ step's host enqueue time and its CUDA-event time. The launches are asynchronous 
 has no host sync, so a function's time is its host cost, not the GPU's.
 
 ``--launch-ab``: the host cost of one CuTe launch (the row-delta kernel on 64 rows, so the GPU
-never waits) through ``common.run_typed`` (the DSL's executor, typed pointers) against the same
+never waits) through ``launch.run_typed`` (the DSL's executor, typed pointers) against the same
 kernel compiled with ``--enable-tvm-ffi`` and called with plain ints (device addresses, the row
 count, the stream handle); the two outputs must be bitwise equal.
 """
@@ -127,7 +127,7 @@ def launch_ab(reps: int = 2000) -> dict:
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    from flash_msa.cute import common, row_delta_sm90 as rd
+    from flash_msa.cute import common, launch, row_delta_sm90 as rd
 
     T, H, D = 4, 16, 128
     dout = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
@@ -153,13 +153,13 @@ def launch_ab(reps: int = 2000) -> dict:
                              rd.RowDeltaSm90.unroll)  # fmt: skip
     dst = torch.empty((T, H), dtype=torch.float32, device="cuda")
     args = rd.launch_arguments(
-        kernel, dout.data_ptr(), out.data_ptr(), dst.data_ptr(), T * H, common.stream(dout.device)
+        kernel, dout.data_ptr(), out.data_ptr(), dst.data_ptr(), T * H, launch.stream(dout.device)
     )
-    key = next(k for k in common._compiled if k[1] == kernel)
-    fn = common._compiled[key]
+    key = next(k for k in launch._compiled if k[1] == kernel)
+    fn = launch._compiled[key]
     res["executor_call_us"] = per_call(lambda: fn(*args))
     res["run_typed_us"] = per_call(
-        lambda: common.run_typed(kernel, dout.device, args, rd.LAUNCH_SIGNATURE)
+        lambda: launch.run_typed(kernel, dout.device, args, rd.LAUNCH_SIGNATURE)
     )
     spec = rd.launch_arguments(kernel, 1 << 20, 1 << 20, 1 << 20, 1, make_fake_stream())
     t0 = time.perf_counter()

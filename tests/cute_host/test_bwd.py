@@ -4,7 +4,7 @@
   launch instead of five), each 16-byte aligned, separate where a view would not be;
 - the proxy gradients' ``dkl`` scale is stored straight into the input dtype (one op
   instead of a multiply and a cast), bit for bit the old expression;
-- ``common.pointer_arguments`` keeps its result per exact launch: the same objects for the
+- ``launch.pointer_arguments`` keeps its result per exact launch: the same objects for the
   same tensors, a fresh result for any change, and the same ValueErrors for bad tensors;
 - ``problem.problem_of`` asks a device's capability once.
 
@@ -29,7 +29,7 @@ from cutlass import BFloat16  # noqa: E402
 from cutlass.cute.runtime import make_fake_stream  # noqa: E402
 
 from flash_msa import problem, reference  # noqa: E402
-from flash_msa.cute import backward, bwd_sm90, common, compile_check  # noqa: E402
+from flash_msa.cute import backward, bwd_sm90, common, compile_check, launch  # noqa: E402
 from flash_msa.problem import Saved  # noqa: E402
 from harness import config, incoming, packed_inputs  # noqa: E402
 
@@ -44,8 +44,8 @@ pytest.importorskip("cutlass")
 @pytest.fixture
 def fresh_pointers(monkeypatch):
     """An empty pointer cache for the test (the module's own is left as it was)."""
-    monkeypatch.setattr(common, "_POINTERS", collections.OrderedDict())
-    return common._POINTERS
+    monkeypatch.setattr(launch, "_POINTERS", collections.OrderedDict())
+    return launch._POINTERS
 
 
 def _bwd_specimens(tokens=8):
@@ -64,13 +64,13 @@ def test_launch_cache_hit_equals_a_fresh_build(fresh_pointers):
     """The same tensors (and new tensor objects over the same memory) get the identical
     objects back, which describe what a call with an empty cache makes."""
     names, ts = _bwd_specimens()
-    first = common.pointer_arguments("CuTe backward", names, ts, ts[0].device)
-    again = common.pointer_arguments("CuTe backward", names, ts, ts[0].device)
+    first = launch.pointer_arguments("CuTe backward", names, ts, ts[0].device)
+    again = launch.pointer_arguments("CuTe backward", names, ts, ts[0].device)
     assert again is first
     views = tuple(t.view(t.shape) for t in ts)  # new tensor objects, same memory and layout
-    assert common.pointer_arguments("CuTe backward", names, views, ts[0].device) is first
+    assert launch.pointer_arguments("CuTe backward", names, views, ts[0].device) is first
     fresh_pointers.clear()
-    fresh = common.pointer_arguments("CuTe backward", names, ts, ts[0].device)
+    fresh = launch.pointer_arguments("CuTe backward", names, ts, ts[0].device)
     assert fresh is not first and _described(fresh) == _described(first)
 
 
@@ -84,7 +84,7 @@ def test_launch_cache_misses_on_any_changed_tensor_field(fresh_pointers):
     rows = torch.zeros(q.shape[0] + 1, q.shape[1], dtype=q.dtype)
     keys = torch.zeros(k.shape[0], k.shape[2], k.shape[1], dtype=k.dtype)
     base = (rows[:-1], ts[1], keys.permute(0, 2, 1), *ts[3:])
-    first = common.pointer_arguments("CuTe backward", names, base, dev)
+    first = launch.pointer_arguments("CuTe backward", names, base, dev)
     changes = {
         "address": (0, torch.zeros_like(q)),
         "rows": (0, rows),
@@ -94,15 +94,15 @@ def test_launch_cache_misses_on_any_changed_tensor_field(fresh_pointers):
     for what, (i, t) in changes.items():
         assert t.data_ptr() == base[i].data_ptr() or what == "address"
         tensors = base[:i] + (t,) + base[i + 1 :]
-        got = common.pointer_arguments("CuTe backward", names, tensors, dev)
+        got = launch.pointer_arguments("CuTe backward", names, tensors, dev)
         assert got is not first, what
         want = _described(got)
         fresh_pointers.clear()
-        assert _described(common.pointer_arguments("CuTe backward", names, tensors, dev)) == want
+        assert _described(launch.pointer_arguments("CuTe backward", names, tensors, dev)) == want
         assert want != _described(first), what
-        assert common.pointer_arguments("CuTe backward", names, base, dev) is not first
-        first = common.pointer_arguments("CuTe backward", names, base, dev)
-    other = common.pointer_arguments("CuTe selection", names, base, dev)
+        assert launch.pointer_arguments("CuTe backward", names, base, dev) is not first
+        first = launch.pointer_arguments("CuTe backward", names, base, dev)
+    other = launch.pointer_arguments("CuTe selection", names, base, dev)
     assert other is not first and _described(other) == _described(first)
 
 
@@ -111,7 +111,7 @@ def test_launch_cache_keeps_the_refusals(fresh_pointers):
     raised before, also after the well-formed launch they come from was kept."""
     names, ts = _bwd_specimens()
     dev = ts[0].device
-    common.pointer_arguments("CuTe backward", names, ts, dev)  # kept
+    launch.pointer_arguments("CuTe backward", names, ts, dev)  # kept
     buf = torch.zeros(ts[0].numel() + 8, dtype=ts[0].dtype)
     bad = {
         "not 16-byte aligned": buf[1 : 1 + ts[0].numel()].view(ts[0].shape),
@@ -121,27 +121,27 @@ def test_launch_cache_keeps_the_refusals(fresh_pointers):
     for _ in range(2):  # (the second time: nothing kept makes them pass)
         for text, t in bad.items():
             with pytest.raises(ValueError, match=text) as err:
-                common.pointer_arguments("CuTe backward", names, (t, *ts[1:]), dev)
+                launch.pointer_arguments("CuTe backward", names, (t, *ts[1:]), dev)
             assert "CuTe backward: q" in str(err.value)
     with pytest.raises(ValueError, match="is on cpu, not meta"):  # the device argument
-        common.pointer_arguments("CuTe backward", names, ts, torch.device("meta"))
+        launch.pointer_arguments("CuTe backward", names, ts, torch.device("meta"))
     long = torch.empty((2**31 + 16,), dtype=torch.int8)
     for _ in range(2):
         with pytest.raises(ValueError, match="more than 2"):
-            common.pointer_arguments("probe", ("perm",), (long,), long.device)
+            launch.pointer_arguments("probe", ("perm",), (long,), long.device)
     assert len(fresh_pointers) == 1  # only the well-formed launch was kept
 
 
 def test_launch_cache_is_bounded_least_recently_used(fresh_pointers, monkeypatch):
     """At most ``POINTER_CACHE_SIZE`` launches; a hit makes its launch the most recent."""
-    monkeypatch.setattr(common, "POINTER_CACHE_SIZE", 3)
+    monkeypatch.setattr(launch, "POINTER_CACHE_SIZE", 3)
     ts = [torch.zeros(4, 8, dtype=torch.bfloat16) for _ in range(5)]
-    got = [common.pointer_arguments("m", ("x",), (t,), t.device) for t in ts[:3]]
-    assert common.pointer_arguments("m", ("x",), (ts[0],), ts[0].device) is got[0]  # refreshed
-    common.pointer_arguments("m", ("x",), (ts[3],), ts[3].device)  # drops ts[1]'s
+    got = [launch.pointer_arguments("m", ("x",), (t,), t.device) for t in ts[:3]]
+    assert launch.pointer_arguments("m", ("x",), (ts[0],), ts[0].device) is got[0]  # refreshed
+    launch.pointer_arguments("m", ("x",), (ts[3],), ts[3].device)  # drops ts[1]'s
     assert len(fresh_pointers) == 3
-    assert common.pointer_arguments("m", ("x",), (ts[0],), ts[0].device) is got[0]
-    assert common.pointer_arguments("m", ("x",), (ts[1],), ts[1].device) is not got[1]
+    assert launch.pointer_arguments("m", ("x",), (ts[0],), ts[0].device) is got[0]
+    assert launch.pointer_arguments("m", ("x",), (ts[1],), ts[1].device) is not got[1]
 
 
 class _EvictedByAnotherThread(collections.OrderedDict):
@@ -154,9 +154,9 @@ class _EvictedByAnotherThread(collections.OrderedDict):
 
 def test_launch_cache_survives_a_concurrent_eviction(monkeypatch):
     names, ts = _bwd_specimens()
-    monkeypatch.setattr(common, "_POINTERS", _EvictedByAnotherThread())
-    first = common.pointer_arguments("CuTe backward", names, ts, ts[0].device)
-    assert common.pointer_arguments("CuTe backward", names, ts, ts[0].device) is first
+    monkeypatch.setattr(launch, "_POINTERS", _EvictedByAnotherThread())
+    first = launch.pointer_arguments("CuTe backward", names, ts, ts[0].device)
+    assert launch.pointer_arguments("CuTe backward", names, ts, ts[0].device) is first
 
 
 # ---------------------------------------------------------------------------------------------

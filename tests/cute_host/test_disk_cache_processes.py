@@ -38,7 +38,7 @@ def _child() -> dict:
     import torch
     from cutlass import BFloat16
 
-    from flash_msa.cute import common, compile_check, disk_cache, select_sm90
+    from flash_msa.cute import compile_check, disk_cache, launch, select_sm90
     from flash_msa.cute.select_sm90 import SelectSm90
 
     imported = time.perf_counter() - t0
@@ -62,7 +62,7 @@ def _child() -> dict:
         t = time.perf_counter()
         fn = disk_cache.compiled(  # (the production options: a TVM-FFI function)
             kernel, args, select_sm90.LAUNCH_SIGNATURE, "sm_90-test",
-            f"{common.FFI_OPTIONS} --gpu-arch sm_90a",
+            f"{launch.FFI_OPTIONS} --gpu-arch sm_90a",
         )  # fmt: skip
         seconds = time.perf_counter() - t
         # the launch arguments select_into passes for 300 (CPU) tokens
@@ -75,12 +75,12 @@ def _child() -> dict:
             torch.tensor([0, n], dtype=torch.int32),
             torch.zeros(n, Hp, K, dtype=torch.int32),
         )
-        _, launch = select_sm90.launch_arguments(kernel, tensors, 3, common.RawStream(0))
+        _, typed = select_sm90.launch_arguments(kernel, tensors, 3, launch.RawStream(0))
         # the call as run_typed makes it: the TVM-FFI function checks the arguments' number and
         # types first (a TypeError naming the parameter), then launches, which needs a GPU: on
         # this machine the CUDA runtime's error says the arguments were accepted
         try:
-            fn(*common.ffi_args(launch))
+            fn(*launch.ffi_args(typed))
             called = "launched"
         except Exception as e:
             called = f"{type(e).__name__}: {str(e)[:200]}"

@@ -2,9 +2,9 @@
 (token chunks, work-item ranges, partial layouts, the fixed-order sums of ``flash_msa.ordered``
 under the Triton interpreter) with the kernel replaced by a stand-in that writes what the
 kernel's indexing says it writes; the pointer launches of the selection, the forward partials,
-the KL mode and the backward (``common.pointer_arguments``: the views in the kernel object).
+the KL mode and the backward (``launch.pointer_arguments``: the views in the kernel object).
 
-CPU tests of the pointer launches (``common.pointer_arguments``, ``view_layout``, ``bound``,
+CPU tests of the pointer launches (``launch.pointer_arguments``, ``view_layout``, ``bound``,
 each kernel's ``views`` field and ``launch_arguments``). No compile:
 only the host code that builds a launch's kernel object and arguments runs, on CPU stand-ins.
 
@@ -27,7 +27,9 @@ from cutlass import BFloat16  # noqa: E402
 from cutlass.cute.runtime import make_fake_stream  # noqa: E402
 
 from flash_msa import ordered, reference, testing
-from flash_msa.cute import bwd_sm90, common, compile_check, fwd_partials_sm90, select_sm90  # noqa: E402
+from flash_msa.cute import (  # noqa: E402
+    bwd_sm90, common, compile_check, fwd_partials_sm90, launch, select_sm90,
+)
 from flash_msa.cute.backward import kernel_for  # noqa: E402
 from harness import config, packed_inputs
 
@@ -114,7 +116,7 @@ def test_cute_deterministic_glue_sums_every_partial_once(budget, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# pointer launches (common.pointer_arguments): the selection, the forward partials, the KL
+# pointer launches (launch.pointer_arguments): the selection, the forward partials, the KL
 # mode and the backward take typed pointers and mode-0 sizes; the rest of each tensor's view
 # is in the kernel object (its ``views`` field)
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +159,7 @@ def _layout_text(shape, stride) -> str:
 
 def test_cute_pointer_launch_views_are_the_dlpack_views():
     """Each pointer launch's kernel object carries, per tensor, exactly what the tensor's
-    DLPack view (``common.cute_tensor``, the launches' arguments before) baked into the
+    DLPack view (``launch.cute_tensor``, the launches' arguments before) baked into the
     compiled code: its element type and static sizes and strides, mode 0's size run-time;
     its arguments are a pointer per tensor (the view's element type, global memory, 16-byte
     alignment) and the mode-0 sizes; the bound object is kept (one per layout) and has a
@@ -166,10 +168,11 @@ def test_cute_pointer_launch_views_are_the_dlpack_views():
     import cutlass.cute as cute
 
     from flash_msa.cute import disk_cache
-    from flash_msa.cute.common import ALIGN, cute_tensor, view_signature
+    from flash_msa.cute.common import ALIGN
+    from flash_msa.cute.launch import cute_tensor, view_signature
 
-    for module, kernel, tensors, launch in _specimens():
-        bound, args = launch(kernel, tensors)
+    for module, kernel, tensors, launcher in _specimens():
+        bound, args = launcher(kernel, tensors)
         assert type(bound) is type(kernel) and bound != kernel, module.__name__
         assert bound == dataclasses.replace(kernel, views=bound.views)
         for t, (dtype, shape, stride) in zip(tensors, bound.views):
@@ -182,7 +185,7 @@ def test_cute_pointer_launch_views_are_the_dlpack_views():
         assert [int(n) for n in sizes] == [t.shape[0] for t in tensors]
         for p, view in zip(pointers, bound.views):
             assert p.__cache_key__ == (view[0], cute.AddressSpace.gmem, ALIGN)
-        again, _ = launch(kernel, tensors)
+        again, _ = launcher(kernel, tensors)
         assert again is bound  # (kept: no dataclasses.replace per launch)
         assert disk_cache.stable_text(bound) != disk_cache.stable_text(kernel)
         name = module.__name__.rsplit(".", 1)[1]
@@ -199,10 +202,10 @@ def test_cute_pointer_launch_layouts_make_different_kernels():
     (CPU time about 1 s.)"""
     pytest.importorskip("cutlass")
     from flash_msa.cute import disk_cache
-    from flash_msa.cute.common import cute_tensor
+    from flash_msa.cute.launch import cute_tensor
 
-    for module, kernel, tensors, launch in _specimens():
-        base, _ = launch(kernel, tensors)
+    for module, kernel, tensors, launcher in _specimens():
+        base, _ = launcher(kernel, tensors)
         names = module.launch_tensor_names(kernel)
         assert len(names) == len(tensors)
         k = names.index("k_proxy")
@@ -211,14 +214,14 @@ def test_cute_pointer_launch_layouts_make_different_kernels():
         # torch strides the view does not have (a size-1 mode's stride is 0 in the view):
         # the same view, so the same kernel object
         odd = torch.zeros(T, dim, dtype=tensors[k].dtype).as_strided((T, dim, 1), (dim, 1, 1))
-        same, _ = launch(kernel, tensors[:k] + (odd,) + tensors[k + 1 :])
+        same, _ = launcher(kernel, tensors[:k] + (odd,) + tensors[k + 1 :])
         assert same is base, module.__name__
         # the first (T, dim, heads) view of keys (or queries) with heads > 1, laid out
         # head-minor ((T, dim, heads) contiguous) instead of (T, heads, dim) permuted: the
         # strides differ, so the kernel objects and their disk-cache texts do
         i = next(i for i, t in enumerate(tensors) if t.dim() == 3 and t.shape[2] > 1)
         minor = torch.zeros(tensors[i].shape, dtype=tensors[i].dtype)
-        other, _ = launch(kernel, tensors[:i] + (minor,) + tensors[i + 1 :])
+        other, _ = launcher(kernel, tensors[:i] + (minor,) + tensors[i + 1 :])
         assert other.views[i][2] != base.views[i][2] and other != base, module.__name__
         assert disk_cache.stable_text(other) != disk_cache.stable_text(base)
         # a static size: a buffer of twice the width (the backward's stand-in of a part not
@@ -226,27 +229,27 @@ def test_cute_pointer_launch_layouts_make_different_kernels():
         j = max(i for i, t in enumerate(tensors) if t.dim() > 1)
         t = tensors[j]
         wider = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
-        other, _ = launch(kernel, tensors[:j] + (wider,) + tensors[j + 1 :])
+        other, _ = launcher(kernel, tensors[:j] + (wider,) + tensors[j + 1 :])
         assert other.views[j][1] != base.views[j][1] and other != base, (module.__name__, j)
         with pytest.raises(ValueError, match=f"{names[0]}'s base is not 16-byte aligned"):
-            launch(kernel, (torch.zeros(64, dtype=tensors[0].dtype)[1:],) + tensors[1:])
+            launcher(kernel, (torch.zeros(64, dtype=tensors[0].dtype)[1:],) + tensors[1:])
         moved = tensors[0].transpose(0, 1).contiguous().transpose(0, 1)  # mode 0 not outermost
         assert "?{" in cute_tensor(moved).__cache_key__[2]  # (a run-time stride in the view)
         with pytest.raises(ValueError, match="no static view"):
-            launch(kernel, (moved,) + tensors[1:])
+            launcher(kernel, (moved,) + tensors[1:])
         with pytest.raises(ValueError, match="expected"):
-            launch(kernel, tensors[:-1])
+            launcher(kernel, tensors[:-1])
 
 
 def test_run_typed_builds_typed_arguments_for_the_compile_only(monkeypatch):
-    """``common.run_typed`` with the call's values (``ffi``) and a function making the typed
+    """``launch.run_typed`` with the call's values (``ffi``) and a function making the typed
     arguments: the function runs once, for the compile (its stream as a ``cuda.CUstream``),
     every launch gets the values as given; a function without the values is refused."""
     pytest.importorskip("cutlass")
     import cuda.bindings.driver as cuda
     import torch
 
-    from flash_msa.cute import common, disk_cache, worklist_sm90
+    from flash_msa.cute import disk_cache, worklist_sm90
 
     compiled, calls, built = [], [], []
     monkeypatch.setattr(
@@ -255,22 +258,22 @@ def test_run_typed_builds_typed_arguments_for_the_compile_only(monkeypatch):
         or (lambda *a: calls.append(a)),
     )  # fmt: skip
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(common, "_compiled", {})
+    monkeypatch.setattr(launch, "_compiled", {})
     kernel, dev = worklist_sm90.ListBoundsSm90(threads=128), torch.device("cuda", 0)
-    values = (1 << 20, 2 << 20, 5, 3, common.RawStream(7))
+    values = (1 << 20, 2 << 20, 5, 3, launch.RawStream(7))
 
     def typed():
         built.append(1)
         return worklist_sm90.launch_arguments(kernel, *values)
 
     for _ in range(3):
-        common.run_typed(kernel, dev, typed, "sig", values)
+        launch.run_typed(kernel, dev, typed, "sig", values)
     assert len(built) == 1 and len(compiled) == 1 and calls == [values] * 3
     args, options = compiled[0]
-    assert options == common.FFI_OPTIONS and isinstance(args[-1], cuda.CUstream)
-    assert common.ffi_args(worklist_sm90.launch_arguments(kernel, *values)) == values
+    assert options == launch.FFI_OPTIONS and isinstance(args[-1], cuda.CUstream)
+    assert launch.ffi_args(worklist_sm90.launch_arguments(kernel, *values)) == values
     with pytest.raises(TypeError, match="ffi"):
-        common.run_typed(kernel, dev, typed, "sig")
+        launch.run_typed(kernel, dev, typed, "sig")
 
 
 pytest.importorskip("cutlass")
@@ -303,16 +306,16 @@ def test_view_layout_cache_never_serves_another_layout(monkeypatch):
     tensors = _layouts()
     fresh = []
     for t in tensors:
-        monkeypatch.setattr(common, "_VIEW_LAYOUTS", {})
-        fresh.append(common.view_layout(t))
+        monkeypatch.setattr(launch, "_VIEW_LAYOUTS", {})
+        fresh.append(launch.view_layout(t))
     for order in (tensors, tensors[::-1]):
-        monkeypatch.setattr(common, "_VIEW_LAYOUTS", {})
-        got = {id(t): common.view_layout(t) for t in order}
+        monkeypatch.setattr(launch, "_VIEW_LAYOUTS", {})
+        got = {id(t): launch.view_layout(t) for t in order}
         assert [got[id(t)] for t in tensors] == fresh
     kernel = select_sm90.SelectSm90(BFloat16, 128, 4, 1, 16, 128)
     for a in fresh:
         for b in fresh:
-            same = common.bound(kernel, (a,)) is common.bound(kernel, (b,))
+            same = launch.bound(kernel, (a,)) is launch.bound(kernel, (b,))
             assert same == (a == b)
 
 
@@ -362,7 +365,7 @@ def test_sizes_past_int32_are_refused():
     its true size; today its size reaches the kernel as Int32(-2147483632)."""
     t = torch.empty((2**31 + 16,), dtype=torch.int8)
     try:
-        _, ptrs = common.pointer_arguments("probe", ("perm",), (t,), t.device)
+        _, ptrs = launch.pointer_arguments("probe", ("perm",), (t,), t.device)
     except ValueError:
         return
     assert int(ptrs.sizes[0]) == t.shape[0]
@@ -398,7 +401,7 @@ class _ClearedByAnotherThread(dict):
 
 def test_view_layout_survives_a_concurrent_clear(monkeypatch):
     t = torch.zeros(4, 128, dtype=torch.bfloat16)
-    monkeypatch.setattr(common, "_VIEW_LAYOUTS", {})
-    want = common.view_layout(t)
-    monkeypatch.setattr(common, "_VIEW_LAYOUTS", _ClearedByAnotherThread(common._VIEW_LAYOUTS))
-    assert common.view_layout(t) == want
+    monkeypatch.setattr(launch, "_VIEW_LAYOUTS", {})
+    want = launch.view_layout(t)
+    monkeypatch.setattr(launch, "_VIEW_LAYOUTS", _ClearedByAnotherThread(launch._VIEW_LAYOUTS))
+    assert launch.view_layout(t) == want

@@ -256,19 +256,19 @@ def replayed(monkeypatch):
     launches = []
 
     def run(kernel, device, args, signature, ffi=None):
-        from flash_msa.cute import common
+        from flash_msa.cute import launch
 
         # the TVM-FFI call's values the launch hands over are the typed arguments' conversion
         args = args()  # (the typed arguments, built for the compile only)
-        assert ffi == common.ffi_args(args), (type(kernel).__name__, ffi)
+        assert ffi == launch.ffi_args(args), (type(kernel).__name__, ffi)
         launches.append(type(kernel).__name__)
         _replay(kernel, device, args, signature)
 
     monkeypatch.setattr(ws, "_device_reason", lambda device: None)
     monkeypatch.setattr(ws, "run_typed", run)
-    from flash_msa.cute import common
+    from flash_msa.cute import launch
 
-    monkeypatch.setattr(ws, "stream", lambda device: common.RawStream(0))
+    monkeypatch.setattr(ws, "stream", lambda device: launch.RawStream(0))
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: testing.poison(real_empty(*a, **kw)))
     return ws, launches

@@ -471,13 +471,13 @@ def test_cute_fp8_selection_host(monkeypatch):
 
 
 def test_cute_view_signature_has_the_static_layout():
-    """``common.view_signature`` (what ``view_layout`` keys the pointer launches' views by):
+    """``launch.view_signature`` (what ``view_layout`` keys the pointer launches' views by):
     static sizes, strides and dtypes of CuTe tensor views are in it, the run-time (outermost)
     size is not."""
     pytest.importorskip("cutlass")
     import torch
 
-    from flash_msa.cute.common import cute_tensor, view_signature
+    from flash_msa.cute.launch import cute_tensor, view_signature
 
     def sig(x):
         return view_signature(cute_tensor(x))

@@ -30,7 +30,7 @@ host modules per op (:mod:`.selection`, :mod:`.forward`, :mod:`.backward`, :mod:
 imports the host modules; :mod:`.compile_check` imports kernels and host code, and nothing
 imports it.
 
-Kernels are compiled on first use and cached in-process (``common.run_typed``) and on disk
+Kernels are compiled on first use and cached in-process (``launch.run_typed``) and on disk
 (:mod:`.disk_cache`: a second process loads instead of compiling; ``FLASH_MSA_CACHE=0`` off)
 per kernel object (every field of its configuration), static layout of its arguments and
 device; sequence lengths, token counts and the number of sequences are run-time values.

@@ -19,7 +19,8 @@ from ..problem import Grads, Problem, Saved
 from . import row_delta_sm90, worklist_sm90
 from .bwd_sm90 import LOG2E, BwdSm90, launch_items, unused_buffer
 from .bwd_ws_sm90 import BwdWsSm90
-from .common import ALIGN, aligned, cutlass_dtype
+from .common import ALIGN, cutlass_dtype
+from .launch import aligned
 from .memo import memo, shape_key
 
 

@@ -75,15 +75,11 @@ from .common import (
     WorkItems,
     acc_as_a,
     acc_rows_cols,
-    aligned,
-    bound,
-    pointer_arguments,
     pointer_tensors,
     row_gather_copy,
-    run_typed,
-    stream,
     tma_tiles,
 )
+from .launch import aligned, bound, pointer_arguments, run_typed, stream
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -128,7 +124,7 @@ class BwdSm90:
     # query rows through a query map (module docstring): the row data's token is
     # ``q_map[row]``; the launch takes the map as its last tensor
     qmap: bool = False
-    # the launch's tensors as their CuTe views had them (``common.view_layout``: element type,
+    # the launch's tensors as their CuTe views had them (``launch.view_layout``: element type,
     # static sizes and strides, in the order of :data:`LAUNCH_TENSORS`), set by
     # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
     # (TMA descriptors' boxes, the rows' strides), so two layouts are two kernel objects.
@@ -1065,11 +1061,11 @@ def launch_arguments(kernel: BwdSm90, tensors, scalars, num_blocks: int, tok0: i
     :data:`LAUNCH_TENSORS` (and the query map last for a ``qmap`` kernel), laid out as the
     kernel takes them (``BwdSm90.__call__``), ``scalars`` the four scales, ``num_blocks`` and
     ``tok0`` ints, ``strm`` the stream. ``kernel'`` is ``kernel`` with :attr:`BwdSm90.views`
-    set to the tensors' layouts (``common.view_layout``: what their CuTe views baked in),
+    set to the tensors' layouts (``launch.view_layout``: what their CuTe views baked in),
     ``args`` its ``__call__``'s arguments: typed pointers and mode-0 sizes in one
-    :class:`~.common.PointerTensors` (``common.pointer_arguments``: ~1 us a tensor instead of a
+    :class:`~.common.PointerTensors` (``launch.pointer_arguments``: ~1 us a tensor instead of a
     DLPack view's 10-40 us), the scales as ``Float32``, the ints as ``Int32``. Every argument's type
-    is then fixed by ``kernel'``, so :func:`~.common.run_typed` keys the compile cache on it alone.
+    is then fixed by ``kernel'``, so :func:`~.launch.run_typed` keys the compile cache on it alone.
 
     The tensors' dtypes are in the views (each pointer has its tensor's element type), as
     they were in the views' signatures. Raises ValueError for a tensor count that does not
@@ -1092,5 +1088,5 @@ def launch_arguments(kernel: BwdSm90, tensors, scalars, num_blocks: int, tok0: i
 
 
 # the disk cache's text for the argument types: fixed by the kernel object (its views) and
-# this module's source (both in the disk key); launches go through common.run_typed
+# this module's source (both in the disk key); launches go through launch.run_typed
 LAUNCH_SIGNATURE = "bwd_sm90.launch_arguments"

@@ -85,7 +85,8 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.cute.runtime import make_ptr
 
-from .common import cutlass_dtype, run_typed, stream
+from .common import cutlass_dtype
+from .launch import run_typed, stream
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -550,7 +551,7 @@ def launch_arguments(kernel: CombineSm90, o, lp, idx, out, lse, pl, plse, tokens
 
 
 # the disk cache's text for the argument types: fixed by the kernel object and this module's
-# source (both in the disk key); launches go through common.run_typed
+# source (both in the disk key); launches go through launch.run_typed
 LAUNCH_SIGNATURE = "combine_sm90.launch_arguments"
 
 

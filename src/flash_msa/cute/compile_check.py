@@ -52,7 +52,7 @@ from . import (
 )
 from .backward import kernel_for
 from .combine_sm90 import CombineSm90
-from .common import specimen_makers
+from .launch import specimen_makers
 from .fwd_partials_sm90 import FwdKlSm90, FwdPartialsSm90
 from .quantize_sm90 import QuantizeSm90
 from .row_delta_sm90 import RowDeltaSm90

@@ -1,6 +1,6 @@
 """Persistent on-disk cache of compiled CuTe kernels, shared by the processes of one machine.
 
-:func:`flash_msa.cute.common.run_typed` compiles a kernel on its first call in a process; this
+:func:`flash_msa.cute.launch.run_typed` compiles a kernel on its first call in a process; this
 module makes a second process (the other ranks of a training job, the next job) load that compiled
 kernel from disk instead: no Python tracing, no MLIR pipeline, no ptxas. nvidia-cutlass-dsl's
 own file cache (``CUTE_DSL_CACHE_DIR``) cannot do it: ``cute.compile`` turns it off
@@ -334,7 +334,7 @@ def _runtime_loaded() -> None:
         log.warning("flash_msa: cannot load the CuTe DSL runtime library globally: %s", e)
 
 
-TVM_FFI = "--enable-tvm-ffi"  # the compile option of TVM-FFI functions (common.FFI_OPTIONS)
+TVM_FFI = "--enable-tvm-ffi"  # the compile option of TVM-FFI functions (launch.FFI_OPTIONS)
 
 
 def _tvm_ffi(options: str) -> bool:

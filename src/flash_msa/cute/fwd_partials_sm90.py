@@ -90,16 +90,12 @@ from .common import (
     WorkItems,
     acc_as_a,
     acc_rows_cols,
-    aligned,
-    bound,
     cutlass_dtype,
-    pointer_arguments,
     pointer_tensors,
     row_gather_copy,
-    run_typed,
-    stream,
     tma_tiles,
 )
+from .launch import aligned, bound, pointer_arguments, run_typed, stream
 
 LN2 = 0.6931471805599453
 
@@ -192,7 +188,7 @@ class FwdPartialsSm90:
     # query rows through a query map (module docstring, "Query map"): a row's causal position
     # is ``q_map[row]``; the launch's work list carries the map (:class:`MappedWorkItems`)
     qmap: bool = False
-    # the launch's tensors as their CuTe views had them (``common.view_layout``: element type,
+    # the launch's tensors as their CuTe views had them (``launch.view_layout``: element type,
     # static sizes and strides, in the order of :func:`launch_tensor_names`), set by
     # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
     # (TMA descriptors' boxes, the rows' strides), so two layouts are two kernel objects.
@@ -913,11 +909,11 @@ def launch_arguments(kernel: FwdPartialsSm90, tensors, scalars, strm):
     as its ``__call__`` takes them, ``scalars`` its scalars in ``__call__``'s order (floats and
     ints: ``scale_log2, tok0, NB, pscale_log2`` / ``scale_log2, pscale_log2, NB``), ``strm``
     the stream. ``kernel'`` is ``kernel`` with ``views`` set to the tensors' layouts
-    (``common.view_layout``: what their CuTe views baked in; the element types too), ``args``
+    (``launch.view_layout``: what their CuTe views baked in; the element types too), ``args``
     its ``__call__``'s arguments: typed pointers and mode-0 sizes in one
-    :class:`~.common.PointerTensors` (``common.pointer_arguments``: ~1 us a tensor instead of a
+    :class:`~.common.PointerTensors` (``launch.pointer_arguments``: ~1 us a tensor instead of a
     DLPack view's 10-40 us), the scalars as ``Float32`` / ``Int32``. Every argument's type is then
-    fixed by ``kernel'``, so :func:`~.common.run_typed` keys the compile cache on it alone.
+    fixed by ``kernel'``, so :func:`~.launch.run_typed` keys the compile cache on it alone.
     ValueError (naming the tensor) for a wrong tensor count, a base that is not 16-byte aligned, a
     tensor on another device than q, or a layout whose view would have a run-time stride."""
     names = launch_tensor_names(kernel)
@@ -935,7 +931,7 @@ def launch_arguments(kernel: FwdPartialsSm90, tensors, scalars, strm):
 
 
 # the disk cache's text for the argument types: fixed by the kernel object (its views) and
-# this module's source (both in the disk key); launches go through common.run_typed
+# this module's source (both in the disk key); launches go through launch.run_typed
 LAUNCH_SIGNATURE = "fwd_partials_sm90.launch_arguments"
 
 

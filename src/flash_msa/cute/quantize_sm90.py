@@ -84,7 +84,8 @@ from cutlass.memory import SmemAllocator
 from cutlass.cute.runtime import make_ptr
 
 from .. import quant
-from .common import aligned, cutlass_dtype, run_typed, stream
+from .common import cutlass_dtype
+from .launch import aligned, run_typed, stream
 
 # Measured on the H200 at paper 128K (tests/ops/test_select_fp8.py: bytes and scales bitwise
 # equal to quant.quantize): 0.199 ms (8 warps x 1 pass, shipped) / 0.228 (4 x 2) / 0.217 (8 x 4)
@@ -534,5 +535,5 @@ def launch_arguments(kernel: QuantizeSm90, q, k, cu, q8, q_scale, k8, k_scale, n
 
 
 # the disk cache's text for the argument types: fixed by the kernel object and this module's
-# source (both in the disk key); launches go through common.run_typed
+# source (both in the disk key); launches go through launch.run_typed
 LAUNCH_SIGNATURE = "quantize_sm90.launch_arguments"

@@ -48,7 +48,7 @@ Large inputs: element offsets are 64-bit (``Int64(row) * D``), so ``T * H * D`` 
 :data:`MAX_ROWS` (2^30 rows = 275 GB of bf16 input at D 64, more than one GPU holds).
 
 Host: raw device addresses (``cute.runtime.make_ptr``, as ``combine_sm90``) and the row count
-as an ``Int32``; the compile cache is keyed by the kernel object alone (``common.run_typed``:
+as an ``Int32``; the compile cache is keyed by the kernel object alone (``launch.run_typed``:
 once per (dtype, D, tuning) per process, through the disk cache across processes). The output
 is ``torch.empty``, written on every row; no host synchronization, the current stream (CUDA
 graph capture works: the launch's arguments are the addresses and the row count).
@@ -66,7 +66,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.runtime import make_ptr
 
 from ..problem import row_delta as problem_row_delta
-from .common import cutlass_dtype, run_typed, stream
+from .common import cutlass_dtype
+from .launch import run_typed, stream
 
 HEAD_DIMS = (64, 128)  # D / 8 lanes per row must divide a warp: 8 or 16 lanes
 PIECE = 8  # elements of a 16-byte piece of a 2-byte dtype
@@ -295,5 +296,5 @@ def launch_arguments(kernel: RowDeltaSm90, dout: int, out: int, delta: int, n_ro
 
 
 # the disk cache's text for the argument types: fixed by the kernel object and this module's
-# source (both in the disk key); launches go through common.run_typed
+# source (both in the disk key); launches go through launch.run_typed
 LAUNCH_SIGNATURE = "row_delta_sm90.launch_arguments"

@@ -152,16 +152,12 @@ from ..cubin import SHARED_LIMIT
 from .common import (
     PointerTensors,
     acc_rows_cols,
-    aligned,
-    bound,
     cutlass_dtype,
-    pointer_arguments,
     pointer_tensors,
     row_gather_copy,
-    run_typed,
-    stream,
     tma_tiles,
 )
+from .launch import aligned, bound, pointer_arguments, run_typed, stream
 
 TILE_M = 128  # query tokens per CTA (two consumer warpgroups x 64 rows); the grid's y
 MAX_TOPK = 64  # a selector thread keeps its row's list in registers (152 of them at 64)
@@ -238,7 +234,7 @@ class SelectSm90:
     # FP8 mode (module docstring): the key scales' granularity, "block" or "token"
     # (quant.KEY_SCALES), with e4m3 operands; None: the exact bf16/fp16 selection
     key_scale: str | None = None
-    # the launch's tensors as their CuTe views had them (``common.view_layout``: element type,
+    # the launch's tensors as their CuTe views had them (``launch.view_layout``: element type,
     # static sizes and strides, in the order of :func:`launch_tensor_names`), set by
     # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
     # (TMA descriptors' boxes, the index rows' strides), so two layouts are two kernel
@@ -1065,10 +1061,10 @@ def launch_arguments(kernel: SelectSm90, tensors, n_mblk: int, strm):
     """``(kernel', args)`` of a launch of ``kernel``: ``tensors`` the torch tensors of
     :func:`launch_tensor_names` laid out as its ``__call__`` takes them (the proxy tensors as
     ``(T, Dp, heads)`` views), ``n_mblk`` the grid's y, ``strm`` the stream. ``kernel'`` is
-    ``kernel`` with ``views`` set to the tensors' layouts (``common.view_layout``: what their
+    ``kernel`` with ``views`` set to the tensors' layouts (``launch.view_layout``: what their
     CuTe views baked in, element types too), ``args`` its ``__call__``'s arguments: typed
-    pointers and mode-0 sizes (``common.pointer_arguments``: ~1 us a tensor instead of a
-    DLPack view's 10-40 us), ``Int32(n_mblk)``, the stream; :func:`~.common.run_typed` keys
+    pointers and mode-0 sizes (``launch.pointer_arguments``: ~1 us a tensor instead of a
+    DLPack view's 10-40 us), ``Int32(n_mblk)``, the stream; :func:`~.launch.run_typed` keys
     the compile cache on ``kernel'`` alone. ValueError (naming the tensor) for a wrong tensor
     count, a base that is not 16-byte aligned, a tensor on another device than q_proxy, or a
     layout whose view would have a run-time stride."""
@@ -1080,5 +1076,5 @@ def launch_arguments(kernel: SelectSm90, tensors, n_mblk: int, strm):
 
 
 # the disk cache's text for the argument types: fixed by the kernel object (its views) and
-# this module's source (both in the disk key); launches go through common.run_typed
+# this module's source (both in the disk key); launches go through launch.run_typed
 LAUNCH_SIGNATURE = "select_sm90.launch_arguments"

@@ -10,7 +10,7 @@ ms of CUDA-event time against 4.75 ms of kernels), and before the forward's part
 host time goes mostly to ``worklist``'s torch glue: ``blocks()`` 360 us (17 ops), ``lists()``
 241 us, ``items()`` ~309 us per call (14 ops; once in the forward, once in the backward with TW
 128). A torch op costs ~20 us of host time inside the step, a CuTe launch through
-``common.run_typed`` (TVM-FFI) ~4 us on its own. The values are the same
+``launch.run_typed`` (TVM-FFI) ~4 us on its own. The values are the same
 bit for bit, so each function here is a drop-in: the kernel where :func:`can_implement_blocks`
 (``..._items``, ``..._lists``) allows the call, else the torch function (the reason is
 returned, not raised).
@@ -70,7 +70,7 @@ which sets every slot of such a row to ``-1``) are taken as the last sequence's 
 
 Host: raw device addresses (``cute.runtime.make_ptr``) and Int32 counts
 (:func:`launch_arguments`: the kernel object fixes every argument's type, so
-``common.run_typed`` keys on it alone), built for the compile only: the launch passes the ints
+``launch.run_typed`` keys on it alone), built for the compile only: the launch passes the ints
 themselves (:func:`_launch`); the outputs in one ``torch.empty`` for ``blocks``, two for
 ``items`` and ``lists`` (with the sort's), written in full by the kernels (the padding columns
 of ``blocks`` aside); no host synchronization, the current stream (CUDA-graph capturable).
@@ -90,7 +90,7 @@ from cutlass.memory import SmemAllocator
 
 from .. import worklist
 from ..problem import capability
-from .common import run_typed, stream
+from .launch import run_typed, stream
 
 MAX_SIZE = 2**30  # every count and index of a launch (sequences, blocks, lists, items, entries)
 
@@ -667,12 +667,12 @@ def launch_arguments(kernel, *values):
 
 
 # the disk cache's text for the argument types: fixed by the kernel object and this module's
-# source (both in the disk key); launches go through common.run_typed
+# source (both in the disk key); launches go through launch.run_typed
 LAUNCH_SIGNATURE = "worklist_sm90.launch_arguments"
 
 def _launch(kernel, device: torch.device, *values) -> None:
     """Launch ``kernel`` on ``device``'s current stream with ``values`` (its addresses and
-    counts, :func:`launch_arguments`' order) through ``common.run_typed``. The TVM-FFI call
+    counts, :func:`launch_arguments`' order) through ``launch.run_typed``. The TVM-FFI call
     takes these ints as they are (tests/cute_host/test_worklist.py checks that they equal
     ``ffi_args`` of the typed arguments), so the typed arguments (``Int32(v)`` ~2.8 us and
     ``make_ptr`` ~2.1 us each on this CPU: 11.4 us for blocks' seven) are built only for the
