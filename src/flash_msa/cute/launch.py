@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import inspect
 import re
+from pathlib import Path
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -228,6 +231,18 @@ def stream(device: torch.device) -> RawStream:
     benchmarks/host_breakdown.py.)"""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return RawStream(torch._C._cuda_getCurrentRawStream(index))
+
+
+def builder_signature(builder) -> str:
+    """The text that stands for a launch's argument layout in the disk cache's key
+    (:func:`run_typed`'s ``signature``): the qualified name of ``builder`` (a host module's
+    ``launch_arguments``) and a hash of the source of its module and of this one. The kernel's
+    own module is in the key already (``disk_cache.source_hash``); the builder lives in a host
+    module, so a change to how it types the arguments changes the key too."""
+    h = hashlib.sha256()
+    for path in (inspect.getsourcefile(builder), __file__):
+        h.update(Path(path).read_bytes() + b"\0")
+    return f"{builder.__module__}.{builder.__qualname__}:{h.hexdigest()[:16]}"
 
 
 _compiled: dict = {}
