@@ -1,5 +1,6 @@
-"""CPU checks of the CuTe combine stage (``flash_msa/cute/combine_sm90.py``; its numerics are tested
-on the GPU: tests/ops/test_combine.py): the main merge, the LSE-only mode and the fused proxy LSE
+"""CPU checks of the CuTe combine stage (the kernel ``flash_msa/cute/combine_sm90.py``, its host
+code ``combine`` in ``flash_msa/cute/forward.py``; its numerics are tested on the GPU:
+tests/ops/test_combine.py): the main merge, the LSE-only mode and the fused proxy LSE
 compile for sm_90a without spills (the full list is ``compile_check.combine_configurations``, run by
 the CuTe compile check), the limits, the host's refusals of bad buffers, naming the argument, and
 what the host passes to a launch (addresses, token count; its CPU time). CPU time on the 2-core
@@ -38,7 +39,8 @@ def test_limits():
     from cutlass import BFloat16, Float16, Float32
 
     from flash_msa.cubin import SHARED_LIMIT
-    from flash_msa.cute.combine_sm90 import MAX_TOPK, CombineSm90, combine_fits
+    from flash_msa.cute.combine_sm90 import MAX_TOPK, CombineSm90
+    from flash_msa.cute.forward import combine_fits
 
     ok = CombineSm90.can_implement
     assert ok(BFloat16, 64, 4, 64, 128, True) is None
@@ -82,7 +84,7 @@ def _buffers(C=8, H=16, Hs=4, K=16, D=128):
 
 
 def test_host_refuses_bad_buffers_naming_them():
-    from flash_msa.cute.combine_sm90 import combine
+    from flash_msa.cute.forward import combine
 
     o_part, l_part, idx, out, lse, pl_part, plse = _buffers()
     cases = {
@@ -108,20 +110,25 @@ def test_host_passes_the_buffers_addresses(monkeypatch):
     (the first version's tensor views alone cost ~50 us here)."""
     import cuda.bindings.driver as cuda
 
-    from flash_msa.cute import combine_sm90
+    from flash_msa.cute import forward
 
     seen = []
-    monkeypatch.setattr(combine_sm90, "run_typed", lambda k, dev, args, sig: seen.append((k, args)))
-    monkeypatch.setattr(combine_sm90, "stream", lambda dev: cuda.CUstream(0))
+    signatures = set()
+    monkeypatch.setattr(
+        forward, "run_typed",
+        lambda k, dev, args, sig: seen.append((k, args)) or signatures.add(sig),
+    )  # fmt: skip
+    monkeypatch.setattr(forward, "stream", lambda dev: cuda.CUstream(0))
     o_part, l_part, idx, out, lse, pl_part, plse = _buffers()
 
     def addresses(args):
         return [int(a._pointer) for a in args[:7]], int(args[7])
 
-    combine_sm90.combine(o_part, l_part, idx, out, lse)
-    combine_sm90.combine(None, pl_part, idx, None, plse)
-    combine_sm90.combine(o_part, l_part, idx, out, lse, (pl_part, plse))
+    forward.combine(o_part, l_part, idx, out, lse)
+    forward.combine(None, pl_part, idx, None, plse)
+    forward.combine(o_part, l_part, idx, out, lse, (pl_part, plse))
     (k1, a1), (k2, a2), (k3, a3) = seen
+    assert signatures == {forward.COMBINE_SIGNATURE}
     ptr = [t.data_ptr() for t in (o_part, l_part, idx, out, lse, pl_part, plse)]
     assert addresses(a1) == ([*ptr[:5], ptr[1], ptr[4]], 8)
     assert addresses(a2) == ([ptr[5], ptr[5], ptr[2], ptr[6], ptr[6], ptr[5], ptr[6]], 8)
@@ -132,7 +139,7 @@ def test_host_passes_the_buffers_addresses(monkeypatch):
     n = 200
     t0 = time.perf_counter()
     for _ in range(n):
-        combine_sm90.combine(o_part, l_part, idx, out, lse, (pl_part, plse))
+        forward.combine(o_part, l_part, idx, out, lse, (pl_part, plse))
     us = (time.perf_counter() - t0) / n * 1e6
     # (reported, not asserted: ~25 us measured alone; speed is no test's verdict)
     print(f"host path of a fused call without the launch: {us:.1f} us")
@@ -159,7 +166,7 @@ def test_combine_shared_bytes_count_the_staged_rows():
 
 
 def test_combine_refuses_fp32_output_naming_it():
-    from flash_msa.cute.combine_sm90 import combine
+    from flash_msa.cute.forward import combine
 
     C, H, Hs, K, D = 4, 8, 2, 16, 64
     o_part = torch.zeros((C, H, K, D))

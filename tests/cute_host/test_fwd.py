@@ -72,19 +72,20 @@ def _case(q_map_dtype=torch.int32):
 def test_host_refuses_a_kernel_and_list_mismatch_and_a_bad_map():
     from cutlass import BFloat16
 
-    from flash_msa.cute import fwd_partials_sm90 as fp
+    from flash_msa.cute.forward import launch_partials
+    from flash_msa.cute.fwd_partials_sm90 import FwdPartialsSm90
 
     q, k, v, _, _, wl, o, lse, cfg = _case()
-    plain = fp.FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 4, 128)
+    plain = FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 4, 128)
     with pytest.raises(ValueError, match=r"qmap=False for a work list with a query map"):
-        fp.launch(plain, q, k, v, wl, o, lse, cfg)
+        launch_partials(plain, q, k, v, wl, o, lse, cfg)
     mapped = dataclasses.replace(plain, qmap=True)
     with pytest.raises(ValueError, match=r"qmap=True for a work list without a query map"):
-        fp.launch(mapped, q, k, v, wl._replace(q_map=None), o, lse, cfg)
+        launch_partials(mapped, q, k, v, wl._replace(q_map=None), o, lse, cfg)
     with pytest.raises(ValueError, match=r"wl\.q_map must be an int32 \(8,\)"):
-        fp.launch(mapped, q, k, v, wl._replace(q_map=wl.q_map.long()), o, lse, cfg)
+        launch_partials(mapped, q, k, v, wl._replace(q_map=wl.q_map.long()), o, lse, cfg)
     with pytest.raises(ValueError, match=r"wl\.q_map must be an int32 \(8,\)"):
-        fp.launch(mapped, q, k, v, wl._replace(q_map=wl.q_map[:-1]), o, lse, cfg)
+        launch_partials(mapped, q, k, v, wl._replace(q_map=wl.q_map[:-1]), o, lse, cfg)
 
 
 def test_the_forward_declares_the_map():
@@ -97,3 +98,19 @@ def test_the_forward_declares_the_map():
     q, k, v, idx, cu, wl, *_, cfg = _case()
     mapped = cute.stages_for(q, k, None, None, idx, cfg, mapped=True)
     assert mapped.q_map and mapped.kl is None
+
+
+def test_forward_launch_signatures_name_their_builders():
+    """Each launch-argument builder of the forward's host module has its own disk-cache text
+    (``launch.builder_signature``: the builder's qualified name and a hash of its module)."""
+    from flash_msa.cute import forward, launch
+
+    builders = {
+        forward.PARTIALS_SIGNATURE: forward.partials_arguments,
+        forward.KL_SIGNATURE: forward.kl_arguments,
+        forward.COMBINE_SIGNATURE: forward.combine_arguments,
+    }
+    assert len(builders) == 3
+    for signature, builder in builders.items():
+        assert signature == launch.builder_signature(builder)
+        assert signature.startswith(f"flash_msa.cute.forward.{builder.__name__}:")

@@ -1,5 +1,6 @@
-"""CPU checks of the CuTe KL stage on the forward partials' kernel (``flash_msa/cute/
-fwd_partials_sm90.py``: ``FwdKlSm90``, ``kl``, ``kl_fits``; its numerics are tested on the GPU:
+"""CPU checks of the CuTe KL stage on the forward partials' kernel (``FwdKlSm90`` in
+``flash_msa/cute/fwd_kl_sm90.py``, ``kl`` and ``kl_fits`` in ``flash_msa/cute/forward.py``; its
+numerics are tested on the GPU:
 tests/ops/test_kl.py -k fwd_mode): three configurations compile for sm_90a without spills
 (the full list is ``compile_check.kl_configurations``, run by the CuTe compile check), the
 limits and shared-memory sizes, the switch's default, the host's refusals naming the argument.
@@ -57,7 +58,7 @@ def test_limits_and_shared_memory():
     from cutlass import BFloat16, Float16, Float32
 
     from flash_msa.cubin import SHARED_LIMIT
-    from flash_msa.cute import fwd_partials_sm90 as f
+    from flash_msa.cute import fwd_kl_sm90 as f
 
     ok = f.FwdKlSm90.can_implement
     assert f.FwdKlSm90.warpgroups == 2
@@ -111,7 +112,7 @@ def _inputs(dtype=torch.bfloat16, H=16, Hkv=2, Hs=4, D=128, Dp=128, T=8):
 def test_kl_fits():
     import dataclasses
 
-    from flash_msa.cute.fwd_partials_sm90 import kl_fits
+    from flash_msa.cute.forward import kl_fits
 
     q, k, qp, kp, idx, cfg = _inputs()
     assert kl_fits(q, k, qp, kp, idx, cfg)
@@ -124,7 +125,7 @@ def test_kl_fits():
 
 
 def test_host_refusals_name_the_argument():
-    from flash_msa.cute.fwd_partials_sm90 import kl
+    from flash_msa.cute.forward import kl
 
     q, k, qp, kp, _, cfg = _inputs()
     T, H, Hs = q.shape[0], q.shape[1], qp.shape[1]
@@ -150,7 +151,7 @@ def _kernel_layouts(monkeypatch, D, Dp, block=128):
     import cutlass.cute as cute
 
     from flash_msa.cute import compile_check
-    from flash_msa.cute import fwd_partials_sm90 as f
+    from flash_msa.cute import fwd_kl_sm90 as f
 
     seen = {}
 
@@ -199,7 +200,7 @@ def test_kl_mode_refuses_unequal_q_and_proxy_dims(D, Dp):
     avoided by refusing those layouts: ``kl_fits`` is false, so Triton's KL stage runs them."""
     from cutlass import BFloat16
 
-    from flash_msa.cute.fwd_partials_sm90 import FwdKlSm90
+    from flash_msa.cute.fwd_kl_sm90 import FwdKlSm90
 
     why = FwdKlSm90.can_implement(BFloat16, 16, 2, 4, D, 16, 128, proxy_head_dim=Dp)
     assert why is not None and "D == Dp" in why

@@ -510,7 +510,7 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
     import cutlass
     import torch
 
-    from flash_msa.cute import fwd_partials_sm90
+    from flash_msa.cute import forward, fwd_partials_sm90
     from flash_msa.problem import Config
 
     reason = fwd_partials_sm90.head_geometry_reason
@@ -541,16 +541,16 @@ def test_cute_forward_refuses_head_layouts_and_buffers_it_cannot_run():
     o_ok = torch.zeros(T, H, 4, D, dtype=torch.bfloat16)
     l_ok = torch.zeros(T, H, 4)
     with pytest.raises(ValueError, match="o_part"):
-        fwd_partials_sm90.partials(q, k, k, WL, o_ok[:, :, :, :32], l_ok, cfg)
+        forward.partials(q, k, k, WL, o_ok[:, :, :, :32], l_ok, cfg)
     with pytest.raises(ValueError, match="l_part"):
-        fwd_partials_sm90.partials(q, k, k, WL, o_ok, l_ok.transpose(0, 1), cfg)
+        forward.partials(q, k, k, WL, o_ok, l_ok.transpose(0, 1), cfg)
     with pytest.raises(ValueError, match="warpgroups"):
         fwd_partials_sm90.FwdPartialsSm90(cutlass.BFloat16, H, Hkv, 4, D, 4, 64, 4)
     with pytest.raises(ValueError, match="divide one another"):
         q24 = torch.zeros(T, 24, D, dtype=torch.bfloat16)
         k3 = torch.zeros(T, 3, D, dtype=torch.bfloat16)
         WL.heads = 2
-        fwd_partials_sm90.partials(q24, k3, k3, WL, o_ok, l_ok, cfg)
+        forward.partials(q24, k3, k3, WL, o_ok, l_ok, cfg)
 
 
 def test_cute_proxy_lse_fit_and_host_checks():
@@ -561,7 +561,7 @@ def test_cute_proxy_lse_fit_and_host_checks():
     import torch
 
     from flash_msa import cute, sparse_forward
-    from flash_msa.cute import fwd_partials_sm90
+    from flash_msa.cute import forward
     from flash_msa.problem import Config
 
     assert cute.forward_stages().partials_make_proxy
@@ -578,7 +578,7 @@ def test_cute_proxy_lse_fit_and_host_checks():
     q, k = torch.zeros(T, H, D, **bf), torch.zeros(T, Hkv, D, **bf)
     qp, kp = torch.zeros(T, Hs, 128, **bf), torch.zeros(T, 1, 128, **bf)
     idx = torch.zeros(T, Hs, K, dtype=torch.int32)
-    fits = fwd_partials_sm90.proxy_fits
+    fits = forward.proxy_fits
     assert fits(q, k, qp, kp, idx, cfg)
     assert not fits(q, k, None, None, idx, cfg)
     assert not fits(q, k, qp.half(), kp.half(), idx, cfg)  # one element type per kernel
@@ -592,17 +592,17 @@ def test_cute_proxy_lse_fit_and_host_checks():
 
     o, lp, pl = torch.zeros(T, H, K, D, **bf), torch.zeros(T, H, K), torch.zeros(T, Hs, K)
     with pytest.raises(ValueError, match="pl_part"):
-        fwd_partials_sm90.partials(q, k, k, WL, o, lp, cfg, 0, (qp, kp, pl[:, :2]))
+        forward.partials(q, k, k, WL, o, lp, cfg, 0, (qp, kp, pl[:, :2]))
     with pytest.raises(ValueError, match="k_proxy"):
-        fwd_partials_sm90.partials(q, k, k, WL, o, lp, cfg, 0, (qp, kp.half(), pl))
+        forward.partials(q, k, k, WL, o, lp, cfg, 0, (qp, kp.half(), pl))
     with pytest.raises(ValueError, match="proxy_head_dim"):
-        fwd_partials_sm90.partials(q, k, k, WL, o, lp, cfg, 0, (qp[..., :96], kp[..., :96], pl))
+        forward.partials(q, k, k, WL, o, lp, cfg, 0, (qp[..., :96], kp[..., :96], pl))
     with pytest.raises(ValueError, match="pl_part must be torch.float32"):
-        fwd_partials_sm90.partials(q, k, k, WL, o, lp, cfg, 0, (qp, kp, pl.half()))
+        forward.partials(q, k, k, WL, o, lp, cfg, 0, (qp, kp, pl.half()))
     with pytest.raises(ValueError, match="l_part must be torch.float32"):
-        fwd_partials_sm90.partials(q, k, k, WL, o, lp.half(), cfg, 0, (qp, kp, pl))
+        forward.partials(q, k, k, WL, o, lp.half(), cfg, 0, (qp, kp, pl))
     with pytest.raises(ValueError, match="q_proxy must be"):  # not an IndexError
-        fwd_partials_sm90.partials(q, k, k, WL, o, lp, cfg, 0, (qp[:, 0], kp, pl))
+        forward.partials(q, k, k, WL, o, lp, cfg, 0, (qp[:, 0], kp, pl))
 
 
 def test_cute_compile_check_keeps_results_by_content(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
-"""GPU tests of the CuTe combine stage (``flash_msa/cute/combine_sm90.py``) on Hopper: the merge
-of a chunk's per-block partials by LSE, against the Triton stage it replaces and the
-fp64 torch math of the contract (``flash_msa.sparse_forward``), by the harness's rule; and the
-sparse forward with it in the driver against the reference.
+"""GPU tests of the CuTe combine stage (``flash_msa/cute/combine_sm90.py``, launched by
+``flash_msa/cute/forward.py``'s ``combine``) on Hopper: the merge of a chunk's per-block
+partials by LSE, against the Triton stage it replaces and the fp64 torch math of the contract
+(``flash_msa.sparse_forward``), by the harness's rule; and the sparse forward with it in the
+driver against the reference.
 
 At bf16 and fp16, each also with the main merge and the proxy LSE in one launch (``proxy=``).
 The partial buffers are built by hand: used slots with random LSEs (some ``-inf``: no visible
@@ -46,11 +47,12 @@ LAYOUTS = {
 }
 
 
-def _combine_module():
+def _forward_module():
+    """The CuTe forward's host module (``combine``, ``combine_fits``, ``partials``)."""
     pytest.importorskip("cutlass")
-    from flash_msa.cute import combine_sm90
+    from flash_msa.cute import forward
 
-    return combine_sm90
+    return forward
 
 
 def _partials(C, H, Hs, K, D, dtype, seed, extra=3, device="cuda"):
@@ -125,32 +127,32 @@ def test_cute_combine_matches_triton_and_exact(layout, dtype):
     same-dtype result; rows with no visible key: out 0, lse -inf; two runs bitwise equal; the
     LSE-only call (the proxy LSE) the same way; the fused call (main and proxy in one launch)
     too (its sums may round differently from the separate calls')."""
-    combine_sm90 = _combine_module()
+    forward = _forward_module()
     from flash_msa.triton_ref import sparse_fwd
 
     C, H, Hs, K, D = layout
     o_part, l_part, idx = _partials(C, H, Hs, K, D, dtype, seed=C + K)
     exact_out, exact_lse = _exact(o_part, l_part, idx)
-    out, lse = _run(combine_sm90.combine, o_part, l_part, idx, dtype, H, D)
+    out, lse = _run(forward.combine, o_part, l_part, idx, dtype, H, D)
     tri_out, tri_lse = _run(sparse_fwd.combine, o_part, l_part, idx, dtype, H, D)
     empty = torch.isneginf(exact_lse)
     assert empty.any() and (~empty).any()
     assert (out[empty] == 0).all()
     testing.assert_close("out", out, exact_out, tri_out, dtype=dtype)
     _check_lse("lse", lse, exact_lse, tri_lse)
-    again = _run(combine_sm90.combine, o_part, l_part, idx, dtype, H, D)
+    again = _run(forward.combine, o_part, l_part, idx, dtype, H, D)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
 
     # the proxy LSE: l_part (C, Hs, K) by the selection heads' own index rows (NaN where
     # unused, as l_part); the buffer longer than the chunk, as the driver's
     pl_part = l_part[:, :: H // Hs].contiguous()
-    _, plse = _run(combine_sm90.combine, None, pl_part, idx, dtype, Hs, D)
+    _, plse = _run(forward.combine, None, pl_part, idx, dtype, Hs, D)
     _, tri_plse = _run(sparse_fwd.combine, None, pl_part, idx, dtype, Hs, D)
     _check_lse("proxy lse", plse, _exact(None, pl_part, idx)[1], tri_plse)
 
     fused_plse = testing.poisoned((C, Hs), torch.float32, "cuda")
     f_out, f_lse = _run(
-        combine_sm90.combine, o_part, l_part, idx, dtype, H, D, proxy=(pl_part, fused_plse)
+        forward.combine, o_part, l_part, idx, dtype, H, D, proxy=(pl_part, fused_plse)
     )
     testing.assert_close("fused out", f_out, exact_out, tri_out, dtype=dtype)
     _check_lse("fused lse", f_lse, exact_lse, tri_lse)
@@ -160,14 +162,14 @@ def test_cute_combine_matches_triton_and_exact(layout, dtype):
 def test_cute_combine_writes_a_misaligned_lse_slice():
     """A chunk's ``lse`` slice that does not start on 16 bytes (Hs 1 and an odd chunk start):
     written through a temporary, the rows around it untouched."""
-    combine_sm90 = _combine_module()
+    forward = _forward_module()
     C, K = 101, 16
     _, l_part, idx = _partials(C, 4, 1, K, 64, torch.bfloat16, seed=3)
     pl_part = l_part[:, :1].contiguous()
     full = testing.poisoned((C + 2, 1), torch.float32, "cuda")
     lse = full[1 : C + 1]
     assert lse.data_ptr() % 16
-    combine_sm90.combine(None, pl_part, idx, None, lse)
+    forward.combine(None, pl_part, idx, None, lse)
     exact = _exact(None, pl_part, idx)[1]
     assert torch.equal(torch.isneginf(lse), torch.isneginf(exact))
     fin = ~torch.isneginf(exact)
@@ -183,16 +185,14 @@ def test_cute_forward_with_the_cute_combine_matches_reference(case, dtype, fused
     the same launch or not (the stages passed explicitly; the rest borrowed from Triton): out,
     lse, proxy LSE and KL by the rule against the fp64 reference; out and lse next to the CuTe
     forward as registered within the rule's tolerance of each other."""
-    combine_sm90 = _combine_module()
+    forward = _forward_module()
     cute_be, why = backends.load("cute")
     assert cute_be is not None, why
-    from flash_msa.cute.fwd_partials_sm90 import partials
-
     (qp, kp, q, k, v), cu, cfg, idx = selected_inputs(case, dtype=dtype, seed=11)
     H, Hp, D = q.shape[1], qp.shape[1], q.shape[2]
-    assert combine_sm90.combine_fits(dtype, H, Hp, cfg.top_k, D)
+    assert forward.combine_fits(dtype, H, Hp, cfg.top_k, D)
     stages = sparse_forward.Stages(  # fused: as cute.forward_stages gives it
-        partials=partials, combine=combine_sm90.combine, combine_makes_proxy=fused
+        partials=forward.partials, combine=forward.combine, combine_makes_proxy=fused
     )
     with pytest.MonkeyPatch.context() as mp:
         poison_new_buffers(mp)

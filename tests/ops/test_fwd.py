@@ -239,7 +239,7 @@ def test_cute_forward_partials_match_reference(case):
     kept (token, head, slot) row of a query chunk by the rule against the reference's attention
     over that slot's block; rows of unused slots stay unwritten (poisoned)."""
     _cute()
-    from flash_msa.cute import fwd_partials_sm90
+    from flash_msa.cute import forward
 
     lengths, H, Hkv, Hp, D, b, top_k, (c0, c1) = case
     T = sum(lengths)
@@ -254,7 +254,7 @@ def test_cute_forward_partials_match_reference(case):
         o_part=testing.poisoned((c1 - c0, H, top_k, D), q.dtype, "cuda"),
         l_part=testing.poisoned((c1 - c0, H, top_k), torch.float32, "cuda"),
     )
-    fwd_partials_sm90.partials(q, k, v, wl, mine["o_part"], mine["l_part"], cfg, c0)
+    forward.partials(q, k, v, wl, mine["o_part"], mine["l_part"], cfg, c0)
     assert mine["l_part"][~kept].isnan().all() and mine["o_part"][~kept].isnan().all()
     check({n: x[kept] for n, x in mine.items()}, exact, same)
 
@@ -370,7 +370,7 @@ def test_cute_forward_is_sync_free_and_graph_capturable():
 
 
 # ---------------------------------------------------------------------------------------------
-# forward: the proxy LSE partials in the CuTe partials' launch (fwd_partials_sm90.proxy_fits)
+# forward: the proxy LSE partials in the CuTe partials' launch (forward.proxy_fits)
 # ---------------------------------------------------------------------------------------------
 # lengths, H, Hkv, Hp, Hpk, D, Dp, block, top_k: the backward's layouts (harness.CUTE_LAYOUTS)
 # and Dp < D
@@ -392,7 +392,7 @@ def _proxy_partials_case(layout, dtype, seed=7):
 def _cute_partials_into_poisoned(xs, cfg, idx, wl, c0, proxy=True):
     """``(o_part, l_part, pl_part)`` of the CuTe partials stage (with the proxy LSE part when
     ``proxy``, else ``pl_part`` is ``None``), every buffer NaN-poisoned first."""
-    from flash_msa.cute import fwd_partials_sm90
+    from flash_msa.cute import forward
 
     qp, kp, q, k, v = xs
     C, Hp, K = idx.shape
@@ -400,7 +400,7 @@ def _cute_partials_into_poisoned(xs, cfg, idx, wl, c0, proxy=True):
     o = testing.poisoned((C, H, K, D), q.dtype, "cuda")
     lp = testing.poisoned((C, H, K), torch.float32, "cuda")
     pl = testing.poisoned((C, Hp, K), torch.float32, "cuda") if proxy else None
-    fwd_partials_sm90.partials(q, k, v, wl, o, lp, cfg, c0, (qp, kp, pl) if proxy else None)
+    forward.partials(q, k, v, wl, o, lp, cfg, c0, (qp, kp, pl) if proxy else None)
     return o, lp, pl
 
 
@@ -462,7 +462,7 @@ def test_cute_forward_op_with_proxy_lse_on_cute_matches_reference(layout, dtype,
     """The CuTe forward op where ``proxy_fits``: its partials make the proxy LSE partials
     (Triton's ``proxy_partials`` stage, patched to fail, never runs); out, lse, proxy LSE and KL
     by the rule against the reference, every buffer poisoned."""
-    from flash_msa.cute import fwd_partials_sm90
+    from flash_msa.cute import forward
     from flash_msa.triton_ref import sparse_fwd
 
     def not_this_stage(*args, **kwargs):
@@ -471,7 +471,7 @@ def test_cute_forward_op_with_proxy_lse_on_cute_matches_reference(layout, dtype,
     monkeypatch.setattr(sparse_fwd, "proxy_partials", not_this_stage)
     cute_be = _cute()
     (qp, kp, q, k, v), cu, cfg, idx = selected_inputs(PROXY_LAYOUTS[layout], dtype=dtype, seed=9)
-    assert fwd_partials_sm90.proxy_fits(q, k, qp, kp, idx, cfg)
+    assert forward.proxy_fits(q, k, qp, kp, idx, cfg)
     mine = _cute_fwd(cute_be, qp, kp, q, k, v, cu, cfg, idx)
     check(results(mine), *references(qp, kp, q, k, v, idx, cu, cfg), FWD)
 
@@ -715,7 +715,7 @@ def test_cute_forward_op_q_map_matches_reference(layout, kind, dtype, monkeypatc
     lse, proxy LSE and KL by the rule against the reference with the map on the mapped rows,
     padding rows exactly ``out = 0``, ``lse = proxy_lse = -inf``; every buffer poisoned."""
     from flash_msa import cute
-    from flash_msa.cute import forward, fwd_partials_sm90
+    from flash_msa.cute import forward
     from flash_msa.triton_ref import sparse_fwd
 
     def not_this_stage(*args, **kwargs):
@@ -726,7 +726,7 @@ def test_cute_forward_op_q_map_matches_reference(layout, kind, dtype, monkeypatc
     assert cute.forward_stages().q_map
     xs, cu, q_map, cfg, idx = _mapped_fwd_case(layout, kind, dtype, seed=13)
     qp, kp, q, k, v = xs
-    assert fwd_partials_sm90.proxy_fits(q, k, qp, kp, idx, cfg)
+    assert forward.proxy_fits(q, k, qp, kp, idx, cfg)
     with pytest.MonkeyPatch.context() as mp:
         poison_new_buffers(mp)
         mine = results(forward.fwd(q, k, v, idx, cu, cfg, qp, kp, q_map=q_map))

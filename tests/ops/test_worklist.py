@@ -652,11 +652,11 @@ def test_cute_partials_take_the_chunk_lists(monkeypatch):
     chunk's work list, rows of shared buffers and the whole call's ``perm``: every pointer
     16-byte aligned and every layout one its launch accepts (ValueError otherwise)."""
     pytest.importorskip("cutlass")
-    from flash_msa.cute import fwd_partials_sm90 as fp
+    from flash_msa.cute import forward
 
     launched = []
-    monkeypatch.setattr(fp, "run_typed", lambda kernel, dev, args, sig: launched.append(args))
-    monkeypatch.setattr(fp, "stream", lambda device: None)
+    monkeypatch.setattr(forward, "run_typed", lambda kernel, dev, args, sig: launched.append(args))
+    monkeypatch.setattr(forward, "stream", lambda device: None)
     lengths, H, Hkv, Hs, D, block, K, C = (300, 0, 212), 8, 2, 4, 64, 64, 2, 100
     (qp, kp, q, k, v), cu = packed_inputs(
         lengths, H, Hkv, Hs, 1, D, D, dtype=torch.bfloat16, device="cpu", seed=1
@@ -668,7 +668,7 @@ def test_cute_partials_take_the_chunk_lists(monkeypatch):
         rows = min(C, q.shape[0] - c * C)
         o_part = torch.empty((rows, H, K, D), dtype=q.dtype)
         l_part, pl_part = torch.empty((rows, H, K)), torch.empty((rows, Hs, K))
-        fp.partials(q, k, v, wl, o_part, l_part, cfg, c * C, (qp, kp, pl_part))
+        forward.partials(q, k, v, wl, o_part, l_part, cfg, c * C, (qp, kp, pl_part))
     assert len(launched) == 6
 
 

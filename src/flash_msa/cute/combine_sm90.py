@@ -1,8 +1,8 @@
 """The sparse forward's combine on Hopper (sm_90a) in CuTe DSL: merge per-block partials by LSE.
 
-The CuTe forward's ``combine`` stage (``cute.forward.forward_stages``) where :func:`combine_fits`
-holds for the call (tests/ops/test_combine.py on the H200); elsewhere the driver borrows
-Triton's combine.
+The CuTe forward's ``combine`` stage (``forward.combine``, in ``cute.forward.forward_stages``)
+where ``forward.combine_fits`` holds for the call (tests/ops/test_combine.py on the H200);
+elsewhere the driver borrows Triton's combine.
 
 Driver stage ``combine(o_part, l_part, idx, out, lse)`` of :mod:`flash_msa.sparse_forward` (its
 docstring has the partial-buffer contract). For a chunk of C tokens and a row ``(t, h)``, its K
@@ -79,14 +79,9 @@ from typing import ClassVar
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
-from cutlass.cute.runtime import make_ptr
-
-from .common import cutlass_dtype
-from .launch import run_typed, stream
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -96,9 +91,6 @@ WARPS = 4
 # 16-byte partial-row loads per lane in one cp.async commit group: K 64 at D 128 (32 loads per
 # lane) takes two groups, and the sums of the first start while the second is in flight
 BATCH = 16
-# byte alignment the launch assumes of each buffer's base: 16 for the 16-byte loads and stores
-# of o_part and out; the fp32 / int32 buffers are read and written one element at a time
-O_ALIGN, SCALAR_ALIGN = 16, 4
 
 
 def _pow2_at_least(n: int) -> int:
@@ -218,8 +210,8 @@ class CombineSm90:
         """Launch over the chunk's ``tokens * H`` rows: device addresses of ``o_part (C, H, K,
         D)``, ``l_part (C, H, K)`` fp32, ``idx (C, Hs, K)`` int32, ``out (C, H, D)``, ``lse (C,
         H)`` fp32, ``pl_part (C, Hs, K)`` and ``proxy_lse (C, Hs)`` fp32 (absent buffers: any
-        pointer of the type :func:`launch_arguments` gives, never read). The pointers' types
-        are :func:`launch_arguments`' (the compile cache relies on it)."""
+        pointer of the type ``forward.combine_arguments`` gives, never read). The pointers'
+        types are ``forward.combine_arguments``' (the compile cache relies on it)."""
         H, Hs, K, D = self.heads, self.sel_heads, self.top_k, self.head_dim
         n_rows = tokens * H
         mL = cute.make_tensor(pL, cute.make_layout(n_rows * K))
@@ -477,142 +469,3 @@ class CombineSm90:
             lse = mx + cute.math.log2(lsum, fastmath=True) * LN2
         if rl == 0 and in_range:
             mLse[row] = lse
-
-
-# ---------------------------------------------------------------------------------------------
-# host: the driver stage
-# ---------------------------------------------------------------------------------------------
-
-
-def combine_fits(dtype: torch.dtype, H: int, Hs: int, K: int, D: int) -> bool:
-    """Whether :func:`combine` can run a forward with these inputs (the main partials, the
-    proxy LSE alone and both in one launch): the switch in ``cute.forward_stages`` asks this,
-    else the driver borrows Triton's combine."""
-    main = CombineSm90.can_implement(cutlass_dtype(dtype), H, Hs, K, D, True, proxy=True)
-    proxy = CombineSm90.can_implement(None, Hs, Hs, K, 0, False)
-    return main is None and proxy is None
-
-
-def _address(name: str, buf: torch.Tensor, C: int, shape: tuple, dtype, align: int) -> int:
-    """The device address of ``buf[:C]`` after checking the contract's buffer: ``dtype``,
-    ``(>= C, *shape)``, contiguous, base ``align``-byte aligned (ValueError naming it)."""
-    if (
-        buf.dtype != dtype
-        or buf.dim() != len(shape) + 1
-        or tuple(buf.shape[1:]) != shape
-        or buf.shape[0] < C
-        or not buf.is_contiguous()
-        or buf.data_ptr() % align
-    ):
-        raise ValueError(
-            f"CuTe combine: {name} must be a contiguous, {align}-byte aligned {dtype} (>= {C}, "
-            f"{', '.join(map(str, shape))}) buffer; got {buf.dtype} {tuple(buf.shape)}, "
-            f"strides {buf.stride()}, address % {align} = {buf.data_ptr() % align}"
-        )
-    return buf.data_ptr()
-
-
-def _output(name: str, buf: torch.Tensor, shape: tuple, dtype, align: int) -> torch.Tensor:
-    """``buf`` itself if the kernel can write it in place (contiguous, ``align``-byte aligned),
-    else a fresh buffer the caller copies back."""
-    if buf.dtype != dtype or tuple(buf.shape) != shape:
-        raise ValueError(
-            f"CuTe combine: {name} must be a {dtype} {shape} tensor, got {buf.dtype} "
-            f"{tuple(buf.shape)}"
-        )
-    if buf.is_contiguous() and buf.data_ptr() % align == 0:
-        return buf
-    return torch.empty(shape, dtype=dtype, device=buf.device)
-
-
-def launch_arguments(kernel: CombineSm90, o, lp, idx, out, lse, pl, plse, tokens: int, strm):
-    """The arguments of a launch of ``kernel`` (its ``__call__``): the seven buffers' device
-    addresses (ints; an absent buffer: any address, never read) as typed pointers, the token
-    count, the stream. The pointers' types and alignments depend on ``kernel`` alone, so the
-    compile cache keys on the kernel object (:func:`combine`) and the compile check compiles
-    what runs (``compile_check.compile_combine``)."""
-    gmem = cute.AddressSpace.gmem
-    o_type, o_align = (kernel.dtype, O_ALIGN) if kernel.has_o else (Float32, SCALAR_ALIGN)
-
-    def f32(a):
-        return make_ptr(Float32, a, gmem, assumed_align=SCALAR_ALIGN)
-
-    return (
-        make_ptr(o_type, o, gmem, assumed_align=o_align),
-        f32(lp),
-        make_ptr(Int32, idx, gmem, assumed_align=SCALAR_ALIGN),
-        make_ptr(o_type, out, gmem, assumed_align=o_align),
-        f32(lse),
-        f32(pl),
-        f32(plse),
-        Int32(tokens),
-        strm,
-    )
-
-
-# the disk cache's text for the argument types: fixed by the kernel object and this module's
-# source (both in the disk key); launches go through launch.run_typed
-LAUNCH_SIGNATURE = "combine_sm90.launch_arguments"
-
-
-def combine(o_part, l_part, idx, out, lse, proxy=None):
-    """Driver stage ``combine`` (:mod:`flash_msa.sparse_forward`): merge the chunk's partials
-    ``o_part (>= C, H, K, D)`` (input dtype) and ``l_part (>= C, H, K)`` fp32 by their LSE into
-    ``out (C, H, D)`` and ``lse (C, H)`` fp32, C = ``idx.shape[0]``, ``idx (C, Hs, K)`` int32
-    (-1: unused slot). With ``o_part`` and ``out`` ``None`` the LSE only (the proxy LSE:
-    ``l_part = pl_part (>= C, Hs, K)``, ``lse = proxy_lse``). ``proxy = (pl_part, proxy_lse)``
-    (with ``o_part``): the proxy LSE too, in the same launch."""
-    has_o = o_part is not None
-    if has_o != (out is not None):
-        raise ValueError("CuTe combine: o_part and out are both given or both None")
-    if proxy is not None and not has_o:
-        raise ValueError("CuTe combine: proxy = (pl_part, proxy_lse) needs o_part and out")
-    if idx.dtype != torch.int32 or idx.dim() != 3:
-        raise ValueError(f"CuTe combine: idx must be int32 (C, Hs, K), got {idx.dtype} "
-                         f"{tuple(idx.shape)}")  # fmt: skip
-    C, Hs, K = idx.shape
-    if lse.dim() != 2:
-        raise ValueError(f"CuTe combine: lse must be (C, H), got {tuple(lse.shape)}")
-    H = lse.shape[1]
-    D = out.shape[-1] if has_o else 0
-    if has_o:
-        for name, t in (("o_part", o_part), ("out", out)):
-            if t.dtype not in (torch.bfloat16, torch.float16):
-                raise TypeError(
-                    f"CuTe combine: {name} must be bfloat16 or float16 (the partials' and the "
-                    f"output's dtype), got {t.dtype}"
-                )
-        kernel = CombineSm90(cutlass_dtype(out.dtype), H, Hs, K, D, True, proxy is not None)
-    else:
-        kernel = CombineSm90(None, H, Hs, K, 0, False)
-    if C * H * K * max(D, 1) >= 2**31:  # the kernel's flat sizes and LSE offsets are int32
-        raise ValueError(f"CuTe combine: C * H * K * D = {C * H * K * max(D, 1)} >= 2^31")
-    f32 = torch.float32
-    a_l = _address("l_part", l_part, C, (H, K), f32, SCALAR_ALIGN)
-    if not idx.is_contiguous():
-        idx = idx.contiguous()
-    lse_buf = _output("lse", lse, (C, H), f32, SCALAR_ALIGN)
-    a_o, a_out, a_pl, a_plse = a_l, lse_buf.data_ptr(), a_l, lse_buf.data_ptr()
-    if has_o:
-        a_o = _address("o_part", o_part, C, (H, K, D), out.dtype, O_ALIGN)
-        out_buf = _output("out", out, (C, H, D), out.dtype, O_ALIGN)
-        a_out = out_buf.data_ptr()
-    if proxy is not None:
-        pl_part, proxy_lse = proxy
-        a_pl = _address("pl_part", pl_part, C, (Hs, K), f32, SCALAR_ALIGN)
-        plse_buf = _output("proxy_lse", proxy_lse, (C, Hs), f32, SCALAR_ALIGN)
-        a_plse = plse_buf.data_ptr()
-    if C == 0:
-        return
-    device = lse.device
-    args = launch_arguments(
-        kernel, a_o, a_l, idx.data_ptr(), a_out, lse_buf.data_ptr(), a_pl, a_plse, C,
-        stream(device),
-    )  # fmt: skip
-    run_typed(kernel, device, args, LAUNCH_SIGNATURE)
-    if lse_buf is not lse:
-        lse.copy_(lse_buf)
-    if has_o and out_buf is not out:
-        out.copy_(out_buf)
-    if proxy is not None and plse_buf is not proxy_lse:
-        proxy_lse.copy_(plse_buf)

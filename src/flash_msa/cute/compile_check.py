@@ -42,9 +42,8 @@ from ..cubin import resources as cubin_resources
 from ..cubin import sass_counts
 from . import (
     bwd_sm90,
-    combine_sm90,
     disk_cache,
-    fwd_partials_sm90,
+    forward,
     quantize_sm90,
     row_delta_sm90,
     select_sm90,
@@ -52,8 +51,9 @@ from . import (
 )
 from .backward import kernel_for
 from .combine_sm90 import CombineSm90
+from .fwd_kl_sm90 import FwdKlSm90
+from .fwd_partials_sm90 import FwdPartialsSm90
 from .launch import specimen_makers
-from .fwd_partials_sm90 import FwdKlSm90, FwdPartialsSm90
 from .quantize_sm90 import QuantizeSm90
 from .row_delta_sm90 import RowDeltaSm90
 from .select_sm90 import FP8_STAGES, SelectSm90
@@ -195,7 +195,8 @@ def select_specimens(kernel: SelectSm90, tokens: int = 4) -> tuple:
 
 def fwd_specimens(kernel: FwdPartialsSm90, tokens: int = 4) -> tuple:
     """CPU stand-ins (zero-filled) of a forward-partials or KL launch's tensors
-    (``fwd_partials_sm90.launch_tensor_names``) in the layouts ``launch`` / ``kl`` pass,
+    (``forward.launch_tensor_names``) in the layouts ``forward.launch_partials`` /
+    ``forward.kl`` pass,
     ``tokens`` rows each: ``(T*H, D)`` / ``(T*Hs, Dp)`` rows, the ``(T, D, Hkv)`` / ``(T, Dp,
     Hpk)`` views of contiguous keys, the work list (int64 / int32), the partial buffers or the
     LSEs and sums (fp32), the map of a ``qmap`` kernel."""
@@ -265,7 +266,7 @@ def compile_fwd(
     dtype: str, H: int, Hkv: int, Hs: int, D: int, K: int, block: int, proxy=None,
     qmap: bool = False, *, dump=None, name: str = "",
 ) -> dict:  # fmt: skip
-    """Compile :class:`FwdPartialsSm90` on the launch arguments ``fwd_partials_sm90.launch``
+    """Compile :class:`FwdPartialsSm90` on the launch arguments ``forward.launch_partials``
     passes; ``proxy = (Hpk, Dp)``: the kernel with the proxy LSE part; ``qmap``: the query-map
     kernel."""
     mode = {}
@@ -274,7 +275,7 @@ def compile_fwd(
     wgs = FwdPartialsSm90.warpgroups
     kernel = FwdPartialsSm90(DTYPES[dtype], H, Hkv, Hs, D, K, block, wgs, **mode, qmap=qmap)
     scalars = (1.0, 0, 1, 1.0)
-    kernel, args = fwd_partials_sm90.launch_arguments(
+    kernel, args = forward.partials_arguments(
         kernel, fwd_specimens(kernel), scalars, make_fake_stream()
     )
     return compile_kernel(kernel, *args, dump=dump, name=name)
@@ -284,10 +285,10 @@ def compile_kl(
     dtype: str, H: int, Hkv: int, Hs: int, Hpk: int, D: int, Dp: int, K: int, block: int, *,
     dump=None, name: str = "",
 ) -> dict:  # fmt: skip
-    """Compile :class:`FwdKlSm90` on the launch arguments ``fwd_partials_sm90.kl`` passes."""
+    """Compile :class:`FwdKlSm90` on the launch arguments ``forward.kl`` passes."""
     wgs = FwdKlSm90.warpgroups
     kernel = FwdKlSm90(DTYPES[dtype], H, Hkv, Hs, D, K, block, wgs, True, Dp, Hpk)
-    kernel, args = fwd_partials_sm90.launch_arguments(
+    kernel, args = forward.kl_arguments(
         kernel, fwd_specimens(kernel), (1.0, 1.0, 1), make_fake_stream()
     )
     return compile_kernel(kernel, *args, dump=dump, name=name)
@@ -309,9 +310,9 @@ def compile_bwd(
 
 def compile_combine(dtype, H, Hs, K, D, has_o, proxy=False, *, dump=None, name=""):
     """Compile :class:`CombineSm90` (``proxy``: the fused proxy LSE) on the launch arguments
-    ``combine_sm90.combine`` passes (dummy addresses)."""
+    ``forward.combine`` passes (dummy addresses)."""
     kernel = CombineSm90(DTYPES[dtype], H, Hs, K, D, has_o, proxy)
-    return compile_memory_bound(kernel, combine_sm90.launch_arguments, 7, dump=dump, name=name)
+    return compile_memory_bound(kernel, forward.combine_arguments, 7, dump=dump, name=name)
 
 
 def compile_quantize(dtype, Dp, Hp, Hpk, block, key_scale, rotate, *, dump=None, name=""):
@@ -464,7 +465,7 @@ def bwd_configurations():
 
 def kl_configurations():
     """(name, dtype, H, Hkv, Hs, Hpk, D, Dp, K, block) of the forward's KL kernel
-    (:class:`~flash_msa.cute.fwd_partials_sm90.FwdKlSm90`, its shipped warpgroups): anchor and
+    (:class:`~flash_msa.cute.fwd_kl_sm90.FwdKlSm90`, its shipped warpgroups): anchor and
     paper, both dims and blocks, bf16 and fp16, G = H / Hs of 1, 2, 4, 8, 16, several proxy key
     heads."""
     for dt, H, Hkv, D, Dp, block in (

@@ -43,9 +43,8 @@ from ..backends import BackendError
 from ..problem import Config, Forward, Problem, Saved
 from .backward import bwd_kernel_reason
 from .bwd_sm90 import BwdSm90
-from .combine_sm90 import combine, combine_fits
 from .common import cutlass_dtype
-from .forward import fwd_reason, meta_inputs, stages_for
+from .forward import combine, combine_fits, fwd_reason, meta_inputs, stages_for
 from .fwd_partials_sm90 import FwdPartialsSm90
 
 GROUP = 64  # slots the CuTe combine merges per row (combine_sm90.MAX_TOPK): the first level
