@@ -155,3 +155,48 @@ def test_nothing_imports_the_cute_package_back():
     g = graph()
     back = [v for v in g if v.startswith("flash_msa.cute.") and "flash_msa.cute" in g[v]]
     assert not back, f"modules importing flash_msa.cute's __init__: {back}"
+
+
+# What a CuTe kernel module (device code: ``cute/*_sm90.py``) may import from the package: the
+# shared device helpers, another kernel module (a subclass's base) and the package's leaf
+# modules of plain data and arithmetic. Host code (launch arguments, torch tensors, the compile
+# cache, the choice between kernels) lives in the op's host module, which imports the kernels.
+KERNEL_IMPORTS = (
+    "flash_msa.cute.common", "flash_msa.problem", "flash_msa.worklist", "flash_msa.quant",
+    "flash_msa.cubin",
+)  # fmt: skip
+
+
+def _kernel_modules() -> list[str]:
+    return [n for n in MODULES if n.startswith("flash_msa.cute.") and n.endswith("_sm90")]
+
+
+def test_kernel_modules_import_only_device_helpers():
+    g = graph()
+    kernels = _kernel_modules()
+    assert len(kernels) >= 8, kernels  # (a guard on the test: the kernels are found)
+    bad = {
+        k: sorted(t for t in g[k] if t not in KERNEL_IMPORTS and t not in kernels) for k in kernels
+    }
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"kernel modules importing host code: {bad}"
+
+
+def test_kernel_modules_define_one_kernel_class():
+    """One kernel class per file (a class with a ``@cute.kernel`` method), except the work
+    list's five passes, which share its scan helpers in one file."""
+    counts = {}
+    for k in _kernel_modules():
+        tree = ast.parse(MODULES[k].read_text())
+        counts[k] = sum(
+            isinstance(c, ast.ClassDef)
+            and any(
+                isinstance(f, ast.FunctionDef)
+                and any(ast.unparse(d).endswith("kernel") for d in f.decorator_list)
+                for f in c.body
+            )
+            for c in tree.body
+        )
+    bad = {k: n for k, n in counts.items() if n != 1 and k != "flash_msa.cute.worklist_sm90"}
+    assert not bad, f"kernel modules with other than one kernel class: {bad}"
+    assert counts["flash_msa.cute.worklist_sm90"] == 5
