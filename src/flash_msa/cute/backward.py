@@ -135,9 +135,7 @@ def bwd(
     def launch(wl, outs, tok0=0, w0=0, w1=None):
         """One launch over items ``w0 .. w1`` of ``wl`` into ``outs`` (dq, dk, dv, dqp, dkp
         buffers; ``None``: a part not made)."""
-        launch_items(
-            kernel, (qv, *main_args, *proxy_args), scalars, wl, (*outs, None), tok0, w0, w1
-        )
+        launch_items(kernel, (qv, *main_args, *proxy_args), scalars, wl, outs, tok0, w0, w1)
 
     if det:
         dq, dk, dv, dqp, dkp = _ordered(launch, q, k, q_proxy, k_proxy, indices, cu_seqlens, cfg,

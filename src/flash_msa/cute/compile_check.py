@@ -232,7 +232,7 @@ def bwd_specimens(kernel: bwd_sm90.BwdSm90, tokens: int = 4) -> tuple:
         z(T * H), z(T * Hs, Dp, dtype=x), keys(Hpk, Dp), z(T * Hs),
         z(T, dtype=i64), z(T, dtype=i32), z(T, dtype=i64), z(T, dtype=i64), z(T, dtype=i32),
         z(T, dtype=i32),
-        z(T * H, D), z(T * Hkv, D), z(T * Hkv, D), z(T * Hs, Dp), z(T * Hpk, Dp), z(T),
+        z(T * H, D), z(T * Hkv, D), z(T * Hkv, D), z(T * Hs, Dp), z(T * Hpk, Dp),
     ) + ((z(T, dtype=i32),) if kernel.qmap else ())  # fmt: skip
 
 
