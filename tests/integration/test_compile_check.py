@@ -329,8 +329,8 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
     from cutlass import BFloat16
 
     from flash_msa import backends, cute, limits, testing, worklist
-    from flash_msa.cute.backward import kernel_for
-    from flash_msa.cute.bwd_sm90 import BwdSm90, launch_items
+    from flash_msa.cute.backward import kernel_for, launch_items
+    from flash_msa.cute.bwd_sm90 import BwdSm90
     from flash_msa.cute.bwd_ws_sm90 import BwdWsSm90
     from flash_msa.cute.select_sm90 import SelectSm90
     from flash_msa.problem import Config, Problem

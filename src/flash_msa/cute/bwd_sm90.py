@@ -1,8 +1,9 @@
 """Sparse backward on Hopper (sm_90a) in CuTe DSL: main and proxy gradients in one key-outer pass.
 
-The CuTe backend's ``bwd`` kernel (host code: ``cute.backward``). One CTA per work item = (selection head p, key block,
-up to :attr:`BwdSm90.ITEM_TOKENS` query tokens that kept it), the reverse index of
-:mod:`flash_msa.worklist` (docs/algorithm.md, "Main attention: key-outer over a reverse index").
+The CuTe backend's ``bwd`` kernel (host code: ``cute.backward``). One CTA per work item =
+(selection head p, key block, up to :attr:`BwdSm90.ITEM_TOKENS` query tokens that kept it), the
+reverse index of :mod:`flash_msa.worklist` (docs/algorithm.md, "Main attention: key-outer over a
+reverse index").
 The CTA has ``block_size / 64`` warpgroups; warpgroup w owns keys ``64 w .. 64 w + 63`` of the
 block, so its dK and dV tiles (64 keys x D, fp32) stay in its registers for the whole item.
 
@@ -62,7 +63,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass import Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
@@ -79,7 +79,6 @@ from .common import (
     row_gather_copy,
     tma_tiles,
 )
-from .launch import aligned, bound, pointer_arguments, run_typed, stream
 
 LOG2E = math.log2(math.e)
 
@@ -117,12 +116,13 @@ class BwdSm90:
     # ``q_map[row]``; the launch takes the map as its last tensor
     qmap: bool = False
     # the launch's tensors as their CuTe views had them (``launch.view_layout``: element type,
-    # static sizes and strides, in the order of :data:`LAUNCH_TENSORS`), set by
-    # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
+    # static sizes and strides, in the order of ``backward.LAUNCH_TENSORS``), set by
+    # ``backward.bwd_arguments`` from the tensors of the call: the compiled code bakes them in
     # (TMA descriptors' boxes, the rows' strides), so two layouts are two kernel objects.
     # ``()`` for a configuration not yet bound to a launch's tensors (it cannot be compiled)
     views: tuple = ()
 
+    TENSORS: ClassVar[int] = 20  # tensors of a launch (``backward.LAUNCH_TENSORS``), + q_map
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
     THREADS: ClassVar[int] = 128  # threads per warpgroup
     KEYS: ClassVar[int] = 64  # keys per warpgroup (its M)
@@ -286,9 +286,9 @@ class BwdSm90:
         tok0: Int32,
         stream: cuda.CUstream,
     ):
-        """Launch one CTA per work item. ``tensors``: per tensor of :data:`LAUNCH_TENSORS` its
+        """Launch one CTA per work item. ``tensors``: per tensor of ``backward.LAUNCH_TENSORS`` its
         typed global pointer and mode-0 size (run-time; :class:`~.common.PointerTensors`), the rest
-        of its layout in :attr:`views` (:func:`launch_arguments`); rebuilt here as the tensors the
+        of its layout in :attr:`views` (``backward.bwd_arguments``); rebuilt here as the tensors the
         kernel takes: ``mQ``, ``mDO (T*H, D)``; ``mK``, ``mV`` the ``(T, D, Hkv)`` views of k and v;
         ``mLSE``, ``mDelta (T*H,)`` fp32 (natural-log LSE; Delta = rowsum(out * dout)); ``mQp (T*Hs,
         Dp)``, ``mKp`` the ``(T, Dp, Hpk)`` view of k_proxy, ``mPLSE (T*Hs,)``; the work list's six
@@ -299,7 +299,7 @@ class BwdSm90:
         query rows, the key-indexed ones the keys' ``T``). The scales: softmax scale, its * log2 e,
         proxy scale * log2 e, coef * proxy scale (coef = 1 / (Hs T)); ``NB`` the block count;
         ``tok0`` the first token of the work list's chunk (deterministic)."""
-        assert len(self.views) == len(LAUNCH_TENSORS) + self.qmap, "views of every tensor"
+        assert len(self.views) == self.TENSORS + self.qmap, "views of every tensor"
         t = pointer_tensors(tensors, self.views)
         mQ, mDO, mK, mV, mLSE, mDelta, mQp, mKp, mPLSE = t[:9]
         work = WorkItems(*t[9:15])
@@ -959,93 +959,3 @@ class BwdSm90:
                         pr = cute.math.exp2(lp2, fastmath=True)
                         d = pr - slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
                 S_rc[i, j] = d
-
-
-_UNUSED: dict = {}
-
-
-def unused_buffer(device: torch.device) -> torch.Tensor:
-    """A ``(1, 64)`` fp32 buffer for the kernel's tensor arguments of a part not made (never
-    read or written: the part's code is compiled out), made once per device instead of one
-    allocation and zero-fill per argument per call."""
-    key = (device.type, device.index)
-    if key not in _UNUSED:
-        _UNUSED[key] = torch.zeros((1, 64), dtype=torch.float32, device=device)
-    return _UNUSED[key]
-
-
-def launch_items(kernel, inputs, scalars, wl, outs, tok0=0, w0=0, w1=None):
-    """One launch of ``kernel`` (a :class:`BwdSm90`) over items ``w0 .. w1`` of work list
-    ``wl``: ``inputs`` its tensors up to ``mPLSE`` (:data:`LAUNCH_TENSORS`), ``outs`` the dq,
-    dk, dv, dqp, dkp buffers (``None``: a part not made),
-    ``scalars`` the four scales (floats); the query map ``wl.q_map`` goes to a ``qmap`` kernel
-    (and only there)."""
-    if kernel.qmap != (wl.q_map is not None):
-        raise ValueError(
-            f"CuTe backward: a kernel with qmap={kernel.qmap} for a work list "
-            f"{'with' if wl.q_map is not None else 'without'} a query map"
-        )
-    dev = wl.perm.device
-    w1 = wl.num_items if w1 is None else w1
-    items = (wl.item_list[w0:w1], wl.item_start[w0:w1], wl.item_end[w0:w1])
-    # (a range's slice: copied unless 16-byte aligned; the whole lists are fresh buffers)
-    work = [aligned(x) for x in (wl.perm, *items, wl.block_start, wl.block_end)]
-    dummy = unused_buffer(dev)  # a part not made
-    bufs = [dummy if x is None else x for x in outs]
-    extra = [] if wl.q_map is None else [aligned(wl.q_map.contiguous())]
-    kernel, args = launch_arguments(
-        kernel, (*inputs, *work, *bufs, *extra), scalars, wl.num_blocks, tok0, stream(dev)
-    )
-    run_typed(kernel, dev, args, LAUNCH_SIGNATURE)
-
-
-# the launch's tensors, in the order of BwdSm90.views and __call__'s pointers (+ "q_map" last
-# for a qmap kernel)
-LAUNCH_TENSORS = (
-    "q", "dout", "k", "v", "lse", "delta", "q_proxy", "k_proxy", "proxy_lse",
-    "perm", "item_list", "item_start", "item_end", "block_start", "block_end",
-    "dq", "dk", "dv", "dq_proxy", "dk_proxy",
-)  # fmt: skip
-_NAMES = (LAUNCH_TENSORS, (*LAUNCH_TENSORS, "q_map"))
-
-
-def launch_tensor_names(kernel: BwdSm90) -> tuple[str, ...]:
-    """The launch's tensors, in the order of ``kernel.views`` and its ``__call__``'s pointers:
-    :data:`LAUNCH_TENSORS` (+ "q_map" for a ``qmap`` kernel)."""
-    return _NAMES[kernel.qmap]
-
-
-def launch_arguments(kernel: BwdSm90, tensors, scalars, num_blocks: int, tok0: int, strm):
-    """``(kernel', args)`` of a launch of ``kernel``: ``tensors`` the torch tensors of
-    :data:`LAUNCH_TENSORS` (and the query map last for a ``qmap`` kernel), laid out as the
-    kernel takes them (``BwdSm90.__call__``), ``scalars`` the four scales, ``num_blocks`` and
-    ``tok0`` ints, ``strm`` the stream. ``kernel'`` is ``kernel`` with :attr:`BwdSm90.views`
-    set to the tensors' layouts (``launch.view_layout``: what their CuTe views baked in),
-    ``args`` its ``__call__``'s arguments: typed pointers and mode-0 sizes in one
-    :class:`~.common.PointerTensors` (``launch.pointer_arguments``: ~1 us a tensor instead of a
-    DLPack view's 10-40 us), the scales as ``Float32``, the ints as ``Int32``. Every argument's type
-    is then fixed by ``kernel'``, so :func:`~.launch.run_typed` keys the compile cache on it alone.
-
-    The tensors' dtypes are in the views (each pointer has its tensor's element type), as
-    they were in the views' signatures. Raises ValueError for a tensor count that does not
-    match ``kernel.qmap``, a base that is not 16-byte aligned, a tensor on another device
-    than the work list's (``tensors[9]``, ``perm``) or a layout whose view would have a
-    run-time stride."""
-    names = launch_tensor_names(kernel)
-    if len(tensors) != len(names):
-        raise ValueError(
-            f"CuTe backward: {len(tensors)} launch tensors for a kernel with qmap="
-            f"{kernel.qmap} ({len(names)} expected)"
-        )
-    views, pointers = pointer_arguments("CuTe backward", names, tensors, tensors[9].device)
-    scale, scale_log2, pscale_log2, pcoef = scalars
-    args = (
-        pointers, Float32(scale), Float32(scale_log2), Float32(pscale_log2),
-        Float32(pcoef), Int32(num_blocks), Int32(tok0), strm,
-    )  # fmt: skip
-    return bound(kernel, views), args
-
-
-# the disk cache's text for the argument types: fixed by the kernel object (its views) and
-# this module's source (both in the disk key); launches go through launch.run_typed
-LAUNCH_SIGNATURE = "bwd_sm90.launch_arguments"
