@@ -35,9 +35,8 @@ TARGETS = {
     "flash_msa.worklist": ["blocks", "lists", "items", "chunk_items", "carry", "carried"],
     "flash_msa.cute.select_sm90": ["select_into"],
     "flash_msa.cute.forward": ["partials", "combine"],
-    "flash_msa.cute.row_delta_sm90": ["delta"],
-    "flash_msa.cute.bwd_sm90": ["bwd", "zero_buffers", "scaled"],
-    "flash_msa.cute.common": ["run_typed", "pointer_arguments", "stream"],
+    "flash_msa.cute.backward": ["bwd", "bwd_delta", "zero_buffers", "scaled"],
+    "flash_msa.cute.launch": ["run_typed", "pointer_arguments", "stream"],
     "flash_msa.backends": ["resolve"],
 }
 
@@ -126,12 +125,13 @@ def launch_ab(reps: int = 2000) -> dict:
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    from flash_msa.cute import common, launch, row_delta_sm90 as rd
+    from flash_msa.cute import backward, common, launch
+    from flash_msa.cute.row_delta_sm90 import RowDeltaSm90
 
     T, H, D = 4, 16, 128
     dout = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
     out = torch.randn_like(dout)
-    ref = rd.delta(dout, out)
+    ref = backward.bwd_delta(dout, out)
     torch.cuda.synchronize()
 
     def per_call(fn):
@@ -147,20 +147,20 @@ def launch_ab(reps: int = 2000) -> dict:
             torch.cuda.synchronize()
         return round(min(best), 2)
 
-    res = dict(delta_path_us=per_call(lambda: rd.delta(dout, out)))
-    kernel = rd.RowDeltaSm90(common.cutlass_dtype(dout.dtype), D, rd.RowDeltaSm90.warps,
-                             rd.RowDeltaSm90.unroll)  # fmt: skip
+    res = dict(delta_path_us=per_call(lambda: backward.bwd_delta(dout, out)))
+    kernel = RowDeltaSm90(common.cutlass_dtype(dout.dtype), D, RowDeltaSm90.warps,
+                          RowDeltaSm90.unroll)  # fmt: skip
     dst = torch.empty((T, H), dtype=torch.float32, device="cuda")
-    args = rd.launch_arguments(
+    args = backward.row_delta_arguments(
         kernel, dout.data_ptr(), out.data_ptr(), dst.data_ptr(), T * H, launch.stream(dout.device)
     )
     key = next(k for k in launch._compiled if k[1] == kernel)
     fn = launch._compiled[key]
     res["executor_call_us"] = per_call(lambda: fn(*args))
     res["run_typed_us"] = per_call(
-        lambda: launch.run_typed(kernel, dout.device, args, rd.LAUNCH_SIGNATURE)
+        lambda: launch.run_typed(kernel, dout.device, args, backward.ROW_DELTA_SIGNATURE)
     )
-    spec = rd.launch_arguments(kernel, 1 << 20, 1 << 20, 1 << 20, 1, make_fake_stream())
+    spec = backward.row_delta_arguments(kernel, 1 << 20, 1 << 20, 1 << 20, 1, make_fake_stream())
     t0 = time.perf_counter()
     tvm = cute.compile(kernel, *spec, options="--enable-tvm-ffi")
     res["tvm_compile_s"] = round(time.perf_counter() - t0, 2)

@@ -29,7 +29,7 @@ from cutlass import BFloat16  # noqa: E402
 from cutlass.cute.runtime import make_fake_stream  # noqa: E402
 
 from flash_msa import problem, reference  # noqa: E402
-from flash_msa.cute import backward, bwd_sm90, common, compile_check, launch  # noqa: E402
+from flash_msa.cute import backward, common, compile_check, launch  # noqa: E402
 from flash_msa.problem import Saved  # noqa: E402
 from harness import config, incoming, packed_inputs  # noqa: E402
 
@@ -50,7 +50,7 @@ def fresh_pointers(monkeypatch):
 
 def _bwd_specimens(tokens=8):
     kernel = backward.kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128)
-    return bwd_sm90.launch_tensor_names(kernel), compile_check.specimens(kernel, tokens)
+    return backward.launch_tensor_names(kernel), compile_check.specimens(kernel, tokens)
 
 
 def _described(result):
@@ -58,6 +58,17 @@ def _described(result):
     views, pt = result
     ptrs = [(p._pointer, p.dtype, p.memspace, p._assumed_align) for p in pt.pointers]
     return views, ptrs, [int(s) for s in pt.sizes]
+
+
+def test_launch_tensors_are_the_kernels():
+    """``backward.LAUNCH_TENSORS`` (+ the map of a ``qmap`` kernel) are the tensors
+    ``BwdSm90.__call__`` rebuilds (its ``TENSORS`` count), the compile check's specimens too."""
+    for qmap in (False, True):
+        kernel = backward.kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, qmap=qmap)
+        names = backward.launch_tensor_names(kernel)
+        assert len(names) == kernel.TENSORS + qmap == len(compile_check.specimens(kernel))
+        assert names[: len(backward.LAUNCH_TENSORS)] == backward.LAUNCH_TENSORS
+        assert names[-1] == ("q_map" if qmap else "dk_proxy")
 
 
 def test_launch_cache_hit_equals_a_fresh_build(fresh_pointers):
@@ -281,18 +292,18 @@ def test_bwd_host_hands_the_kernel_zeroed_accumulators_and_scales_them(
     dout = None if parts == "proxy" else dout
     dkl = None if parts == "main" else dkl
     launched, written = [], []
-    real_launch_items = bwd_sm90.launch_items
-    monkeypatch.setattr(bwd_sm90, "run_typed", lambda k, dev, args, sig: launched.append(args))
-    monkeypatch.setattr(bwd_sm90, "stream", lambda dev: make_fake_stream())
+    real_launch_items = backward.launch_items
+    monkeypatch.setattr(backward, "run_typed", lambda k, dev, args, sig: launched.append(args))
+    monkeypatch.setattr(backward, "stream", lambda dev: make_fake_stream())
     gen = torch.Generator().manual_seed(7)
 
     def launch_items(kernel, inputs, scalars, wl, outs, *rest):
         real_launch_items(kernel, inputs, scalars, wl, outs, *rest)
-        made = [x for x in outs[:5] if x is not None]
+        made = [x for x in outs if x is not None]
         assert len({x.untyped_storage().data_ptr() for x in made}) == 1
         assert all(x.data_ptr() % common.ALIGN == 0 and not x.any() for x in made)
-        vals = [None if x is None else torch.randn(x.shape, generator=gen) * 1e3 for x in outs[:5]]
-        for x, val in zip(outs[:5], vals):
+        vals = [None if x is None else torch.randn(x.shape, generator=gen) * 1e3 for x in outs]
+        for x, val in zip(outs, vals):
             if x is not None:
                 x.copy_(val)
         written.append(vals)

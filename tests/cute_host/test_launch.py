@@ -28,7 +28,7 @@ from cutlass.cute.runtime import make_fake_stream  # noqa: E402
 
 from flash_msa import ordered, reference, testing
 from flash_msa.cute import (  # noqa: E402
-    bwd_sm90, common, compile_check, forward, fwd_kl_sm90, fwd_partials_sm90, launch, select_sm90,
+    backward, common, compile_check, forward, fwd_kl_sm90, fwd_partials_sm90, launch, select_sm90,
 )
 from flash_msa.cute.backward import kernel_for  # noqa: E402
 from harness import config, packed_inputs
@@ -127,7 +127,7 @@ def _specimens():
     from cutlass import BFloat16
     from cutlass.cute.runtime import make_fake_stream
 
-    from flash_msa.cute import bwd_sm90, compile_check, forward, select_sm90
+    from flash_msa.cute import backward, compile_check, forward, select_sm90
     from flash_msa.cute.backward import kernel_for
     from flash_msa.cute.fwd_kl_sm90 import FwdKlSm90
     from flash_msa.cute.fwd_partials_sm90 import FwdPartialsSm90
@@ -147,8 +147,8 @@ def _specimens():
         kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128),
         kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, qmap=True, ws=False),
     ):
-        launch = lambda k, t: bwd_sm90.launch_arguments(k, t, (1.0,) * 4, 1, 0, s)  # noqa: E731
-        out.append((bwd_sm90, kernel, launch))
+        launch = lambda k, t: backward.bwd_arguments(k, t, (1.0,) * 4, 1, 0, s)  # noqa: E731
+        out.append((backward, kernel, launch))
     return [(m, k, compile_check.specimens(k), f) for m, k, f in out]
 
 
@@ -188,7 +188,9 @@ def test_cute_pointer_launch_views_are_the_dlpack_views():
         again, _ = launcher(kernel, tensors)
         assert again is bound  # (kept: no dataclasses.replace per launch)
         assert disk_cache.stable_text(bound) != disk_cache.stable_text(kernel)
-        if module is not forward:  # (forward's builders: tests/cute_host/test_fwd.py)
+        if module is backward:  # a host module's builder: its name and its module's hash
+            assert launch.builder_signature(backward.bwd_arguments) == backward.BWD_SIGNATURE
+        elif module is not forward:  # (forward's builders: tests/cute_host/test_fwd.py)
             name = module.__name__.rsplit(".", 1)[1]
             assert f"{name}.launch_arguments" == module.LAUNCH_SIGNATURE
 
@@ -334,7 +336,7 @@ def _launch_cases():
          dict(scale_log2=1.5, tok0=7, NB=9, pscale_log2=2.5)),
         (forward, kl, lambda k, t: forward.kl_arguments(k, t, (1.5, 2.5, 9), s),
          dict(scale_log2=1.5, pscale_log2=2.5, NB=9)),
-        (bwd_sm90, bwd, lambda k, t: bwd_sm90.launch_arguments(k, t, (0.5, 1.5, 2.5, 3.5), 9, 7, s),
+        (backward, bwd, lambda k, t: backward.bwd_arguments(k, t, (0.5, 1.5, 2.5, 3.5), 9, 7, s),
          dict(scale=0.5, scale_log2=1.5, pscale_log2=2.5, pcoef=3.5, NB=9, tok0=7)),
         (select_sm90, sel, lambda k, t: select_sm90.launch_arguments(k, t, 5, s), dict(n_mblk=5)),
     ]  # fmt: skip

@@ -1,8 +1,9 @@
-"""CPU checks of the CuTe row delta (``flash_msa/cute/row_delta_sm90.py``, the backward's
-``rowsum(dO * O)``; its numerics are tested on the GPU: tests/ops/test_row_delta.py): the
-configurations compile for sm_90a without spills and with 128-bit loads, the limits, the host's
-refusals of bad inputs naming the argument (before any launch), the launch's arguments, and
-that the kernel's row mapping covers every row once."""
+"""CPU checks of the CuTe row delta (``flash_msa/cute/row_delta_sm90.py``, its host code in
+``flash_msa/cute/backward.py``, the backward's ``rowsum(dO * O)``; its numerics are tested on
+the GPU: tests/ops/test_row_delta.py): the configurations compile for sm_90a without spills
+and with 128-bit loads, the limits, the host's refusals of bad inputs naming the argument
+(before any launch), the launch's arguments, and that the kernel's row mapping covers every row
+once."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def test_configurations_compile_for_sm90_without_spills_with_128_bit_loads(tmp_p
 def test_limits():
     from cutlass import BFloat16, Float16, Float32
 
-    from flash_msa.cute.row_delta_sm90 import RowDeltaSm90, row_delta_fits
+    from flash_msa.cute.backward import row_delta_fits
+    from flash_msa.cute.row_delta_sm90 import RowDeltaSm90
 
     ok = RowDeltaSm90.can_implement
     assert ok(BFloat16, 128) is None and ok(Float16, 64) is None
@@ -61,13 +63,14 @@ def test_limits():
 
 def test_host_refuses_bad_inputs_naming_them(monkeypatch):
     """Every refusal comes before a launch (``run_typed`` would fail the test)."""
-    from flash_msa.cute import row_delta_sm90
-    from flash_msa.cute.row_delta_sm90 import MAX_ROWS, row_delta
+    from flash_msa.cute import backward
+    from flash_msa.cute.backward import row_delta
+    from flash_msa.cute.row_delta_sm90 import MAX_ROWS
 
     def no_launch(*a):
         raise AssertionError("launched")
 
-    monkeypatch.setattr(row_delta_sm90, "run_typed", no_launch)
+    monkeypatch.setattr(backward, "run_typed", no_launch)
     bf = torch.bfloat16
     x = torch.zeros((6, 4, 128), dtype=bf)
     xt = x.transpose(0, 1)  # (4, 6, 128), not contiguous
@@ -110,12 +113,13 @@ def test_launch_arguments():
     import cuda.bindings.driver as cuda
     from cutlass import BFloat16, Float32, Int32
 
-    from flash_msa.cute.row_delta_sm90 import RowDeltaSm90, launch_arguments
+    from flash_msa.cute.backward import row_delta_arguments
+    from flash_msa.cute.row_delta_sm90 import RowDeltaSm90
 
     k = RowDeltaSm90(BFloat16, 128)
     a_do, a_o, a_d = 1 << 20, 3 << 20, 5 << 20
     n_rows = 131072 * 64
-    args = launch_arguments(k, a_do, a_o, a_d, n_rows, cuda.CUstream(0))
+    args = row_delta_arguments(k, a_do, a_o, a_d, n_rows, cuda.CUstream(0))
     p_do, p_o, p_d, rows, _ = args
     assert [int(p._pointer) for p in (p_do, p_o, p_d)] == [a_do, a_o, a_d]
     assert (p_do.dtype, p_o.dtype, p_d.dtype) == (BFloat16, BFloat16, Float32)

@@ -307,8 +307,6 @@ def test_cute_warp_specialized_backward_limits():
     ):
         kernel = kernel_for(BFloat16, *args, **kw)
         assert type(kernel) is BwdSm90 and kernel.gather_stages == 2, (args, kw)
-    with pytest.raises(ValueError, match="KL value mode"):
-        BwdWsSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, False, False, kl=True)
     with pytest.raises(ValueError, match="nothing to make"):
         BwdSm90(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, False, False)
     assert BwdWsSm90.shared_bytes(2, 128, 128, 128, True, 2)["total"] == 216064
@@ -331,8 +329,8 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
     from cutlass import BFloat16
 
     from flash_msa import backends, cute, limits, testing, worklist
-    from flash_msa.cute.backward import kernel_for
-    from flash_msa.cute.bwd_sm90 import BwdSm90, launch_items
+    from flash_msa.cute.backward import kernel_for, launch_items
+    from flash_msa.cute.bwd_sm90 import BwdSm90
     from flash_msa.cute.bwd_ws_sm90 import BwdWsSm90
     from flash_msa.cute.select_sm90 import SelectSm90
     from flash_msa.problem import Config, Problem
@@ -393,9 +391,9 @@ def test_cute_query_map_limits_and_kernels(monkeypatch):
     idx = torch.zeros((4, 4, 16), dtype=torch.int32)
     wl = worklist.build(idx, cu, 128, BwdSm90.ITEM_TOKENS, 0, 160, q_map)
     with pytest.raises(ValueError, match="qmap=False for a work list with a query map"):
-        launch_items(kernel_for(*args), (), (), wl, (None,) * 6)
+        launch_items(kernel_for(*args), (), (), wl, (None,) * 5)
     with pytest.raises(ValueError, match="qmap=True for a work list without"):
-        launch_items(ws, (), (), wl._replace(q_map=None), (None,) * 6)
+        launch_items(ws, (), (), wl._replace(q_map=None), (None,) * 5)
 
 
 def test_cute_fp8_selection_host(monkeypatch):

@@ -313,7 +313,7 @@ def test_cute_bwd_under_compute_sanitizer(tool, variant):
 
 
 # ---------------------------------------------------------------------------------------------
-# the query map (context parallelism: BwdSm90 / BwdWsSm90(qmap=True), the KL mode)
+# the query map (context parallelism: BwdSm90 / BwdWsSm90(qmap=True))
 # ---------------------------------------------------------------------------------------------
 def _q_map(kind, lengths, block, seed=0):
     """``(Tq,)`` int32 CUDA query map: "zigzag" (rank 0 of the 2-rank layout of

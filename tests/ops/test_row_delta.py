@@ -1,5 +1,6 @@
-"""GPU tests of the CuTe row delta (``flash_msa/cute/row_delta_sm90.py``: the backward's ``delta
-= rowsum(dO * O)``) on Hopper, against the fp64 sum of the products by the harness's rule
+"""GPU tests of the CuTe row delta (``flash_msa/cute/row_delta_sm90.py``, its host code
+``backward.row_delta``: the backward's ``delta = rowsum(dO * O)``) on Hopper, against the fp64
+sum of the products by the harness's rule
 (``err(kernel) <= 2 * err(problem.row_delta) + atol``, ``problem.row_delta`` being the fp32
 torch path it replaces) and next to ``problem.row_delta``; bf16 and fp16, both head dims, row
 counts that leave a partial CTA, and one input past 2^31 elements (64-bit offsets). The output
@@ -36,9 +37,9 @@ SHAPES = [(1, 1, 128), (1, 1, 64), (777, 16, 128), (300, 64, 64), (4097, 3, 128)
 
 def _module():
     pytest.importorskip("cutlass")
-    from flash_msa.cute import row_delta_sm90
+    from flash_msa.cute import backward
 
-    return row_delta_sm90
+    return backward
 
 
 def _inputs(T, H, D, dtype, seed):

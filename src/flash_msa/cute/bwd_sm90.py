@@ -1,8 +1,9 @@
 """Sparse backward on Hopper (sm_90a) in CuTe DSL: main and proxy gradients in one key-outer pass.
 
-The CuTe backend's ``bwd`` kernel (host code: ``cute.backward``). One CTA per work item = (selection head p, key block,
-up to :attr:`BwdSm90.ITEM_TOKENS` query tokens that kept it), the reverse index of
-:mod:`flash_msa.worklist` (docs/algorithm.md, "Main attention: key-outer over a reverse index").
+The CuTe backend's ``bwd`` kernel (host code: ``cute.backward``). One CTA per work item =
+(selection head p, key block, up to :attr:`BwdSm90.ITEM_TOKENS` query tokens that kept it), the
+reverse index of :mod:`flash_msa.worklist` (docs/algorithm.md, "Main attention: key-outer over a
+reverse index").
 The CTA has ``block_size / 64`` warpgroups; warpgroup w owns keys ``64 w .. 64 w + 63`` of the
 block, so its dK and dV tiles (64 keys x D, fp32) stay in its registers for the whole item.
 
@@ -62,7 +63,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass import Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
@@ -79,10 +79,8 @@ from .common import (
     row_gather_copy,
     tma_tiles,
 )
-from .launch import aligned, bound, pointer_arguments, run_typed, stream
 
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 @dataclass(frozen=True)
@@ -114,23 +112,17 @@ class BwdSm90:
     # ``item * block + key``), which flash_msa.ordered adds in a fixed order (bwd(): chunks of
     # tokens, ranges of items)
     deterministic: bool = False
-    # the KL value (no host caller: the forward's KL stage is fwd_partials_sm90.FwdKlSm90,
-    # 2.5x faster at paper 128K; the launch tensor ``kl`` of every configuration is this
-    # mode's output): phase A builds the teacher, phase B adds ``t (ln t - ln p)`` over the
-    # item's visible (row, key) pairs and stores the item's sum (fixed order: a thread's pairs,
-    # then the warp's lanes, then the CTA's warps) into ``mKL[item]``; with ``proxy`` False no gradient is made. One launch's items partition
-    # the rows' kept keys, so the buffer's sum is the KL sum of the work list's rows.
-    kl: bool = False
     # query rows through a query map (module docstring): the row data's token is
     # ``q_map[row]``; the launch takes the map as its last tensor
     qmap: bool = False
     # the launch's tensors as their CuTe views had them (``launch.view_layout``: element type,
-    # static sizes and strides, in the order of :data:`LAUNCH_TENSORS`), set by
-    # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
+    # static sizes and strides, in the order of ``backward.LAUNCH_TENSORS``), set by
+    # ``backward.bwd_arguments`` from the tensors of the call: the compiled code bakes them in
     # (TMA descriptors' boxes, the rows' strides), so two layouts are two kernel objects.
     # ``()`` for a configuration not yet bound to a launch's tensors (it cannot be compiled)
     views: tuple = ()
 
+    TENSORS: ClassVar[int] = 20  # tensors of a launch (``backward.LAUNCH_TENSORS``), + q_map
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
     THREADS: ClassVar[int] = 128  # threads per warpgroup
     KEYS: ClassVar[int] = 64  # keys per warpgroup (its M)
@@ -223,13 +215,13 @@ class BwdSm90:
         )  # fmt: skip
         if why is not None:
             raise ValueError(f"CuTe backward: {why}")
-        if not (self.main or self.proxy or self.kl):
-            raise ValueError("CuTe backward: nothing to make (main, proxy and kl all False)")
+        if not (self.main or self.proxy):
+            raise ValueError("CuTe backward: nothing to make (main and proxy both False)")
 
     @property
     def teacher(self) -> bool:
-        """Whether phase A builds the teacher slab and phase B runs (proxy gradient or KL)."""
-        return self.proxy or self.kl
+        """Whether phase A builds the teacher slab and phase B runs (the proxy gradient)."""
+        return self.proxy
 
     @property
     def geometry(self) -> tuple[int, int, int]:
@@ -294,26 +286,25 @@ class BwdSm90:
         tok0: Int32,
         stream: cuda.CUstream,
     ):
-        """Launch one CTA per work item. ``tensors``: per tensor of :data:`LAUNCH_TENSORS` its
+        """Launch one CTA per work item. ``tensors``: per tensor of ``backward.LAUNCH_TENSORS`` its
         typed global pointer and mode-0 size (run-time; :class:`~.common.PointerTensors`), the rest
-        of its layout in :attr:`views` (:func:`launch_arguments`); rebuilt here as the tensors the
+        of its layout in :attr:`views` (``backward.bwd_arguments``); rebuilt here as the tensors the
         kernel takes: ``mQ``, ``mDO (T*H, D)``; ``mK``, ``mV`` the ``(T, D, Hkv)`` views of k and v;
         ``mLSE``, ``mDelta (T*H,)`` fp32 (natural-log LSE; Delta = rowsum(out * dout)); ``mQp (T*Hs,
         Dp)``, ``mKp`` the ``(T, Dp, Hpk)`` view of k_proxy, ``mPLSE (T*Hs,)``; the work list's six
         tensors (:class:`~.common.WorkItems`); fp32 outputs, zero-filled, as rows (2-D: more than
         2**31 elements at 1M tokens; the kernel adds by 64-bit offsets from the base): ``mDQ (T*H,
-        D)``, ``mDK``, ``mDV (T*Hkv, D)``, ``mDQp (T*Hs, Dp)``, ``mDKp (T*Hpk, Dp)``; ``mKL
-        (items,)`` fp32, each item's KL sum (:attr:`kl`; zero-filled: empty items write nothing);
+        D)``, ``mDK``, ``mDV (T*Hkv, D)``, ``mDQp (T*Hs, Dp)``, ``mDKp (T*Hpk, Dp)``;
         ``q_map (Tq,)`` int32 exactly when :attr:`qmap` (the row-indexed tensors then have ``Tq``
         query rows, the key-indexed ones the keys' ``T``). The scales: softmax scale, its * log2 e,
         proxy scale * log2 e, coef * proxy scale (coef = 1 / (Hs T)); ``NB`` the block count;
         ``tok0`` the first token of the work list's chunk (deterministic)."""
-        assert len(self.views) == len(LAUNCH_TENSORS) + self.qmap, "views of every tensor"
+        assert len(self.views) == self.TENSORS + self.qmap, "views of every tensor"
         t = pointer_tensors(tensors, self.views)
         mQ, mDO, mK, mV, mLSE, mDelta, mQp, mKp, mPLSE = t[:9]
         work = WorkItems(*t[9:15])
-        mDQ, mDK, mDV, mDQp, mDKp, mKL = t[15:21]
-        q_map = t[21] if cutlass.const_expr(self.qmap) else None
+        mDQ, mDK, mDV, mDQp, mDKp = t[15:20]
+        q_map = t[20] if cutlass.const_expr(self.qmap) else None
         ROWS, D, DP, BLOCK = self.ROWS, self.head_dim, self.proxy_head_dim, self.block_size
         dtype = self.dtype
         mmas = self._mmas(D)
@@ -368,7 +359,7 @@ class BwdSm90:
         qm = (q_map,) if cutlass.const_expr(self.qmap) else ()  # the map's kernel arguments
         self.kernel(
             mQ, mDO, tma_k, tma_mK, tma_v, tma_mV, mLSE, mDelta, mQp, tma_kp, tma_mKp, mPLSE,
-            work, mDQ, mDK, mDV, mDQp, mDKp, mKL, (scale, scale_log2, pscale_log2, pcoef, tok0), NB,
+            work, mDQ, mDK, mDV, mDQp, mDKp, (scale, scale_log2, pscale_log2, pcoef, tok0), NB,
             mmas, mmas_p,
             (sQ_layout, sQp_layout, sK_layout, sKp_layout, sdS_layout),
             gathers, Storage, qm,
@@ -403,7 +394,6 @@ class BwdSm90:
         mDV: cute.Tensor,
         mDQp: cute.Tensor,
         mDKp: cute.Tensor,
-        mKL: cute.Tensor,
         scales: tuple,
         NB: Int32,
         mmas: tuple,
@@ -475,7 +465,7 @@ class BwdSm90:
                 cute.arch.mbarrier_wait(bars + 1, 0)
                 self.phase_b(
                     mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, work.perm, mDQp, mDKp,
-                    mmas_p, gathers[1], scales, e0, e1, p, ks, ke, pk, t_all, mKL, qm,
+                    mmas_p, gathers[1], scales, e0, e1, p, ks, ke, pk, t_all, qm,
                 )  # fmt: skip
 
     # -----------------------------------------------------------------------------------------
@@ -880,11 +870,10 @@ class BwdSm90:
     @cute.jit
     def phase_b(
         self, mQp, mPLSE, sQp, sKp, sdS, sRowF, sRowI, slab, mPerm, mDQp, mDKp, mmas, gather,
-        scales, e0, e1, p, ks, ke, pk, t_all, mKL, qm=(),
+        scales, e0, e1, p, ks, ke, pk, t_all, qm=(),
     ):  # fmt: skip
         """The unit proxy gradient over the item's tokens, against the slab's teacher
-        (:attr:`proxy`), and / or the item's KL sum (:attr:`kl`); ``qm`` as in
-        :meth:`phase_a`."""
+        (:attr:`proxy`); ``qm`` as in :meth:`phase_a`."""
         ROWS, DP, BLOCK = self.ROWS, self.proxy_head_dim, self.block_size
         G = self.geometry[0]
         pcoef, tok0 = scales[3], scales[4]
@@ -904,7 +893,6 @@ class BwdSm90:
         rD = cute.make_rmem_tensor_like(acc_S, self.dtype)
         wg = cute.arch.make_warp_uniform(t_all // self.THREADS)
         inv_g = Float32(1.0 / G)
-        kl2 = Float32(0.0)  # this thread's sum of t (log2 t - log2 p) (:attr:`kl`)
         n_chunks = (e1 - e0 + ROWS - 1) // ROWS
         for ch in cutlass.range(n_chunks, unroll=1):
             c = e0 + ch * ROWS
@@ -915,8 +903,8 @@ class BwdSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             self.proxy_products(mma_sdp, acc_S, tSrKp, tSrQp, 0)
-            # d = pr - teacher / G (the gradient's), and the KL terms
-            kl2 = self.proxy_terms(S_rc, cS, sRowI, sRowF, slab, 0, ch, ks, ke, scales, inv_g, kl2)
+            # d = pr - teacher / G (the gradient's)
+            self.proxy_terms(S_rc, cS, sRowI, sRowF, slab, 0, ch, ks, ke, scales, inv_g)
             if cutlass.const_expr(self.proxy):
                 rD.store(acc_S.load().to(self.dtype))
                 tKrD = acc_as_a(rD)
@@ -937,8 +925,6 @@ class BwdSm90:
             cute.arch.sync_threads()  # sQp, sdS and the row data are rewritten next
         if cutlass.const_expr(self.proxy):
             self.store_dkv(thr_dkv, acc_dKp, mDKp, ks, ke, pk, self.proxy_k_heads, DP, pcoef)
-        if cutlass.const_expr(self.kl):
-            self.store_item_sum(kl2 * Float32(LN2), sRowF, mKL, t_all)
 
     @cute.jit
     def proxy_products(self, mma_sdp, acc_S, tSrKp, tSrQp, b):
@@ -953,11 +939,10 @@ class BwdSm90:
         warpgroup.wait_group(0)
 
     @cute.jit
-    def proxy_terms(self, S_rc, cS, sRowI, sRowF, slab, b, ch, ks, ke, scales, inv_g, kl2):
+    def proxy_terms(self, S_rc, cS, sRowI, sRowF, slab, b, ch, ks, ke, scales, inv_g):
         """Phase B's elementwise step on the chunk ``ch`` of ``Sp^T`` (rows' data in buffer
         ``b``): on the visible keys of real tokens (0 elsewhere), ``d = p - t`` in place when
-        :attr:`proxy` (p the proxy probability, t = teacher / G), and ``kl2 + sum t (log2 t -
-        log2 p)`` returned when :attr:`kl` (0 log 0 = 0: a teacher that underflowed)."""
+        :attr:`proxy` (p the proxy probability, t = teacher / G)."""
         ROWS, BLOCK = self.ROWS, self.block_size
         pscale_log2 = scales[2]
         for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
@@ -973,120 +958,4 @@ class BwdSm90:
                     if cutlass.const_expr(self.proxy):
                         pr = cute.math.exp2(lp2, fastmath=True)
                         d = pr - slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
-                    if cutlass.const_expr(self.kl):
-                        tv = slab[(ch * ROWS + tl) * BLOCK + key] * inv_g
-                        # (lg2.approx.ftz takes a subnormal t for 0: -inf; t log t there is
-                        # below 1e-36, so such t count as 0)
-                        if tv >= Float32(1.1754944e-38):
-                            kl2 += tv * (cute.math.log2(tv, fastmath=True) - lp2)
                 S_rc[i, j] = d
-        return kl2
-
-    @cute.jit
-    def store_item_sum(self, val, sRowF, mOut, t_all):
-        """``mOut[item] = `` the sum of every thread's ``val``, in a fixed order: the warp's
-        lanes by butterfly shuffles, then the CTA's warps in order (thread 0). Uses ``sRowF``
-        as scratch: called after the item's last barrier, when no row data is read any more."""
-        for k in cutlass.range_constexpr(5):
-            val = val + cute.arch.shuffle_sync_bfly(val, offset=16 >> k)
-        warp = t_all // 32
-        if t_all % 32 == 0:
-            sRowF[warp, 0, 0] = val
-        cute.arch.sync_threads()
-        if t_all == 0:
-            total = Float32(0.0)
-            for wi in cutlass.range_constexpr(self.cta_threads // 32):
-                total = total + sRowF[wi, 0, 0]
-            w, _, _ = cute.arch.block_idx()
-            mOut[w] = total
-
-
-_UNUSED: dict = {}
-
-
-def unused_buffer(device: torch.device) -> torch.Tensor:
-    """A ``(1, 64)`` fp32 buffer for the kernel's tensor arguments of a part not made (never
-    read or written: the part's code is compiled out), made once per device instead of one
-    allocation and zero-fill per argument per call."""
-    key = (device.type, device.index)
-    if key not in _UNUSED:
-        _UNUSED[key] = torch.zeros((1, 64), dtype=torch.float32, device=device)
-    return _UNUSED[key]
-
-
-def launch_items(kernel, inputs, scalars, wl, outs, tok0=0, w0=0, w1=None):
-    """One launch of ``kernel`` (a :class:`BwdSm90`) over items ``w0 .. w1`` of work list
-    ``wl``: ``inputs`` its tensors up to ``mPLSE`` (:data:`LAUNCH_TENSORS`), ``outs`` the dq,
-    dk, dv, dqp, dkp buffers and the per-item KL buffer (``None``: a part not made),
-    ``scalars`` the four scales (floats); the query map ``wl.q_map`` goes to a ``qmap`` kernel
-    (and only there)."""
-    if kernel.qmap != (wl.q_map is not None):
-        raise ValueError(
-            f"CuTe backward: a kernel with qmap={kernel.qmap} for a work list "
-            f"{'with' if wl.q_map is not None else 'without'} a query map"
-        )
-    dev = wl.perm.device
-    w1 = wl.num_items if w1 is None else w1
-    items = (wl.item_list[w0:w1], wl.item_start[w0:w1], wl.item_end[w0:w1])
-    # (a range's slice: copied unless 16-byte aligned; the whole lists are fresh buffers)
-    work = [aligned(x) for x in (wl.perm, *items, wl.block_start, wl.block_end)]
-    dummy = unused_buffer(dev)  # a part not made
-    bufs = [dummy if x is None else x for x in outs[:5]]
-    bufs.append(dummy.view(-1) if outs[5] is None else outs[5])  # (items,)
-    extra = [] if wl.q_map is None else [aligned(wl.q_map.contiguous())]
-    kernel, args = launch_arguments(
-        kernel, (*inputs, *work, *bufs, *extra), scalars, wl.num_blocks, tok0, stream(dev)
-    )
-    run_typed(kernel, dev, args, LAUNCH_SIGNATURE)
-
-
-# the launch's tensors, in the order of BwdSm90.views and __call__'s pointers (+ "q_map" last
-# for a qmap kernel)
-LAUNCH_TENSORS = (
-    "q", "dout", "k", "v", "lse", "delta", "q_proxy", "k_proxy", "proxy_lse",
-    "perm", "item_list", "item_start", "item_end", "block_start", "block_end",
-    "dq", "dk", "dv", "dq_proxy", "dk_proxy", "kl",
-)  # fmt: skip
-_NAMES = (LAUNCH_TENSORS, (*LAUNCH_TENSORS, "q_map"))
-
-
-def launch_tensor_names(kernel: BwdSm90) -> tuple[str, ...]:
-    """The launch's tensors, in the order of ``kernel.views`` and its ``__call__``'s pointers:
-    :data:`LAUNCH_TENSORS` (+ "q_map" for a ``qmap`` kernel)."""
-    return _NAMES[kernel.qmap]
-
-
-def launch_arguments(kernel: BwdSm90, tensors, scalars, num_blocks: int, tok0: int, strm):
-    """``(kernel', args)`` of a launch of ``kernel``: ``tensors`` the torch tensors of
-    :data:`LAUNCH_TENSORS` (and the query map last for a ``qmap`` kernel), laid out as the
-    kernel takes them (``BwdSm90.__call__``), ``scalars`` the four scales, ``num_blocks`` and
-    ``tok0`` ints, ``strm`` the stream. ``kernel'`` is ``kernel`` with :attr:`BwdSm90.views`
-    set to the tensors' layouts (``launch.view_layout``: what their CuTe views baked in),
-    ``args`` its ``__call__``'s arguments: typed pointers and mode-0 sizes in one
-    :class:`~.common.PointerTensors` (``launch.pointer_arguments``: ~1 us a tensor instead of a
-    DLPack view's 10-40 us), the scales as ``Float32``, the ints as ``Int32``. Every argument's type
-    is then fixed by ``kernel'``, so :func:`~.launch.run_typed` keys the compile cache on it alone.
-
-    The tensors' dtypes are in the views (each pointer has its tensor's element type), as
-    they were in the views' signatures. Raises ValueError for a tensor count that does not
-    match ``kernel.qmap``, a base that is not 16-byte aligned, a tensor on another device
-    than the work list's (``tensors[9]``, ``perm``) or a layout whose view would have a
-    run-time stride."""
-    names = launch_tensor_names(kernel)
-    if len(tensors) != len(names):
-        raise ValueError(
-            f"CuTe backward: {len(tensors)} launch tensors for a kernel with qmap="
-            f"{kernel.qmap} ({len(names)} expected)"
-        )
-    views, pointers = pointer_arguments("CuTe backward", names, tensors, tensors[9].device)
-    scale, scale_log2, pscale_log2, pcoef = scalars
-    args = (
-        pointers, Float32(scale), Float32(scale_log2), Float32(pscale_log2),
-        Float32(pcoef), Int32(num_blocks), Int32(tok0), strm,
-    )  # fmt: skip
-    return bound(kernel, views), args
-
-
-# the disk cache's text for the argument types: fixed by the kernel object (its views) and
-# this module's source (both in the disk key); launches go through launch.run_typed
-LAUNCH_SIGNATURE = "bwd_sm90.launch_arguments"

@@ -115,11 +115,6 @@ class BwdWsSm90(BwdSm90):
             )
         return None
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.kl:
-            raise ValueError("CuTe backward: the KL value mode runs on BwdSm90, not BwdWsSm90")
-
     @property
     def cta_threads(self) -> int:
         return self.THREADS * (1 + self.warpgroups)
@@ -152,7 +147,6 @@ class BwdWsSm90(BwdSm90):
         mDV: cute.Tensor,
         mDQp: cute.Tensor,
         mDKp: cute.Tensor,
-        mKL: cute.Tensor,  # (unused: no KL mode here, __post_init__)
         scales: tuple,
         NB: Int32,
         mmas: tuple,
@@ -457,7 +451,7 @@ class BwdWsSm90(BwdSm90):
             cute.arch.mbarrier_wait(bars + 2 + b, (it // 2) % 2)
             self.proxy_products(mma_sdp, acc_S, tSrKp, tSrQp, b)
             # d = pr - teacher / G on the visible keys of real tokens, 0 elsewhere
-            self.proxy_terms(S_rc, cS, sRowI, sRowF, slab, b, ch, ks, ke, scales, inv_g, None)
+            self.proxy_terms(S_rc, cS, sRowI, sRowF, slab, b, ch, ks, ke, scales, inv_g)
             rD.store(acc_S.load().to(self.dtype))
             tKrD = acc_as_a(rD)
             # d to shared memory before the dKp MMA takes rD as its A operand

@@ -49,7 +49,7 @@ from . import (
     select_sm90,
     worklist_sm90,
 )
-from .backward import kernel_for
+from .backward import bwd_arguments, kernel_for, row_delta_arguments
 from .combine_sm90 import CombineSm90
 from .fwd_kl_sm90 import FwdKlSm90
 from .fwd_partials_sm90 import FwdPartialsSm90
@@ -219,7 +219,7 @@ def fwd_specimens(kernel: FwdPartialsSm90, tokens: int = 4) -> tuple:
 
 def bwd_specimens(kernel: bwd_sm90.BwdSm90, tokens: int = 4) -> tuple:
     """CPU stand-ins (zero-filled) of a backward launch's tensors
-    (``bwd_sm90.LAUNCH_TENSORS``) in the layouts ``backward.bwd`` passes, for ``tokens`` tokens
+    (``backward.LAUNCH_TENSORS``) in the layouts ``backward.bwd`` passes, for ``tokens`` tokens
     (the work list's sizes too): the ``(T*H, D)`` / ``(T*Hs, Dp)`` rows, the ``(T, D, Hkv)`` /
     ``(T, Dp, Hpk)`` views of contiguous keys, the fp32 rows' data and outputs, the work list
     (and the map of a ``qmap`` kernel)."""
@@ -233,7 +233,7 @@ def bwd_specimens(kernel: bwd_sm90.BwdSm90, tokens: int = 4) -> tuple:
         z(T * H), z(T * Hs, Dp, dtype=x), keys(Hpk, Dp), z(T * Hs),
         z(T, dtype=i64), z(T, dtype=i32), z(T, dtype=i64), z(T, dtype=i64), z(T, dtype=i32),
         z(T, dtype=i32),
-        z(T * H, D), z(T * Hkv, D), z(T * Hkv, D), z(T * Hs, Dp), z(T * Hpk, Dp), z(T),
+        z(T * H, D), z(T * Hkv, D), z(T * Hkv, D), z(T * Hs, Dp), z(T * Hpk, Dp),
     ) + ((z(T, dtype=i32),) if kernel.qmap else ())  # fmt: skip
 
 
@@ -298,11 +298,11 @@ def compile_bwd(
     dtype, H, Hkv, Hs, Hpk, D, Dp, K, block, main, proxy, mode=None, *, dump=None, name=""
 ) -> dict:
     """Compile ``backward.kernel_for``'s kernel of a configuration (``mode`` its keyword arguments)
-    on the launch arguments ``bwd_sm90.launch_items`` passes."""
+    on the launch arguments ``backward.launch_items`` passes."""
     kernel = kernel_for(
         DTYPES[dtype], H, Hkv, Hs, Hpk, D, Dp, K, block, bool(main), bool(proxy), **(mode or {})
     )
-    kernel, args = bwd_sm90.launch_arguments(
+    kernel, args = bwd_arguments(
         kernel, bwd_specimens(kernel), (1.0, 1.0, 1.0, 1.0), 1, 0, make_fake_stream()
     )
     return compile_kernel(kernel, *args, dump=dump, name=name)
@@ -324,10 +324,10 @@ def compile_quantize(dtype, Dp, Hp, Hpk, block, key_scale, rotate, *, dump=None,
 
 
 def compile_row_delta(dtype, D, *, dump=None, name=""):
-    """Compile :class:`RowDeltaSm90` on the launch arguments ``row_delta_sm90.row_delta``
-    passes (dummy addresses)."""
+    """Compile :class:`RowDeltaSm90` on the launch arguments ``backward.row_delta`` passes
+    (dummy addresses)."""
     kernel = RowDeltaSm90(DTYPES[dtype], D)
-    return compile_memory_bound(kernel, row_delta_sm90.launch_arguments, 3, dump=dump, name=name)
+    return compile_memory_bound(kernel, row_delta_arguments, 3, dump=dump, name=name)
 
 
 WORKLIST_KERNELS = {

@@ -1,15 +1,16 @@
 """The backward's ``delta = rowsum(dO * O)`` on Hopper (sm_90a) in CuTe DSL: one memory-bound
 kernel in place of :func:`flash_msa.problem.row_delta`'s two torch launches.
 
-The CuTe backward (``cute.backward.bwd``) calls :func:`delta`: this kernel where
-:func:`can_implement` allows the call, else ``problem.row_delta``.
+The CuTe backward (``cute.backward.bwd``) calls ``backward.bwd_delta``: this kernel where
+``backward.row_delta_reason`` allows the call, else ``problem.row_delta``.
 
 Measured (H200, bf16, random inputs; device ms, the kernel alone): paper 128K (T 131072, H 64, D
 128) 0.965 ms (4.49 TB/s) against 7.94 ms for ``problem.row_delta`` on the same inputs; anchor
 16K (H 16) 0.034 ms (3.92 TB/s) against 0.257; long 1M (H 16, 2^31 elements) 1.92 ms (4.50
 TB/s) against 15.9. The tunings 8 warps x 4 passes (shipped), 8 x 2 and 4 x 8 are within 1%
-of each other at 128K and 1M. With the host work (events around the Python call on an idle GPU): 1.01 / 0.079 /
-1.98 ms, ~45 us of it the host path at 16K (validation, three ``make_ptr``, the launch).
+of each other at 128K and 1M. With the host work (events around the Python call on an idle
+GPU): 1.01 / 0.079 / 1.98 ms, ~45 us of it the host path at 16K (validation, three
+``make_ptr``, the launch).
 tests/ops/test_row_delta.py: 19 passed there (the 2.2e9-element case included).
 
 What it computes: for contiguous ``dout`` and ``out`` ``(T, H, D)`` of one dtype (bf16 or
@@ -47,8 +48,8 @@ Large inputs: element offsets are 64-bit (``Int64(row) * D``), so ``T * H * D`` 
 (T 1M, H 64, D 128: 8.6e9 elements); the row index and count are 32-bit, limited to
 :data:`MAX_ROWS` (2^30 rows = 275 GB of bf16 input at D 64, more than one GPU holds).
 
-Host: raw device addresses (``cute.runtime.make_ptr``, as ``combine_sm90``) and the row count
-as an ``Int32``; the compile cache is keyed by the kernel object alone (``launch.run_typed``:
+Host (``backward.row_delta``): raw device addresses (``cute.runtime.make_ptr``) and the row
+count as an ``Int32``; the compile cache is keyed by the kernel object alone (``launch.run_typed``:
 once per (dtype, D, tuning) per process, through the disk cache across processes). The output
 is ``torch.empty``, written on every row; no host synchronization, the current stream (CUDA
 graph capture works: the launch's arguments are the addresses and the row count).
@@ -61,13 +62,7 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.runtime import make_ptr
-
-from ..problem import row_delta as problem_row_delta
-from .common import cutlass_dtype
-from .launch import run_typed, stream
 
 HEAD_DIMS = (64, 128)  # D / 8 lanes per row must divide a warp: 8 or 16 lanes
 PIECE = 8  # elements of a 16-byte piece of a 2-byte dtype
@@ -132,7 +127,7 @@ class RowDeltaSm90:
     ):
         """Launch over ``n_rows = T * H`` rows: device addresses of ``dout`` and ``out`` ``(T, H,
         D)`` (contiguous) and ``delta (T, H)`` fp32. The pointers' types are
-        :func:`launch_arguments`' (the compile cache relies on it)."""
+        ``backward.row_delta_arguments``' (the compile cache relies on it)."""
         # the flat sizes of the inputs are not read: offsets into them are 64-bit (kernel)
         big = cute.make_layout(1 << 30)
         mDO = cute.make_tensor(pDO, big)
@@ -194,107 +189,3 @@ class RowDeltaSm90:
             row = first + u * (W * RPW)
             if lane % L == 0 and row < n_rows:
                 mDelta[row] = s
-
-
-# ---------------------------------------------------------------------------------------------
-# host: torch tensors in, delta out
-# ---------------------------------------------------------------------------------------------
-def row_delta_fits(dtype: torch.dtype, D: int) -> bool:
-    """Whether the kernel has a configuration for inputs of ``dtype`` and head dim ``D`` (bf16
-    or fp16, D in :data:`HEAD_DIMS`); the call also needs :func:`can_implement`'s layout (a
-    caller that cannot promise it asks that instead). Else ``problem.row_delta``."""
-    return RowDeltaSm90.can_implement(cutlass_dtype(dtype), D) is None
-
-
-def can_implement(dout, out) -> str | None:
-    """Why :func:`row_delta` cannot run this call (``None``: it can): ``dout`` and ``out``
-    tensors of one shape ``(T, H, D)``, dtype (bf16 or fp16) and CUDA device, contiguous, bases
-    16-byte aligned, D in :data:`HEAD_DIMS`, ``T * H <= MAX_ROWS``."""
-    for name, x in (("dout", dout), ("out", out)):
-        if not isinstance(x, torch.Tensor):
-            return f"{name} must be a torch.Tensor, not {type(x).__name__}"
-    for name, x in (("dout", dout), ("out", out)):
-        if x.dtype not in (torch.bfloat16, torch.float16):
-            return f"{name} must be bfloat16 or float16, got {x.dtype}"
-    if dout.dtype != out.dtype:
-        return f"dout and out must share a dtype, got {dout.dtype} and {out.dtype}"
-    if dout.dim() != 3 or tuple(dout.shape) != tuple(out.shape):
-        return (
-            f"dout and out must be (T, H, D) tensors of one shape, got {tuple(dout.shape)} and "
-            f"{tuple(out.shape)}"
-        )
-    T, H, D = dout.shape
-    if D not in HEAD_DIMS:
-        return f"the head dim D (dout.shape[-1]) must be one of {HEAD_DIMS}, got {D}"
-    if T * H > MAX_ROWS:
-        return f"T * H = {T * H} rows exceed the kernel's {MAX_ROWS}"
-    for name, x in (("dout", dout), ("out", out)):
-        if not x.is_contiguous():
-            return f"{name} must be contiguous, got strides {x.stride()} for {tuple(x.shape)}"
-        if x.data_ptr() % IN_ALIGN:
-            return f"{name}'s base must be {IN_ALIGN}-byte aligned ({x.data_ptr():#x})"
-    if dout.device.type != "cuda" or out.device != dout.device:
-        return f"dout and out must be on one CUDA device, got {dout.device} and {out.device}"
-    return None
-
-
-def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``delta = rowsum(dout * out)``: ``(T, H)`` fp32 from ``dout`` and ``out`` ``(T, H, D)``
-    (module docstring: products exact in fp32, a fixed summation order).
-
-    Args:
-        dout, out: contiguous bf16 or fp16 CUDA tensors of one shape and dtype, bases 16-byte
-            aligned, D in :data:`HEAD_DIMS` (:func:`can_implement`).
-    Raises:
-        TypeError for a non-tensor or a dtype other than bf16 / fp16, ValueError for the other
-        reasons of :func:`can_implement`, naming the argument, before any launch.
-    """
-    why = can_implement(dout, out)
-    if why is not None:
-        kind = TypeError if ("torch.Tensor" in why or "bfloat16 or" in why) else ValueError
-        raise kind(f"CuTe row delta: {why}")
-    return _launch(dout, out)
-
-
-def delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The backward's ``delta`` ``(T, H)`` fp32: this kernel where :func:`can_implement` allows
-    the call (checked once), else :func:`flash_msa.problem.row_delta` (the CuTe backward's
-    call)."""
-    if can_implement(dout, out) is None:
-        return _launch(dout, out)
-    return problem_row_delta(dout, out)
-
-
-def _launch(dout, out) -> torch.Tensor:
-    """One launch over ``dout``, ``out`` that :func:`can_implement` accepted."""
-    kernel = RowDeltaSm90(cutlass_dtype(dout.dtype), dout.shape[2])
-    T, H, _ = dout.shape
-    res = torch.empty((T, H), dtype=torch.float32, device=dout.device)
-    if T * H == 0:
-        return res
-    device = dout.device
-    args = launch_arguments(
-        kernel, dout.data_ptr(), out.data_ptr(), res.data_ptr(), T * H, stream(device)
-    )
-    run_typed(kernel, device, args, LAUNCH_SIGNATURE)
-    return res
-
-
-def launch_arguments(kernel: RowDeltaSm90, dout: int, out: int, delta: int, n_rows: int, strm):
-    """The arguments of a launch of ``kernel`` (its ``__call__``): the three buffers' device
-    addresses (ints) as typed pointers of the alignments the kernel assumes, the row count,
-    the stream. The types depend on ``kernel`` alone, so the compile cache keys on the kernel
-    object and the compile check compiles what runs."""
-    gmem = cute.AddressSpace.gmem
-    return (
-        make_ptr(kernel.dtype, dout, gmem, assumed_align=IN_ALIGN),
-        make_ptr(kernel.dtype, out, gmem, assumed_align=IN_ALIGN),
-        make_ptr(Float32, delta, gmem, assumed_align=OUT_ALIGN),
-        Int32(n_rows),
-        strm,
-    )
-
-
-# the disk cache's text for the argument types: fixed by the kernel object and this module's
-# source (both in the disk key); launches go through launch.run_typed
-LAUNCH_SIGNATURE = "row_delta_sm90.launch_arguments"
