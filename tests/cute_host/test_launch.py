@@ -249,7 +249,7 @@ def test_run_typed_builds_typed_arguments_for_the_compile_only(monkeypatch):
     import cuda.bindings.driver as cuda
     import torch
 
-    from flash_msa.cute import disk_cache, worklist_sm90
+    from flash_msa.cute import disk_cache, worklist_host, worklist_sm90
 
     compiled, calls, built = [], [], []
     monkeypatch.setattr(
@@ -264,14 +264,14 @@ def test_run_typed_builds_typed_arguments_for_the_compile_only(monkeypatch):
 
     def typed():
         built.append(1)
-        return worklist_sm90.launch_arguments(kernel, *values)
+        return worklist_host.launch_arguments(kernel, *values)
 
     for _ in range(3):
         launch.run_typed(kernel, dev, typed, "sig", values)
     assert len(built) == 1 and len(compiled) == 1 and calls == [values] * 3
     args, options = compiled[0]
     assert options == launch.FFI_OPTIONS and isinstance(args[-1], cuda.CUstream)
-    assert launch.ffi_args(worklist_sm90.launch_arguments(kernel, *values)) == values
+    assert launch.ffi_args(worklist_host.launch_arguments(kernel, *values)) == values
     with pytest.raises(TypeError, match="ffi"):
         launch.run_typed(kernel, dev, typed, "sig")
 

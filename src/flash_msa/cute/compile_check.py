@@ -48,6 +48,7 @@ from . import (
     quantize_sm90,
     row_delta_sm90,
     select_sm90,
+    worklist_host,
     worklist_sm90,
 )
 from .backward import kernel_for
@@ -340,11 +341,11 @@ WORKLIST_KERNELS = {
 
 def compile_worklist(kind: str, *, dump=None, name=""):
     """Compile work-list kernel ``kind`` (:data:`WORKLIST_KERNELS`) on
-    ``worklist_sm90.launch_arguments`` (dummy addresses)."""
+    ``worklist_host.launch_arguments`` (dummy addresses)."""
     kernel = WORKLIST_KERNELS[kind]()
     counts = (1,) * kernel.COUNTS
     return compile_memory_bound(
-        kernel, worklist_sm90.launch_arguments, len(kernel.POINTERS), counts, dump=dump, name=name
+        kernel, worklist_host.launch_arguments, len(kernel.POINTERS), counts, dump=dump, name=name
     )
 
 

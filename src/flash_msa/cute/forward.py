@@ -33,7 +33,7 @@ import torch
 from .. import sparse_forward
 from ..problem import Problem
 from ..sparse_forward import Stages, borrowed_reason
-from . import worklist_sm90
+from . import worklist_host
 from .combine_sm90 import combine, combine_fits
 from .common import cutlass_dtype
 from .fwd_partials_sm90 import FwdPartialsSm90, kl, kl_fits, partials, proxy_fits
@@ -46,7 +46,7 @@ def forward_stages(kl_fits: bool = True, combine_fits: bool = True, proxy_fits: 
     ``kl_fits``; the combine (with the proxy merge) where ``combine_fits``. The driver borrows
     the Triton backend's stage for each one left out (``proxy_partials`` where the partials do
     not make the proxy LSE)."""
-    stages = dict(partials=partials, q_map=True, work=worklist_sm90)
+    stages = dict(partials=partials, q_map=True, work=worklist_host)
     if proxy_fits:
         stages["partials_make_proxy"] = True
     if kl_fits:

@@ -262,7 +262,7 @@ def run_typed(kernel, device: torch.device, args: tuple, signature: str, ffi=Non
     step the five launches' ``run_typed`` took 410 us in all.
 
     ``ffi``: the call's values when the caller has them already (``ffi_args(args)``, e.g. the
-    ints it would build ``args`` from: cute/worklist_sm90.py); ``args`` may then be a function
+    ints it would build ``args`` from: cute/worklist_host.py); ``args`` may then be a function
     returning the typed tuple, called only when the kernel is compiled (its types are all the
     compile reads), so a launch builds no typed argument at all."""
     if ffi is None and callable(args):
