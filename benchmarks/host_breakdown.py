@@ -33,7 +33,7 @@ TARGETS = {
     "flash_msa.api": ["msa_attention"],
     "flash_msa.sparse_forward": ["fwd", "one_sort"],
     "flash_msa.worklist": ["blocks", "lists", "items", "chunk_items", "carry", "carried"],
-    "flash_msa.cute.select_sm90": ["select_into"],
+    "flash_msa.cute.selection": ["select_into"],
     "flash_msa.cute.fwd_partials_sm90": ["partials"],
     "flash_msa.cute.combine_sm90": ["combine"],
     "flash_msa.cute.row_delta_sm90": ["delta"],

@@ -28,7 +28,7 @@ from cutlass.cute.runtime import make_fake_stream  # noqa: E402
 
 from flash_msa import ordered, reference, testing
 from flash_msa.cute import (  # noqa: E402
-    bwd_sm90, common, compile_check, fwd_partials_sm90, launch, select_sm90,
+    bwd_sm90, common, compile_check, fwd_partials_sm90, launch, select_sm90, selection,
 )
 from flash_msa.cute.backward import kernel_for  # noqa: E402
 from harness import config, packed_inputs
@@ -127,7 +127,7 @@ def _specimens():
     from cutlass import BFloat16
     from cutlass.cute.runtime import make_fake_stream
 
-    from flash_msa.cute import bwd_sm90, compile_check, fwd_partials_sm90, select_sm90
+    from flash_msa.cute import bwd_sm90, compile_check, fwd_partials_sm90, select_sm90, selection
     from flash_msa.cute.backward import kernel_for
 
     fp, s = fwd_partials_sm90, make_fake_stream()
@@ -136,7 +136,7 @@ def _specimens():
         select_sm90.SelectSm90(BFloat16, 128, 4, 1, 16, 128),
         select_sm90.SelectSm90(BFloat16, 128, 4, 1, 16, 128, qmap=True),
     ):
-        out.append((select_sm90, kernel, lambda k, t: select_sm90.launch_arguments(k, t, 1, s)))
+        out.append((selection, kernel, lambda k, t: selection.select_launch_arguments(k, t, 1, s)))
     for kernel in (
         fp.FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 16, 128, proxy=True, qmap=True),
         fp.FwdKlSm90(BFloat16, 16, 2, 4, 128, 16, 128, 2, True, 128, 1),
@@ -189,7 +189,12 @@ def test_cute_pointer_launch_views_are_the_dlpack_views():
         assert again is bound  # (kept: no dataclasses.replace per launch)
         assert disk_cache.stable_text(bound) != disk_cache.stable_text(kernel)
         name = module.__name__.rsplit(".", 1)[1]
-        assert f"{name}.launch_arguments" == module.LAUNCH_SIGNATURE
+        if module is selection:  # (launch.builder_signature: the builder's name, a source hash)
+            builder = selection.select_launch_arguments
+            assert selection.SELECT_SIGNATURE == launch.builder_signature(builder)
+            assert selection.SELECT_SIGNATURE.startswith(f"{module.__name__}.{builder.__name__}:")
+        else:
+            assert f"{name}.launch_arguments" == module.LAUNCH_SIGNATURE
 
 
 def test_cute_pointer_launch_layouts_make_different_kernels():
@@ -336,7 +341,8 @@ def _launch_cases():
          dict(scale_log2=1.5, pscale_log2=2.5, NB=9)),
         (bwd_sm90, bwd, lambda k, t: bwd_sm90.launch_arguments(k, t, (0.5, 1.5, 2.5, 3.5), 9, 7, s),
          dict(scale=0.5, scale_log2=1.5, pscale_log2=2.5, pcoef=3.5, NB=9, tok0=7)),
-        (select_sm90, sel, lambda k, t: select_sm90.launch_arguments(k, t, 5, s), dict(n_mblk=5)),
+        (selection, sel, lambda k, t: selection.select_launch_arguments(k, t, 5, s),
+         dict(n_mblk=5)),
     ]  # fmt: skip
 
 
@@ -381,7 +387,7 @@ def test_gapped_view_is_a_value_error_naming_the_tensor():
     q = torch.zeros(8, 3 * 4 * 128, dtype=torch.bfloat16).view(8, 3, 4, 128).unbind(1)[0]
     error = None
     try:
-        select_sm90.launch_arguments(kernel, (q.permute(0, 2, 1),) + tensors[1:], 1, None)
+        selection.select_launch_arguments(kernel, (q.permute(0, 2, 1),) + tensors[1:], 1, None)
     except ValueError as e:
         assert "q_proxy" in str(e)
     except RuntimeError as e:
