@@ -136,7 +136,7 @@ def _specimens():
         select_sm90.SelectSm90(BFloat16, 128, 4, 1, 16, 128),
         select_sm90.SelectSm90(BFloat16, 128, 4, 1, 16, 128, qmap=True),
     ):
-        out.append((selection, kernel, lambda k, t: selection.select_launch_arguments(k, t, 1, s)))
+        out.append((selection, kernel, lambda k, t: selection.select_arguments(k, t, 1, s)))
     for kernel in (
         fp.FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 16, 128, proxy=True, qmap=True),
         fp.FwdKlSm90(BFloat16, 16, 2, 4, 128, 16, 128, 2, True, 128, 1),
@@ -190,8 +190,8 @@ def test_cute_pointer_launch_views_are_the_dlpack_views():
         assert disk_cache.stable_text(bound) != disk_cache.stable_text(kernel)
         name = module.__name__.rsplit(".", 1)[1]
         if module is selection:  # (launch.builder_signature: the builder's name, a source hash)
-            builder = selection.select_launch_arguments
-            assert selection.SELECT_SIGNATURE == launch.builder_signature(builder)
+            builder = selection.select_arguments
+            assert launch.builder_signature(builder) == selection.SELECT_SIGNATURE
             assert selection.SELECT_SIGNATURE.startswith(f"{module.__name__}.{builder.__name__}:")
         else:
             assert f"{name}.launch_arguments" == module.LAUNCH_SIGNATURE
@@ -341,7 +341,7 @@ def _launch_cases():
          dict(scale_log2=1.5, pscale_log2=2.5, NB=9)),
         (bwd_sm90, bwd, lambda k, t: bwd_sm90.launch_arguments(k, t, (0.5, 1.5, 2.5, 3.5), 9, 7, s),
          dict(scale=0.5, scale_log2=1.5, pscale_log2=2.5, pcoef=3.5, NB=9, tok0=7)),
-        (selection, sel, lambda k, t: selection.select_launch_arguments(k, t, 5, s),
+        (selection, sel, lambda k, t: selection.select_arguments(k, t, 5, s),
          dict(n_mblk=5)),
     ]  # fmt: skip
 
@@ -387,7 +387,7 @@ def test_gapped_view_is_a_value_error_naming_the_tensor():
     q = torch.zeros(8, 3 * 4 * 128, dtype=torch.bfloat16).view(8, 3, 4, 128).unbind(1)[0]
     error = None
     try:
-        selection.select_launch_arguments(kernel, (q.permute(0, 2, 1),) + tensors[1:], 1, None)
+        selection.select_arguments(kernel, (q.permute(0, 2, 1),) + tensors[1:], 1, None)
     except ValueError as e:
         assert "q_proxy" in str(e)
     except RuntimeError as e:

@@ -421,7 +421,7 @@ def test_cute_fp8_selection_host(monkeypatch):
     compiled = []
 
     def compile_instead(kernel, device, args, signature):
-        # run_typed's launch: the pointer arguments selection.select_launch_arguments built
+        # run_typed's launch: the pointer arguments selection.select_arguments built
         assert signature == selection.SELECT_SIGNATURE
         cute_dsl.compile(kernel, *args, options="--gpu-arch sm_90a")
         compiled.append(kernel)

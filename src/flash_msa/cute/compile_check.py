@@ -258,7 +258,7 @@ def compile_select(
     ``.cubin``)."""
     stages = SelectSm90.stages if key_scale is None else FP8_STAGES
     kernel = SelectSm90(DTYPES[dtype], Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale)
-    kernel, args = selection.select_launch_arguments(
+    kernel, args = selection.select_arguments(
         kernel, select_specimens(kernel), 1, make_fake_stream()
     )
     return compile_kernel(kernel, *args, mma=key_scale is not None, dump=dump, name=name)
@@ -321,7 +321,7 @@ def compile_quantize(dtype, Dp, Hp, Hpk, block, key_scale, *, dump=None, name=""
     """Compile :class:`QuantizeSm90` on the launch arguments ``selection.quantize`` passes
     (dummy addresses)."""
     kernel = QuantizeSm90(DTYPES[dtype], Dp, Hp, Hpk, block, key_scale)
-    launch = selection.quantize_launch_arguments
+    launch = selection.quantize_arguments
     return compile_memory_bound(kernel, launch, 7, (1, 1), dump=dump, name=name)
 
 

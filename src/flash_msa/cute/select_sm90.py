@@ -227,7 +227,7 @@ class SelectSm90:
     key_scale: str | None = None
     # the launch's tensors as their CuTe views had them (``launch.view_layout``: element type,
     # static sizes and strides, in the order of ``selection.launch_tensor_names``), set by
-    # ``selection.select_launch_arguments`` from the tensors of the call: the compiled code
+    # ``selection.select_arguments`` from the tensors of the call: the compiled code
     # bakes them in (TMA descriptors' boxes, the index rows' strides), so two layouts are two
     # kernel objects. ``()`` for a configuration not yet bound to a launch's tensors
     views: tuple = ()
@@ -359,7 +359,7 @@ class SelectSm90:
     def __call__(self, tensors: PointerTensors, n_mblk: Int32, stream: cuda.CUstream):
         """Launch. ``tensors``: per tensor of ``selection.launch_tensor_names`` its typed global
         pointer and mode-0 size (run-time), the rest of its layout in :attr:`views`
-        (``selection.select_launch_arguments``); rebuilt here as ``mQ (T, Dp, Hp)``, ``mK (T,
+        (``selection.select_arguments``); rebuilt here as ``mQ (T, Dp, Hp)``, ``mK (T,
         Dp, Hpk)`` views of the proxy tensors, ``mCu (N+1,)``, ``mIdx (T, Hp, K)``; grid (Hp *
         N, n_mblk = ceil(max_seqlen / 128)). ``mode_args``: a :class:`QueryMap` exactly when
         :attr:`qmap` (``mQ`` and ``mIdx`` then have ``Tq`` query rows, ``mK`` the keys' ``T``,

@@ -194,7 +194,7 @@ def _launch(kernel, q, k, cu_seqlens, indices, rows, *mode_tensors):
         *mode_tensors,
     )
     n_mblk = max(1, -(-rows // TILE_M))
-    kernel, args = select_launch_arguments(kernel, tensors, n_mblk, stream(q.device))
+    kernel, args = select_arguments(kernel, tensors, n_mblk, stream(q.device))
     run_typed(kernel, q.device, args, SELECT_SIGNATURE)
 
 
@@ -210,7 +210,7 @@ def launch_tensor_names(kernel: SelectSm90) -> tuple[str, ...]:
 _TENSORS = ("q_proxy", "k_proxy", "cu_seqlens", "indices")
 
 
-def select_launch_arguments(kernel: SelectSm90, tensors, n_mblk: int, strm):
+def select_arguments(kernel: SelectSm90, tensors, n_mblk: int, strm):
     """``(kernel', args)`` of a launch of ``kernel``: ``tensors`` the torch tensors of
     :func:`launch_tensor_names` laid out as its ``__call__`` takes them (the proxy tensors as
     ``(T, Dp, heads)`` views), ``n_mblk`` the grid's y, ``strm`` the stream. ``kernel'`` is
@@ -230,7 +230,7 @@ def select_launch_arguments(kernel: SelectSm90, tensors, n_mblk: int, strm):
 
 # the disk cache's text for the argument types (the kernel object, its views included, and
 # the kernel's module are in the key already); launches go through launch.run_typed
-SELECT_SIGNATURE = builder_signature(select_launch_arguments)
+SELECT_SIGNATURE = builder_signature(select_arguments)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def quantize(
     q = aligned(q_proxy.contiguous())
     k = aligned(k_proxy.contiguous())
     cu = aligned(cu_seqlens.contiguous())
-    args = quantize_launch_arguments(
+    args = quantize_arguments(
         kernel, q.data_ptr(), k.data_ptr(), cu.data_ptr(), q8.data_ptr(), q_scale.data_ptr(),
         k8.data_ptr(), k_scale.data_ptr(), n_seq, blocks, stream(dev),
     )  # fmt: skip
@@ -359,7 +359,7 @@ def quantize(
     return result
 
 
-def quantize_launch_arguments(
+def quantize_arguments(
     kernel: QuantizeSm90, q, k, cu, q8, q_scale, k8, k_scale, n_seq, blocks, strm
 ):
     """The arguments of a launch of ``kernel`` (its ``__call__``): the seven buffers' device
@@ -385,4 +385,4 @@ def quantize_launch_arguments(
 
 # the disk cache's text for the argument types (the kernel object and the kernel's module are
 # in the key already); launches go through launch.run_typed
-QUANTIZE_SIGNATURE = builder_signature(quantize_launch_arguments)
+QUANTIZE_SIGNATURE = builder_signature(quantize_arguments)
