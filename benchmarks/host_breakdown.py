@@ -33,7 +33,7 @@ TARGETS = {
     "flash_msa.api": ["msa_attention"],
     "flash_msa.sparse_forward": ["fwd", "one_sort"],
     "flash_msa.worklist": ["blocks", "lists", "items", "chunk_items", "carry", "carried"],
-    "flash_msa.cute.select_sm90": ["select_into"],
+    "flash_msa.cute.selection": ["select_into"],
     "flash_msa.cute.forward": ["partials", "combine"],
     "flash_msa.cute.backward": ["bwd", "bwd_delta", "zero_buffers", "scaled"],
     "flash_msa.cute.launch": ["run_typed", "pointer_arguments", "stream"],

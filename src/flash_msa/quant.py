@@ -18,26 +18,21 @@ docs/algorithm.md, "FP8 selection: semantics and recall"):
   selection's (sequence-local, ``block_size`` tokens), so the scale multiplies the block's
   already pooled maximum, ``max_j(s_b * acc_j) = s_b * max_j(acc_j)`` for ``s_b > 0``: exact,
   and one multiply per (row, block) instead of one per score. ``"token"`` (one scale per key
-  token, DeepGEMM's indexer) multiplies each score before the max. With the rotation the two
-  recall the same (random with outlier channels 99.25 % vs 99.32 %, local 98.53 % vs 98.64 %);
-  e4m3 is a floating-point format, so a token 100x smaller than its block's largest keeps its
-  3 mantissa bits either way. (Unrotated, per token is better with outlier channels, 98.14 %
-  vs 96.53 %: each token's largest element, an outlier that dominates the product, then maps
-  to 448 exactly.) The scales are stored per token, ``(T, Hpk)``; a block's tokens
+  token, DeepGEMM's indexer) multiplies each score before the max. The two recall the same
+  (random with outlier channels 99.25 % vs 99.32 %, local 98.53 % vs 98.64 %); e4m3 is a
+  floating-point format, so a token 100x smaller than its block's largest keeps its 3 mantissa
+  bits either way. The scales are stored per token, ``(T, Hpk)``; a block's tokens
   all hold its scale (a kernel reads it at the block's first token), so both granularities
   share one layout.
 - ``q_proxy``: e4m3 with one fp32 scale per (query row, proxy head). It is **not applied** when
   ranking: it multiplies every block score of that row by the same positive number, which
   cannot change the row's order, and leaving it out also cannot turn two different fp32
   scores into a rounded tie. ``proxy_scale`` is left out for the same reason.
-- Rotation (``ROTATE = True``): both operands times an orthonormal Walsh-Hadamard matrix
-  (:func:`hadamard`) before quantizing, as DeepSeek-V3.2's indexer does; ``q H (k H)^T =
-  q k^T``. An outlier channel concentrates a dot product in a few large terms whose rounding
-  errors (up to 2^-4 relative each) do not average out; rotated, the product is spread over all
-  ``Dp`` terms. Measured: with 4 of 128 channels x30 recall goes from 96.53 % to 99.25 %
-  (random) and from 98.92 % to 99.71 % (local); without outliers it changes within the seeds'
-  spread (random 97.43 -> 97.42 %, local 98.69 -> 98.53 %). The cost is a ``Dp x Dp`` product
-  per token and head in the quantize pass.
+- Rotation: both operands times an orthonormal Walsh-Hadamard matrix (:func:`hadamard`)
+  before quantizing, as DeepSeek-V3.2's indexer does; ``q H (k H)^T = q k^T``. An outlier
+  channel concentrates a dot product in a few large terms whose rounding errors (up to 2^-4
+  relative each) do not average out; rotated, the product is spread over all ``Dp`` terms. The
+  cost is a ``Dp x Dp`` product per token and head in the quantize pass.
 
 Values: ``x / scale`` is clamped to ``[-448, 448]`` (a division can round just past it; the
 cast saturates on CPU but the behaviour is not promised everywhere) and rounded to nearest
@@ -62,7 +57,6 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite e4m3fn value
 KEY_SCALES = ("block", "token")
 KEY_SCALE = "block"  # the granularity of the key scale fp8 selections use (module docstring)
-ROTATE = True  # whether fp8 selections rotate first (measured: module docstring)
 # smallest amax that gets its own scale: amax / 448 stays a normal fp32 number
 _MIN_AMAX = E4M3_MAX * torch.finfo(torch.float32).tiny
 
@@ -91,8 +85,8 @@ class Quantized(NamedTuple):
 
     ``q`` ``(Tq, Hp, Dp)`` and ``k`` ``(T, Hpk, Dp)`` e4m3; ``q_scale`` ``(Tq, Hp)`` and
     ``k_scale`` ``(T, Hpk)`` fp32 (``x ~= x8 * scale``). With ``key_scale == "block"`` every
-    token of a key block holds the block's scale. ``rotated``: the operands are the rotated
-    ``q H``, ``k H`` (:func:`hadamard`).
+    token of a key block holds the block's scale. The operands are the rotated ``q H``, ``k H``
+    (:func:`hadamard`).
     """
 
     q: torch.Tensor
@@ -100,7 +94,6 @@ class Quantized(NamedTuple):
     k: torch.Tensor
     k_scale: torch.Tensor
     key_scale: str
-    rotated: bool
 
 
 def hadamard(n: int, device=None) -> torch.Tensor:
@@ -195,29 +188,27 @@ def quantize(
     block_size: int,
     *,
     key_scale: str = KEY_SCALE,
-    rotate: bool = ROTATE,
 ) -> Quantized:
-    """The quantize pass of an fp8 selection.
+    """The quantize pass of an fp8 selection: the rotation (:func:`hadamard_transform`), then
+    the scales and the e4m3 values (module docstring).
 
     Args:
         q_proxy: ``(Tq, Hp, Dp)``; k_proxy: ``(T, Hpk, Dp)`` (packed, any float dtype);
         cu_seqlens: ``(N+1,)`` int32 of the keys' sequences (the key blocks).
         block_size: the selection's block (the key scale's block).
         key_scale: ``"block"`` or ``"token"`` (see the module docstring).
-        rotate: apply the Hadamard rotation (:func:`hadamard`) first.
     Returns:
         :class:`Quantized`.
     """
-    q, k = q_proxy.detach().float(), k_proxy.detach().float()
-    if rotate:
-        q, k = hadamard_transform(q), hadamard_transform(k)
+    q = hadamard_transform(q_proxy.detach().float())
+    k = hadamard_transform(k_proxy.detach().float())
     q_scale = _scale(q.abs().amax(-1))
     k_scale = key_scales(k, cu_seqlens, block_size, key_scale)
-    return Quantized(to_e4m3(q, q_scale), q_scale, to_e4m3(k, k_scale), k_scale, key_scale, rotate)
+    return Quantized(to_e4m3(q, q_scale), q_scale, to_e4m3(k, k_scale), k_scale, key_scale)
 
 
 def dequantize(qz: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(q8 * q_scale, k8 * k_scale)``: operands whose exact products give the fp8
-    selection's scores times the row's ``q_scale`` (in the rotated basis when ``rotated``), e.g.
+    selection's scores times the row's ``q_scale`` (in the rotated basis), e.g.
     for :func:`flash_msa.testing.selection_mismatch`'s near-tie rule."""
     return qz.q.float() * qz.q_scale[..., None], qz.k.float() * qz.k_scale[..., None]

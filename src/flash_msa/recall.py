@@ -40,8 +40,8 @@ KINDS = ("random", "local", "random+outliers", "local+outliers")
 OUTLIER_CHANNELS = 4  # proxy channels scaled up in the "+outliers" kinds
 OUTLIER_GAIN = 30.0  # their gain (activation outliers of 10-100x, research note A.5)
 MAIN_NOISE = 0.5  # the main heads' deviation from their proxy, per element
-# (key scale, rotate) variants of the fp8 selection the protocol compares
-VARIANTS = (("block", False), ("token", False), ("block", True), ("token", True))
+# the key scales (quant.KEY_SCALES) of the fp8 selections the protocol compares
+VARIANTS = ("block", "token")
 GRADS = ("dq", "dk", "dv", "dq_proxy", "dk_proxy")
 
 
@@ -159,12 +159,12 @@ def measure(
     fp8_select=None,
 ):
     """One case, every variant against the bf16 selection: ``{name: metrics}`` with the fp8
-    variants of ``variants`` (``"block"``, ``"token"``, ``"+rot"`` for the rotation), the
-    bf16 selection against the fp32 one of the inputs before their rounding to bf16
-    (``"bf16_vs_fp32"``: the floor that bf16 itself sets), and ``"seconds"``. Downstream
-    errors (:func:`downstream`) for the shipped variant, with ``downstream_all`` also for
-    ``bf16_vs_fp32`` (the fp32 selection's indices against the bf16 one's, on the same bf16
-    tensors).
+    selections of the shipped key scale and of each in ``variants`` (named by key scale,
+    ``"block"`` or ``"token"``), the bf16 selection against the fp32 one of the inputs before
+    their rounding to bf16 (``"bf16_vs_fp32"``: the floor that bf16 itself sets), and
+    ``"seconds"``. Downstream errors (:func:`downstream`) for the shipped key scale, with
+    ``downstream_all`` also for ``bf16_vs_fp32`` (the fp32 selection's indices against the bf16
+    one's, on the same bf16 tensors).
 
     ``fp8_select(q_proxy, k_proxy, cu_seqlens, cfg, quantized=...)`` makes the fp8 selections
     (default :func:`flash_msa.reference.select`; e.g. a GPU kernel's hook, which gets the CPU
@@ -188,14 +188,13 @@ def measure(
     mass = block_mass(q, k, cu, block_size, cfg.softmax_scale)
     fp8 = dataclasses.replace(cfg, selection_precision="fp8")
     out = {}
-    shipped = (quant.KEY_SCALE, quant.ROTATE)
-    for key_scale, rotate in dict.fromkeys((shipped, *variants)):
-        qz = quant.quantize(qp, kp, cu, block_size, key_scale=key_scale, rotate=rotate)
+    for key_scale in dict.fromkeys((quant.KEY_SCALE, *variants)):
+        qz = quant.quantize(qp, kp, cu, block_size, key_scale=key_scale)
         idx = select(qp, kp, cu, fp8, quantized=qz)
         m = selection_metrics(idx, ref, mass, top_k, block_size)
-        if with_downstream and (key_scale, rotate) == shipped:
+        if with_downstream and key_scale == quant.KEY_SCALE:
             m.update(downstream(tensors, idx, ref, cfg, seed))
-        out[key_scale + ("+rot" if rotate else "")] = m
+        out[key_scale] = m
     exact = reference.select(fp32[0], fp32[1], cu, cfg)
     m = selection_metrics(ref, exact, mass, top_k, block_size)
     if with_downstream and downstream_all:

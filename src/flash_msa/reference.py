@@ -165,7 +165,7 @@ def select(
             "Scheme"); ``q_proxy`` then has ``Tq`` rows and ``k_proxy`` the keys' ``T``.
         quantized: with ``selection_precision="fp8"``, the :class:`flash_msa.quant.Quantized`
             operands to rank (default: ``quant.quantize`` of ``q_proxy``, ``k_proxy`` with the
-            shipped choices), e.g. another key-scale granularity or the rotation.
+            shipped choices), e.g. another key-scale granularity.
     Returns:
         ``(Tq, Hp, top_k)`` int32: sequence-local block numbers, ascending, -1 padded (a
         padding row: all -1).

@@ -103,7 +103,7 @@ class Stages:
     q_map: bool = False  # every stage of these (borrowed ones included) honours wl.q_map
     # the work-list build: a module-like object with worklist's ``blocks``, ``lists``,
     # ``items`` and ``chunk_items`` (the same signatures and results, bit for bit); a backend
-    # may build it with its own kernels (the CuTe backend: cute/worklist_sm90.py)
+    # may build it with its own kernels (the CuTe backend: cute/worklist_host.py)
     work: Any = worklist
 
 

@@ -38,7 +38,7 @@ def _child() -> dict:
     import torch
     from cutlass import BFloat16
 
-    from flash_msa.cute import compile_check, disk_cache, launch, select_sm90
+    from flash_msa.cute import compile_check, disk_cache, launch, selection
     from flash_msa.cute.select_sm90 import SelectSm90
 
     imported = time.perf_counter() - t0
@@ -53,7 +53,7 @@ def _child() -> dict:
     for _, Dp, Hp, Hpk, K, block in CONFIGS:
         # the pointer launch's kernel and arguments, as select_into builds them (specimen
         # tensors: only their layouts matter to the compile)
-        kernel, args = select_sm90.launch_arguments(
+        kernel, args = selection.select_arguments(
             SelectSm90(BFloat16, Dp, Hp, Hpk, K, block),
             compile_check.select_specimens(SelectSm90(BFloat16, Dp, Hp, Hpk, K, block)),
             1,
@@ -61,7 +61,7 @@ def _child() -> dict:
         )
         t = time.perf_counter()
         fn = disk_cache.compiled(  # (the production options: a TVM-FFI function)
-            kernel, args, select_sm90.LAUNCH_SIGNATURE, "sm_90-test",
+            kernel, args, selection.SELECT_SIGNATURE, "sm_90-test",
             f"{launch.FFI_OPTIONS} --gpu-arch sm_90a",
         )  # fmt: skip
         seconds = time.perf_counter() - t
@@ -75,7 +75,7 @@ def _child() -> dict:
             torch.tensor([0, n], dtype=torch.int32),
             torch.zeros(n, Hp, K, dtype=torch.int32),
         )
-        _, typed = select_sm90.launch_arguments(kernel, tensors, 3, launch.RawStream(0))
+        _, typed = selection.select_arguments(kernel, tensors, 3, launch.RawStream(0))
         # the call as run_typed makes it: the TVM-FFI function checks the arguments' number and
         # types first (a TypeError naming the parameter), then launches, which needs a GPU: on
         # this machine the CUDA runtime's error says the arguments were accepted

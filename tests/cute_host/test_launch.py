@@ -29,6 +29,7 @@ from cutlass.cute.runtime import make_fake_stream  # noqa: E402
 from flash_msa import ordered, reference, testing
 from flash_msa.cute import (  # noqa: E402
     backward, common, compile_check, forward, fwd_kl_sm90, fwd_partials_sm90, launch, select_sm90,
+    selection, worklist_host,
 )
 from flash_msa.cute.backward import kernel_for  # noqa: E402
 from harness import config, packed_inputs
@@ -127,7 +128,7 @@ def _specimens():
     from cutlass import BFloat16
     from cutlass.cute.runtime import make_fake_stream
 
-    from flash_msa.cute import backward, compile_check, forward, select_sm90
+    from flash_msa.cute import backward, compile_check, forward, select_sm90, selection
     from flash_msa.cute.backward import kernel_for
     from flash_msa.cute.fwd_kl_sm90 import FwdKlSm90
     from flash_msa.cute.fwd_partials_sm90 import FwdPartialsSm90
@@ -138,7 +139,7 @@ def _specimens():
         select_sm90.SelectSm90(BFloat16, 128, 4, 1, 16, 128),
         select_sm90.SelectSm90(BFloat16, 128, 4, 1, 16, 128, qmap=True),
     ):
-        out.append((select_sm90, kernel, lambda k, t: select_sm90.launch_arguments(k, t, 1, s)))
+        out.append((selection, kernel, lambda k, t: selection.select_arguments(k, t, 1, s)))
     fwd = FwdPartialsSm90(BFloat16, 16, 2, 4, 128, 16, 128, proxy=True, qmap=True)
     out.append((forward, fwd, lambda k, t: forward.partials_arguments(k, t, (1.0, 0, 1, 1.0), s)))
     kl = FwdKlSm90(BFloat16, 16, 2, 4, 128, 16, 128, 2, True, 128, 1)
@@ -147,8 +148,8 @@ def _specimens():
         kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128),
         kernel_for(BFloat16, 16, 2, 4, 1, 128, 128, 16, 128, qmap=True, ws=False),
     ):
-        launch = lambda k, t: backward.bwd_arguments(k, t, (1.0,) * 4, 1, 0, s)  # noqa: E731
-        out.append((backward, kernel, launch))
+        launcher = lambda k, t: backward.bwd_arguments(k, t, (1.0,) * 4, 1, 0, s)  # noqa: E731
+        out.append((backward, kernel, launcher))
     return [(m, k, compile_check.specimens(k), f) for m, k, f in out]
 
 
@@ -188,11 +189,21 @@ def test_cute_pointer_launch_views_are_the_dlpack_views():
         again, _ = launcher(kernel, tensors)
         assert again is bound  # (kept: no dataclasses.replace per launch)
         assert disk_cache.stable_text(bound) != disk_cache.stable_text(kernel)
-        if module is backward:  # a host module's builder: its name and its module's hash
-            assert launch.builder_signature(backward.bwd_arguments) == backward.BWD_SIGNATURE
-        elif module is not forward:  # (forward's builders: tests/cute_host/test_fwd.py)
-            name = module.__name__.rsplit(".", 1)[1]
-            assert f"{name}.launch_arguments" == module.LAUNCH_SIGNATURE
+
+
+def test_launch_signatures_name_their_builders():
+    """Every host module's ``<OP>_SIGNATURE`` (the disk-cache key's stand-in for a launch's
+    argument layout, passed to ``run_typed``) is ``launch.builder_signature`` of its builder
+    ``<op>_arguments``: the builder's name and a hash of its module's source."""
+    seen = []
+    for module in (selection, forward, backward, worklist_host):
+        for attr in dir(module):
+            if attr.endswith("_SIGNATURE"):
+                builder = getattr(module, attr[: -len("_SIGNATURE")].lower() + "_arguments")
+                assert getattr(module, attr) == launch.builder_signature(builder), attr
+                assert getattr(module, attr).startswith(f"{module.__name__}.{builder.__name__}:")
+                seen.append(attr)
+    assert len(seen) == 8, seen  # select, quantize, partials, kl, combine, bwd, row delta, work list
 
 
 def test_cute_pointer_launch_layouts_make_different_kernels():
@@ -252,7 +263,7 @@ def test_run_typed_builds_typed_arguments_for_the_compile_only(monkeypatch):
     import cuda.bindings.driver as cuda
     import torch
 
-    from flash_msa.cute import disk_cache, worklist_sm90
+    from flash_msa.cute import disk_cache, worklist_host, worklist_sm90
 
     compiled, calls, built = [], [], []
     monkeypatch.setattr(
@@ -267,14 +278,14 @@ def test_run_typed_builds_typed_arguments_for_the_compile_only(monkeypatch):
 
     def typed():
         built.append(1)
-        return worklist_sm90.launch_arguments(kernel, *values)
+        return worklist_host.worklist_arguments(kernel, *values)
 
     for _ in range(3):
         launch.run_typed(kernel, dev, typed, "sig", values)
     assert len(built) == 1 and len(compiled) == 1 and calls == [values] * 3
     args, options = compiled[0]
     assert options == launch.FFI_OPTIONS and isinstance(args[-1], cuda.CUstream)
-    assert launch.ffi_args(worklist_sm90.launch_arguments(kernel, *values)) == values
+    assert launch.ffi_args(worklist_host.worklist_arguments(kernel, *values)) == values
     with pytest.raises(TypeError, match="ffi"):
         launch.run_typed(kernel, dev, typed, "sig")
 
@@ -338,7 +349,8 @@ def _launch_cases():
          dict(scale_log2=1.5, pscale_log2=2.5, NB=9)),
         (backward, bwd, lambda k, t: backward.bwd_arguments(k, t, (0.5, 1.5, 2.5, 3.5), 9, 7, s),
          dict(scale=0.5, scale_log2=1.5, pscale_log2=2.5, pcoef=3.5, NB=9, tok0=7)),
-        (select_sm90, sel, lambda k, t: select_sm90.launch_arguments(k, t, 5, s), dict(n_mblk=5)),
+        (selection, sel, lambda k, t: selection.select_arguments(k, t, 5, s),
+         dict(n_mblk=5)),
     ]  # fmt: skip
 
 
@@ -383,7 +395,7 @@ def test_gapped_view_is_a_value_error_naming_the_tensor():
     q = torch.zeros(8, 3 * 4 * 128, dtype=torch.bfloat16).view(8, 3, 4, 128).unbind(1)[0]
     error = None
     try:
-        select_sm90.launch_arguments(kernel, (q.permute(0, 2, 1),) + tensors[1:], 1, None)
+        selection.select_arguments(kernel, (q.permute(0, 2, 1),) + tensors[1:], 1, None)
     except ValueError as e:
         assert "q_proxy" in str(e)
     except RuntimeError as e:

@@ -1,9 +1,10 @@
-"""CPU checks of the CuTe quantize pass (``flash_msa/cute/quantize_sm90.py``; its bytes and scales
-are compared with ``quant.quantize`` on the GPU: tests/ops/test_select_fp8.py): the kernel's order
-of the rotation's operations is the reference's (a torch emulation of its lanes, bit for bit),
-the kernels compile for sm_90a without spills (the full list is ``quantize_configurations``,
-run by the CuTe compile check), the limits, the host's refusals naming the argument, and the
-switch in the CuTe selection's fp8 branch. CPU time on the 2-core machine: 4-7 s of test calls,
+"""CPU checks of the CuTe quantize pass (the kernel ``flash_msa/cute/quantize_sm90.py``, its host
+code ``cute/selection.py``'s ``quantize``; its bytes and scales are compared with
+``quant.quantize`` on the GPU: tests/ops/test_select_fp8.py): the kernel's order of the
+rotation's operations is the reference's (a torch emulation of its lanes, bit for bit), the
+kernels compile for sm_90a without spills (the full list is ``quantize_configurations``, run by
+the CuTe compile check), the limits, the host's refusals naming the argument, and the switch in
+the CuTe selection's fp8 branch. CPU time on the 2-core machine: 4-7 s of test calls,
 ~2 s of it the two compiles (plus pytest start-up)."""
 
 from __future__ import annotations
@@ -84,10 +85,10 @@ def test_configurations_compile_for_sm90_without_spills():
     from flash_msa.cute.compile_check import compile_quantize, quantize_configurations
 
     names = [name for name, *_ in quantize_configurations()]
-    assert len(names) == len(set(names)) == 9
+    assert len(names) == len(set(names)) == 8
     for cfg in (
-        ("bf16", 128, 4, 1, 128, "block", True),  # the paper layout, shipped settings
-        ("fp16", 64, 8, 2, 64, "token", False),
+        ("bf16", 128, 4, 1, 128, "block"),  # the paper layout, shipped settings
+        ("fp16", 64, 8, 2, 64, "token"),
     ):
         res = compile_quantize(*cfg)
         assert res["stack"] == 0 and res["local"] == 0, (cfg, res)  # spills show up as stack
@@ -96,12 +97,12 @@ def test_configurations_compile_for_sm90_without_spills():
 def test_limits():
     from cutlass import BFloat16, Float16, Float32
 
-    from flash_msa.cute import quantize_sm90
+    from flash_msa.cute import selection
     from flash_msa.cute.quantize_sm90 import QuantizeSm90
 
     ok = QuantizeSm90.can_implement
     assert ok(BFloat16, 128, 4, 1, 128, "block") is None
-    assert ok(Float16, 64, 8, 2, 64, "token", False) is None
+    assert ok(Float16, 64, 8, 2, 64, "token") is None
     assert "bf16 or fp16" in ok(Float32, 128, 4, 1, 128, "block")
     assert "head dim" in ok(BFloat16, 96, 4, 1, 128, "block")
     assert "block size" in ok(BFloat16, 128, 4, 1, 32, "block")
@@ -109,20 +110,20 @@ def test_limits():
     assert "head counts" in ok(BFloat16, 128, 0, 1, 128, "block")
     assert "warps" in ok(BFloat16, 128, 4, 1, 128, "block", warps=3)
     with pytest.raises(ValueError, match="head dim"):
-        QuantizeSm90(BFloat16, 32, 4, 1, 128, "block", True)
+        QuantizeSm90(BFloat16, 32, 4, 1, 128, "block")
     qp, kp = (
         torch.zeros(10, 4, 128, dtype=torch.bfloat16),
         torch.zeros(10, 1, 128, dtype=torch.bfloat16),
     )
-    assert "CUDA" in quantize_sm90.can_implement(qp, kp, 128)  # the rest fits
-    assert "same T" in quantize_sm90.can_implement(qp, kp[:5], 128)
-    assert "dtype" in quantize_sm90.can_implement(qp, kp.half(), 128)
-    assert "bf16 or fp16" in quantize_sm90.can_implement(qp.float(), kp.float(), 128)
-    assert "3-D" in quantize_sm90.can_implement(qp[0], kp, 128)
+    assert "CUDA" in selection.quantize_reason(qp, kp, 128)  # the rest fits
+    assert "same T" in selection.quantize_reason(qp, kp[:5], 128)
+    assert "dtype" in selection.quantize_reason(qp, kp.half(), 128)
+    assert "bf16 or fp16" in selection.quantize_reason(qp.float(), kp.float(), 128)
+    assert "3-D" in selection.quantize_reason(qp[0], kp, 128)
 
 
 def test_host_refuses_bad_arguments_naming_them():
-    from flash_msa.cute.quantize_sm90 import quantize
+    from flash_msa.cute.selection import quantize
 
     qp = torch.zeros(10, 4, 128, dtype=torch.bfloat16)
     kp = torch.zeros(10, 1, 128, dtype=torch.bfloat16)
@@ -133,7 +134,6 @@ def test_host_refuses_bad_arguments_naming_them():
         ((qp, kp, cu, 128.0), {}, TypeError, "block_size"),
         ((qp, kp, cu, 128), dict(max_seqlen=10.0), TypeError, "max_seqlen"),
         ((qp, kp, cu, 128, 1), {}, TypeError, "key_scale"),
-        ((qp, kp, cu, 128, "block", 1), {}, TypeError, "rotate"),
         ((qp, kp, cu, 96), {}, ValueError, "block size"),
         ((qp, kp, cu, 128, "tile"), {}, ValueError, "key_scale"),
         ((qp, kp[:, :, :64], cu, 128), {}, ValueError, "same T and Dp"),
@@ -145,15 +145,15 @@ def test_host_refuses_bad_arguments_naming_them():
 
 def test_select_fp8_branch_takes_the_kernel_where_it_fits(monkeypatch):
     """``selection.select`` with ``selection_precision="fp8"`` (the kernel launch replaced):
-    the torch pass where the CuTe pass does not fit the call (``can_implement``: these CPU
-    tensors), the CuTe pass with the Config's ``max_seqlen`` where it fits (``can_implement``
+    the torch pass where the CuTe pass does not fit the call (``quantize_reason``: these CPU
+    tensors), the CuTe pass with the Config's ``max_seqlen`` where it fits (``quantize_reason``
     patched)."""
-    from flash_msa.cute import quantize_sm90, selection
+    from flash_msa.cute import selection
     from flash_msa.problem import Config
 
     calls = []
     monkeypatch.setattr(selection, "select_fp8_into", lambda idx, qz, cu, cfg: qz)
-    for module, name in ((quantize_sm90, "cute"), (quant, "torch")):  # (quant: select's too)
+    for module, name in ((selection, "cute"), (quant, "torch")):  # (the two select calls)
         monkeypatch.setattr(
             module, "quantize", lambda *a, name=name, **kw: calls.append((name, a[3], kw))
         )
@@ -161,8 +161,8 @@ def test_select_fp8_branch_takes_the_kernel_where_it_fits(monkeypatch):
     qp, kp = (x[0] for x in testing.make_inputs(1, 429, 1, 1, 4, 1, 1, 128)[:2])
     cfg = Config(block_size=64, softmax_scale=0.1, max_seqlen=300, proxy_scale=128**-0.5,
                  top_k=16, selection_precision="fp8")  # fmt: skip
-    selection.select(qp, kp, cu, cfg)  # CPU tensors: can_implement refuses
-    monkeypatch.setattr(quantize_sm90, "can_implement", lambda *a: None)
+    selection.select(qp, kp, cu, cfg)  # CPU tensors: quantize_reason refuses
+    monkeypatch.setattr(selection, "quantize_reason", lambda *a: None)
     selection.select(qp, kp, cu, dataclasses.replace(cfg, max_seqlen=333))
     assert [c[0] for c in calls] == ["torch", "cute"]
     assert calls[1][1:] == (64, dict(max_seqlen=333))

@@ -50,7 +50,7 @@ import cutlass  # noqa: E402
 import pytest
 import torch
 
-from flash_msa.cute import compile_check, select_sm90  # noqa: E402
+from flash_msa.cute import compile_check, select_sm90, selection  # noqa: E402
 from flash_msa.cute.select_sm90 import SelectSm90  # noqa: E402
 
 pytest.importorskip("cutlass")
@@ -213,6 +213,18 @@ def test_shared_memory_with_the_ring_and_refusals():
     # every mode has the ring: the query map, both key scales, top_k 1..64
     SelectSm90(bf16, 64, 4, 1, 64, 64, qmap=True)
     SelectSm90(e4m3, 128, 4, 1, 1, 128, 8, key_scale="token")
+
+
+def test_tensor_count_is_the_host_launch_tensor_list():
+    """The kernel's own count of its launch's tensors (its ``__call__`` asserts its views hold
+    that many) is the length of the host's list of them, in every mode."""
+    bf16, e4m3 = cutlass.BFloat16, cutlass.Float8E4M3FN
+    for kernel, count in (
+        (SelectSm90(bf16, 128, 4, 1, 16, 128), 4),
+        (SelectSm90(bf16, 128, 4, 1, 16, 128, qmap=True), 7),
+        (SelectSm90(e4m3, 128, 4, 1, 16, 128, 8, key_scale="block"), 5),
+    ):
+        assert kernel.tensor_count == len(selection.launch_tensor_names(kernel)) == count
 
 
 # ---------------------------------------------------------------------------------------------

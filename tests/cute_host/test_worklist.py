@@ -1,10 +1,11 @@
-"""CPU checks of the CuTe work-list build (``flash_msa/cute/worklist_sm90.py``: ``blocks``,
-``items`` and ``lists`` as kernels, bitwise ``flash_msa.worklist``'s; the kernels themselves run
-in tests/ops/test_worklist.py): every configuration compiles for sm_90a without spills,
-the reasons to fall back to torch, the refusals of bad arguments naming them, the launch's
-arguments, the CPU path (torch's result), and the host path end to end with each launch replaced
-by a Python replay of its kernel (the same index math, block scan and binary searches, thread by
-thread, run on the buffers at the launch's addresses) against the torch functions bit for bit."""
+"""CPU checks of the CuTe work-list build (``flash_msa/cute/worklist_host.py``: ``blocks``,
+``items`` and ``lists`` by the kernels of ``cute/worklist_sm90.py``, bitwise
+``flash_msa.worklist``'s; the kernels themselves run in tests/ops/test_worklist.py): every
+configuration compiles for sm_90a without spills, the reasons to fall back to torch, the
+refusals of bad arguments naming them, the launch's arguments, the CPU path (torch's result),
+and the host path end to end with each launch replaced by a Python replay of its kernel (the
+same index math, block scan and binary searches, thread by thread, run on the buffers at the
+launch's addresses) against the torch functions bit for bit."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ cutlass = pytest.importorskip("cutlass")
 
 
 def _module():
+    from flash_msa.cute import worklist_host
+
+    return worklist_host
+
+
+def _kernels():
     from flash_msa.cute import worklist_sm90
 
     return worklist_sm90
@@ -44,16 +51,16 @@ def test_configurations_compile_for_sm90_without_spills(tmp_path):
 
 
 def test_kernel_objects_and_limits():
-    ws = _module()
-    assert ws.BlocksSm90() == ws.BLOCKS and hash(ws.BlocksSm90()) != hash(ws.BlocksSm90(512))
-    for cls in (ws.BlocksSm90, ws.ItemEndsSm90, ws.ItemsSm90, ws.ListKeysSm90, ws.ListBoundsSm90):
+    ws, wk = _module(), _kernels()
+    assert wk.BlocksSm90() == ws.BLOCKS and hash(wk.BlocksSm90()) != hash(wk.BlocksSm90(512))
+    for cls in (wk.BlocksSm90, wk.ItemEndsSm90, wk.ItemsSm90, wk.ListKeysSm90, wk.ListBoundsSm90):
         with pytest.raises(ValueError, match="threads"):
             cls(threads=100)
     with pytest.raises(ValueError, match="per_thread"):
-        ws.ItemEndsSm90(per_thread=3)
+        wk.ItemEndsSm90(per_thread=3)
 
 
-def test_launch_arguments():
+def test_worklist_arguments():
     """Typed pointers at the given addresses (aligned to their element), Int32 counts, the
     stream last; a wrong count of values raises."""
     import cuda.bindings.driver as cuda
@@ -61,7 +68,7 @@ def test_launch_arguments():
 
     ws = _module()
     strm = cuda.CUstream(0)
-    args = ws.launch_arguments(ws.ITEMS, 16, 32, 48, 64, 80, 5, 6, 7, 128, strm)
+    args = ws.worklist_arguments(ws.ITEMS, 16, 32, 48, 64, 80, 5, 6, 7, 128, strm)
     assert [int(p._pointer) for p in args[:5]] == [16, 32, 48, 64, 80]
     assert [p.dtype for p in args[:5]] == [Int64, Int32, Int32, Int64, Int64]
     assert all(isinstance(c, Int32) for c in args[5:9]) and [int(c) for c in args[5:9]] == [
@@ -69,7 +76,7 @@ def test_launch_arguments():
     ]  # fmt: skip
     assert args[-1] is strm
     with pytest.raises(TypeError, match="addresses"):
-        ws.launch_arguments(ws.BLOCKS, 16, 32, strm)
+        ws.worklist_arguments(ws.BLOCKS, 16, 32, strm)
 
 
 def _cu(lengths):
@@ -183,12 +190,12 @@ def _count_below(m, n, v, strict):
 def _replay(kernel, device, args, signature):
     """A launch of ``kernel`` done in Python, thread by thread, on the buffers at its
     addresses (CPU tensors' storage)."""
-    ws = _module()
-    assert signature == ws.LAUNCH_SIGNATURE
+    ws, wk = _module(), _kernels()
+    assert signature == ws.WORKLIST_SIGNATURE
     n = len(kernel.POINTERS)
     p, c = args[:n], [int(x) for x in args[n:-1]]
     NT = kernel.threads
-    if isinstance(kernel, ws.BlocksSm90):
+    if isinstance(kernel, wk.BlocksSm90):
         N, NB, b = c
         cu, start, end, first = _at(p[0], N + 1), _at(p[1], NB), _at(p[2], NB), _at(p[3], N)
         total = 0
@@ -203,7 +210,7 @@ def _replay(kernel, device, args, signature):
             s = _last_at_most(first, N - 1, g)
             st = int(cu[s]) + (g - int(first[s])) * b if g < total else 0
             start[g], end[g] = st, min(st + b, int(cu[s + 1])) if g < total else 0
-    elif isinstance(kernel, ws.ItemEndsSm90):
+    elif isinstance(kernel, wk.ItemEndsSm90):
         L, tw = c
         V = kernel.per_thread
         bounds, ends = _at(p[0], L + 1), _at(p[1], L)
@@ -222,7 +229,7 @@ def _replay(kernel, device, args, signature):
                     if base + t * V + j < L:
                         ends[base + t * V + j] = total + incl[t] - accs[t] + ups[t][j]
             total += tile
-    elif isinstance(kernel, ws.ItemsSm90):
+    elif isinstance(kernel, wk.ItemsSm90):
         L, W, Wp, tw = c
         bounds, ends, lst = _at(p[0], L + 1), _at(p[1], L), _at(p[2], W)
         start, end = _at(p[3], Wp), _at(p[4], Wp)
@@ -233,7 +240,7 @@ def _replay(kernel, device, args, signature):
             start[w], end[w] = min(base + w * tw, e), min(base + (w + 1) * tw, e)
             if w < W:
                 lst[w] = min(li, L - 1)
-    elif isinstance(kernel, ws.ListKeysSm90):
+    elif isinstance(kernel, wk.ListKeysSm90):
         E, row, slots, N, NB, L, tok0 = c
         idx, cu, first, key = _at(p[0], E), _at(p[1], N + 1), _at(p[2], N), _at(p[3], E)
         for e in range(E):
@@ -241,7 +248,7 @@ def _replay(kernel, device, args, signature):
             s = _last_at_most(cu, N - 1, tok0 + r)
             key[e] = h * NB + int(first[s]) + int(idx[e]) if idx[e] >= 0 else L
     else:
-        assert isinstance(kernel, ws.ListBoundsSm90)
+        assert isinstance(kernel, wk.ListBoundsSm90)
         E, L = c
         key, bounds = _at(p[0], E), _at(p[1], L + 1)
         for lst in range(L + 1):

@@ -419,13 +419,13 @@ def test_cute_fp8_selection_host(monkeypatch):
     compiled = []
 
     def compile_instead(kernel, device, args, signature):
-        # run_typed's launch: the pointer arguments select_sm90.launch_arguments built
-        assert signature == select_sm90.LAUNCH_SIGNATURE
+        # run_typed's launch: the pointer arguments selection.select_arguments built
+        assert signature == selection.SELECT_SIGNATURE
         cute_dsl.compile(kernel, *args, options="--gpu-arch sm_90a")
         compiled.append(kernel)
 
-    monkeypatch.setattr(select_sm90, "run_typed", compile_instead)
-    monkeypatch.setattr(select_sm90, "stream", lambda device: make_fake_stream())
+    monkeypatch.setattr(selection, "run_typed", compile_instead)
+    monkeypatch.setattr(selection, "stream", lambda device: make_fake_stream())
     cu = testing.cu([300, 129])
     qp, kp = (x[0] for x in testing.make_inputs(1, 429, 1, 1, 4, 1, 1, 128)[:2])
     cfg = Config(block_size=128, softmax_scale=0.1, max_seqlen=300, proxy_scale=128**-0.5,
@@ -439,15 +439,15 @@ def test_cute_fp8_selection_host(monkeypatch):
     )
     qz = quant.quantize(qp, kp, cu, 64, key_scale="token")
     cfg64 = dataclasses.replace(cfg, block_size=64)
-    select_sm90.select_fp8_into(torch.empty(429, 4, 16, dtype=torch.int32), qz, cu, cfg64)
+    selection.select_fp8_into(torch.empty(429, 4, 16, dtype=torch.int32), qz, cu, cfg64)
     assert compiled[-1].key_scale == "token" and compiled[-1].block_size == 64
     with pytest.raises(ValueError, match="q_map"):
         selection.select(qp, kp, cu, cfg, q_map=torch.arange(429, dtype=torch.int32))
     with pytest.raises(ValueError, match="exact selection"):
-        select_sm90.select_into(torch.empty(429, 4, 16, dtype=torch.int32), qp, kp, cu, cfg)
+        selection.select_into(torch.empty(429, 4, 16, dtype=torch.int32), qp, kp, cu, cfg)
     with pytest.raises(ValueError, match="quantized.k must be e4m3"):
         bad = qz._replace(k=qz.k.float())
-        select_sm90.select_fp8_into(torch.empty(429, 4, 16, dtype=torch.int32), bad, cu, cfg64)
+        selection.select_fp8_into(torch.empty(429, 4, 16, dtype=torch.int32), bad, cu, cfg64)
     assert len(compiled) == 2
 
     # declared, so auto runs an fp8 selection on CuTe on sm_90, but not a mapped one (the fp8

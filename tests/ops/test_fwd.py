@@ -58,10 +58,10 @@ def _select_case(lengths, Hp, Hpk, Dp, b, top_k, dtype, seed=0, kind="random"):
 
 def _select_into_poisoned(qp, kp, cu, cfg, **variant):
     """The CuTe selection into a poisoned index buffer (every slot must be written)."""
-    from flash_msa.cute import select_sm90
+    from flash_msa.cute import selection
 
     out = testing.poisoned((qp.shape[0], qp.shape[1], cfg.top_k), torch.int32, "cuda")
-    return select_sm90.select_into(out, qp, kp, cu, cfg, **variant)
+    return selection.select_into(out, qp, kp, cu, cfg, **variant)
 
 
 def _check_rows(idx, own):
@@ -550,14 +550,14 @@ def test_cute_select_q_map_matches_reference_and_triton(case, kind):
     (near-ties accepted: ``testing.selection_mismatch`` on the tokens' rows)."""
     cute_be = _cute()
     triton_be = backends.load("triton")[0]
-    from flash_msa.cute import select_sm90
+    from flash_msa.cute import selection
 
     qp, kp, cu, cfg = _select_case(*case)
     q_map = _q_map(kind, case[0], cfg.block_size)
     qp_l = _local_rows(qp, q_map)
     real = q_map >= 0
     into = testing.poisoned((qp_l.shape[0], qp.shape[1], cfg.top_k), torch.int32, "cuda")
-    select_sm90.select_into(into, qp_l, kp, cu, cfg, q_map=q_map)
+    selection.select_into(into, qp_l, kp, cu, cfg, q_map=q_map)
     assert (into[~real] == testing.POISON_INT).all(), "a padding row was written"
     _check_mapped_format(into, q_map, cu, cfg.block_size)
     op = cute_be.select(qp_l, kp, cu, cfg, q_map=q_map)

@@ -9,7 +9,7 @@ gloo spawn 2.1 s, the Triton interpreter 1.7 s, the public calls 0.7 s, the reca
 
 GPU tests of the CuTe FP8 selection (``selection_precision="fp8"``; ``pytest -m gpu`` on Hopper
 with nvidia-cutlass-dsl): ``SelectSm90`` with e4m3 operands and key scales, called directly
-(``select_sm90.select_fp8_into`` / ``selection.select``; declared for ``auto`` in
+(``selection.select_fp8_into`` / ``selection.select``; declared for ``auto`` in
 ``LIMITS["select"].fp8_selection``).
 
 Every check compares index sets on **identical quantized operands** (``quant.quantize`` once,
@@ -237,19 +237,20 @@ def test_fp8_selection_is_packing_and_query_map_invariant():
 
 
 def test_quantize_pass():
-    """e4m3 operands within their rounding, scales per block (constant on a block's tokens),
-    the rotation orthonormal and exact on the products."""
+    """e4m3 operands of the rotated proxies within their rounding, scales per block (constant
+    on a block's tokens), the rotation orthonormal and exact on the products."""
     lengths = [300, 129]
     cu = testing.cu(lengths)
     qp, kp = _proxies(lengths, block_gain=True)
+    qr, kr = quant.hadamard_transform(qp), quant.hadamard_transform(kp)
     blk = quant.block_of_token(cu, 429, 64)
-    qz = quant.quantize(qp, kp, cu, 64, key_scale="block", rotate=False)
+    qz = quant.quantize(qp, kp, cu, 64, key_scale="block")
     assert qz.q.dtype == qz.k.dtype == quant.E4M3
-    amax = torch.zeros(int(blk.max()) + 1).scatter_reduce(0, blk, kp.abs().amax(-1)[:, 0], "amax")
+    amax = torch.zeros(int(blk.max()) + 1).scatter_reduce(0, blk, kr.abs().amax(-1)[:, 0], "amax")
     assert torch.equal(qz.k_scale[:, 0], amax[blk] / quant.E4M3_MAX)
     qd, kd = quant.dequantize(qz)
-    assert ((qd - qp).abs() <= 2**-4 * qp.abs() + 2**-9 * qz.q_scale[..., None]).all()
-    assert ((kd - kp).abs() <= 2**-4 * kp.abs() + 2**-9 * qz.k_scale[..., None]).all()
+    assert ((qd - qr).abs() <= 2**-4 * qr.abs() + 2**-9 * qz.q_scale[..., None]).all()
+    assert ((kd - kr).abs() <= 2**-4 * kr.abs() + 2**-9 * qz.k_scale[..., None]).all()
     h = quant.hadamard(32)
     torch.testing.assert_close(h @ h.T, torch.eye(32))
     torch.testing.assert_close((qp @ h) @ (kp @ h)[:, 0].T, qp @ kp[:, 0].T, atol=1e-4, rtol=0)
@@ -294,7 +295,7 @@ def test_recall_on_structured_input():
         variants=(),
         with_downstream=False,
     )
-    shipped = res[quant.KEY_SCALE + ("+rot" if quant.ROTATE else "")]
+    shipped = res[quant.KEY_SCALE]
     assert shipped["mass_ratio"] >= 0.995, shipped
     assert shipped["recall"] >= 0.95, shipped
     assert res["bf16_vs_fp32"]["recall"] >= 0.99, res["bf16_vs_fp32"]
@@ -433,11 +434,11 @@ def test_distributed_selects_in_fp8(tmp_path):
     mp.spawn(_cp_worker, args=(2, str(tmp_path / "init"), str(case_file)), nprocs=2, join=True)
 
 
-def _select_sm90():
+def _selection():
     cute_backend()
-    from flash_msa.cute import select_sm90
+    from flash_msa.cute import selection
 
-    return select_sm90
+    return selection
 
 
 def _case(lengths, Hp, Hpk, Dp, b, top_k, dtype, seed=0, kind="random", key_scale="block"):
@@ -462,7 +463,7 @@ def _cute_fp8(qz, cu, cfg, **variant):
     """The CuTe fp8 kernel into a poisoned index buffer (every slot must be written)."""
     T, Hp, _ = qz.q.shape
     out = testing.poisoned((T, Hp, cfg.top_k), torch.int32, "cuda")
-    return _select_sm90().select_fp8_into(out, qz, cu, cfg, **variant)
+    return _selection().select_fp8_into(out, qz, cu, cfg, **variant)
 
 
 def _check_format(idx, cu, b):
@@ -554,7 +555,7 @@ def test_cute_fp8_select_op_quantizes_then_selects(dtype, monkeypatch):
     backend entry runs it."""
     from flash_msa import cute
 
-    _select_sm90()
+    _selection()
     from flash_msa.cute import selection
 
     qp, kp, cu, cfg, qz = _case((7000, 900), 4, 1, 128, 128, 16, dtype, 5, "local")
@@ -616,7 +617,7 @@ def test_cute_fp8_select_hypothesis_runtime_sizes(data):
 @marked(SM90)
 def test_cute_fp8_select_is_sync_free():
     """The op (quantize pass and kernel) makes no host synchronization, and repeats itself."""
-    _select_sm90()
+    _selection()
     from flash_msa.cute.selection import select
 
     qp, kp, cu, cfg, _ = _case((3000, 700), 4, 1, 128, 128, 16, torch.bfloat16)
@@ -629,7 +630,7 @@ def test_cute_fp8_select_is_sync_free():
 @marked(SM90)
 def test_cute_fp8_select_is_graph_capturable():
     """The op captured in a CUDA graph and replayed on new inputs equals an eager call."""
-    _select_sm90()
+    _selection()
     from flash_msa.cute.selection import select
 
     qp, kp, cu, cfg, _ = _case((3000, 700), 4, 1, 128, 128, 16, torch.bfloat16)
@@ -644,13 +645,14 @@ def test_cute_fp8_select_is_graph_capturable():
 
 
 # ---------------------------------------------------------------------------------------------
-# the quantize pass as a CuTe kernel (cute/quantize_sm90.py): bitwise the torch pass
+# the quantize pass as a CuTe kernel (cute/quantize_sm90.py, launched by cute/selection.py):
+# bitwise the torch pass
 # ---------------------------------------------------------------------------------------------
-def _quantize_sm90():
+def _cute_quantize():
     pytest.importorskip("cutlass")
-    from flash_msa.cute import quantize_sm90
+    from flash_msa.cute import selection
 
-    return quantize_sm90
+    return selection
 
 
 QUANT_CASES = [  # lengths (empty and short sequences among them), Hp, Hpk, Dp, block, dtype
@@ -673,7 +675,7 @@ def _assert_bitwise(got, want):
         a_nan, b_nan = a.float().isnan(), b.float().isnan()
         assert torch.equal(a_nan, b_nan), name
         assert torch.equal(a.view(bits)[~a_nan], b.view(bits)[~b_nan]), name
-    assert (got.key_scale, got.rotated) == (want.key_scale, want.rotated)
+    assert got.key_scale == want.key_scale
 
 
 def _qcase_id(c):
@@ -684,23 +686,21 @@ def _qcase_id(c):
 @pytest.mark.parametrize("case", QUANT_CASES, ids=_qcase_id)
 @pytest.mark.parametrize("key_scale", quant.KEY_SCALES)
 def test_cute_quantize_is_bitwise_the_torch_pass(case, key_scale):
-    """``quantize_sm90.quantize`` against ``quant.quantize`` on the same GPU inputs (``gain``:
-    key blocks of different magnitudes, so that the block scales differ): the same e4m3 bytes
-    and fp32 scales, every output element written (the buffers start NaN-poisoned); with
-    the rotation, and without it on the first two cases."""
+    """``selection.quantize`` against ``quant.quantize`` on the same GPU inputs (``gain``: key
+    blocks of different magnitudes, so that the block scales differ): the same e4m3 bytes and
+    fp32 scales, every output element written (the buffers start NaN-poisoned)."""
     lengths, Hp, Hpk, Dp, b, dtype = case
-    qs = _quantize_sm90()
+    qs = _cute_quantize()
     qp, kp, cu, _, _ = _case(lengths, Hp, Hpk, Dp, b, 16, dtype, 7, "gain", key_scale)
-    for rotate in (True, False) if case in QUANT_CASES[:2] else (True,):
-        want = quant.quantize(qp, kp, cu, b, key_scale=key_scale, rotate=rotate)
-        out = _poisoned_like(want)
-        got = qs.quantize(qp, kp, cu, b, key_scale, rotate, max_seqlen=max(lengths), out=out)
-        assert all(x is y for x, y in zip(got, out))
-        _assert_bitwise(got, want)
-        # a loose max_seqlen (more CTAs, the extra ones do nothing) and the default (read from
-        # cu_seqlens) give the same
-        _assert_bitwise(qs.quantize(qp, kp, cu, b, key_scale, rotate, max_seqlen=9000), want)
-        _assert_bitwise(qs.quantize(qp, kp, cu, b, key_scale, rotate), want)
+    want = quant.quantize(qp, kp, cu, b, key_scale=key_scale)
+    out = _poisoned_like(want)
+    got = qs.quantize(qp, kp, cu, b, key_scale, max_seqlen=max(lengths), out=out)
+    assert all(x is y for x, y in zip(got, out))
+    _assert_bitwise(got, want)
+    # a loose max_seqlen (more CTAs, the extra ones do nothing) and the default (read from
+    # cu_seqlens) give the same
+    _assert_bitwise(qs.quantize(qp, kp, cu, b, key_scale, max_seqlen=9000), want)
+    _assert_bitwise(qs.quantize(qp, kp, cu, b, key_scale), want)
 
 
 @marked(SM90)
@@ -710,9 +710,8 @@ def test_cute_quantize_edge_values(key_scale, Dp):
     """Rows the scale rule treats specially, bitwise as the torch pass: all zeros (scale 1),
     -0.0, an amax below ``448 * fp32 tiny`` (scale 1), subnormal and huge elements, outlier
     channels, and (query rows; key rows with per-token scales) inf and NaN (the torch pass's
-    amax is NaN: scale 1, NaN values). Also without the rotation (``-0.0`` and subnormals
-    reach the division unrotated)."""
-    qs = _quantize_sm90()
+    amax is NaN: scale 1, NaN values)."""
+    qs = _cute_quantize()
     T, Hp, Hpk, b = 512, 4, 1, 64
     cu = testing.cu([T - 100, 100], "cuda")
     for dtype in (torch.bfloat16, torch.float16):
@@ -734,33 +733,29 @@ def test_cute_quantize_edge_values(key_scale, Dp):
             x[6, 0, 5] = float("inf")
             x[7, 0, 9] = float("nan")
         q, k = (x.to(dtype).cuda() for x in (qp, kp))
-        for rotate in (True, False):
-            want = quant.quantize(q, k, cu, b, key_scale=key_scale, rotate=rotate)
-            got = qs.quantize(q, k, cu, b, key_scale, rotate, out=_poisoned_like(want))
-            _assert_bitwise(got, want)
+        want = quant.quantize(q, k, cu, b, key_scale=key_scale)
+        got = qs.quantize(q, k, cu, b, key_scale, out=_poisoned_like(want))
+        _assert_bitwise(got, want)
 
 
 @marked(SM90)
 def test_cute_fp8_select_op_with_the_cute_quantize_pass(monkeypatch):
     """``selection.select`` (fp8) with the CuTe quantize pass (where it fits) against the torch
-    pass (its named fallback, taken where ``quantize_sm90.can_implement`` refuses; forced here
+    pass (its named fallback, taken where ``selection.quantize_reason`` refuses; forced here
     by patching it): the same indices (the operands are the same bits), no host
     synchronization, and a CUDA graph capture replays it on new inputs."""
-    _select_sm90()
-    from flash_msa.cute import selection
-
-    qs = _quantize_sm90()
+    selection = _selection()
     qp, kp, cu, cfg, _ = _case((7000, 900), 4, 1, 128, 128, 16, torch.bfloat16, 5, "local")
 
     def torch_pass():
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(qs, "can_implement", lambda *a: "forced: the torch pass")
+            mp.setattr(selection, "quantize_reason", lambda *a: "forced: the torch pass")
             return selection.select(qp, kp, cu, cfg)
 
     before = torch_pass()
     calls = []
-    real = qs.quantize
-    monkeypatch.setattr(qs, "quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = selection.quantize
+    monkeypatch.setattr(selection, "quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = selection.select(qp, kp, cu, cfg)
     assert calls and torch.equal(got, before)
     with no_host_sync():

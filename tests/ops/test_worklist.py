@@ -42,7 +42,7 @@ CPU tests of the training step's glue: few torch ops, the same values.
   call makes, switch and stage-function changes included, and a repeated call recomputes
   nothing.
 
-GPU tests of the CuTe work-list build (``flash_msa/cute/worklist_sm90.py``) on Hopper: its
+GPU tests of the CuTe work-list build (``flash_msa/cute/worklist_host.py``) on Hopper: its
 ``blocks``, ``items`` and ``lists`` equal ``flash_msa.worklist``'s torch functions bit for bit on
 fresh random inputs (1 to 3000 sequences of random lengths, zero-length ones among them, block
 64 and 128, NB a multiple of 4 and not; selections of 1 to 4 heads of 1 to 16 slots over 1 to
@@ -990,20 +990,20 @@ def ws(monkeypatch):
     """The module, with every ``torch.empty`` buffer poisoned and each launch recorded in
     ``ws.launches`` (kernel class names)."""
     pytest.importorskip("cutlass")
-    from flash_msa.cute import worklist_sm90
+    from flash_msa.cute import worklist_host
 
     launches = []
-    real_run = worklist_sm90.run_typed
+    real_run = worklist_host.run_typed
 
     def run(kernel, device, args, signature, ffi=None):
         launches.append(type(kernel).__name__)
         real_run(kernel, device, args, signature, ffi)
 
-    monkeypatch.setattr(worklist_sm90, "run_typed", run)
+    monkeypatch.setattr(worklist_host, "run_typed", run)
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: testing.poison(real_empty(*a, **kw)))
-    monkeypatch.setattr(worklist_sm90, "launches", launches, raising=False)
-    return worklist_sm90
+    monkeypatch.setattr(worklist_host, "launches", launches, raising=False)
+    return worklist_host
 
 
 def _lengths(N, block, nb_mod4, seed):
@@ -1098,7 +1098,7 @@ def test_cuda_graph_capture_and_replay_on_new_inputs():
     sync would fail the capture), replayed after the indices and the sequence bounds change in
     place: the torch functions' results on the new inputs."""
     pytest.importorskip("cutlass")
-    from flash_msa.cute import worklist_sm90 as ws
+    from flash_msa.cute import worklist_host as ws
 
     lengths, Hs, K, block = [3000, 0, 1000, 17], 4, 16, 128
     cu, idx = _case(lengths, Hs, K, block, 11)

@@ -23,7 +23,7 @@ from cutlass.cute.runtime import make_ptr
 from .. import ordered, worklist
 from ..problem import Grads, Problem, Saved
 from ..problem import row_delta as problem_row_delta
-from . import worklist_sm90
+from . import worklist_host
 from .bwd_sm90 import LOG2E, BwdSm90
 from .bwd_ws_sm90 import BwdWsSm90
 from .common import ALIGN, cutlass_dtype
@@ -160,10 +160,10 @@ def bwd(
             # (the CuTe build: worklist_sm90, the torch glue's values in 2 launches for the
             # cut, where the torch ops cost ~0.3 ms of host time at anchor 16K)
             if kept is not None:  # one sort per step: the forward's lists, this kernel's items
-                wl = worklist_sm90.items(kept, BwdSm90.ITEM_TOKENS)
+                wl = worklist_host.items(kept, BwdSm90.ITEM_TOKENS)
             else:
-                wl = worklist_sm90.items(
-                    worklist_sm90.lists(indices, cu_seqlens, cfg.block_size, 0, Tk, q_map),
+                wl = worklist_host.items(
+                    worklist_host.lists(indices, cu_seqlens, cfg.block_size, 0, Tk, q_map),
                     BwdSm90.ITEM_TOKENS,
                 )
             outs = [None if x is None else x.view(-1, x.shape[-1]) for x in (dq, dk, dv, dqp, dkp)]
@@ -256,10 +256,10 @@ def _ordered(
         if q_map is not None:  # padding rows: no keys, whatever their slots hold (slot_sum)
             idx = worklist.drop_padding_rows(idx, q_map[c0:c1])
         if kept is not None and C >= T:  # one chunk: the forward's lists, this kernel's items
-            wl = worklist_sm90.items(kept, BwdSm90.ITEM_TOKENS)
+            wl = worklist_host.items(kept, BwdSm90.ITEM_TOKENS)
         else:
-            sl = worklist_sm90.lists(idx, cu_seqlens, block, c0, Tk, q_map)
-            wl = worklist_sm90.items(sl, BwdSm90.ITEM_TOKENS)
+            sl = worklist_host.lists(idx, cu_seqlens, block, c0, Tk, q_map)
+            wl = worklist_host.items(sl, BwdSm90.ITEM_TOKENS)
         items = ordered.list_items(wl)
         ranges = ordered.item_ranges(wl.num_items, per_item)
         most = max((w1 - w0 for w0, w1 in ranges), default=0)

@@ -46,7 +46,8 @@ from . import (
     forward,
     quantize_sm90,
     row_delta_sm90,
-    select_sm90,
+    selection,
+    worklist_host,
     worklist_sm90,
 )
 from .backward import bwd_arguments, kernel_for, row_delta_arguments
@@ -170,7 +171,7 @@ def kernel_dtype(name: str | None):
 # ---------------------------------------------------------------------------------------------
 def select_specimens(kernel: SelectSm90, tokens: int = 4) -> tuple:
     """CPU stand-ins (zero-filled) of a selection launch's tensors
-    (``select_sm90.launch_tensor_names``) in the layouts ``select_into`` / ``select_fp8_into``
+    (``selection.launch_tensor_names``) in the layouts ``select_into`` / ``select_fp8_into``
     pass, ``tokens`` rows each: the ``(T, Dp, heads)`` views of contiguous proxy tensors,
     ``cu_seqlens``, ``indices (T, Hp, K)`` int32, the query map's three int32 vectors or the
     key scales ``(T, Hpk)`` fp32. Only their layouts matter to a compile."""
@@ -251,14 +252,16 @@ def compile_select(
     dtype: str, Dp: int, Hp: int, Hpk: int, K: int, block: int, qmap: bool = False,
     key_scale: str | None = None, *, dump=None, name: str = "",
 ) -> dict:  # fmt: skip
-    """Compile :class:`SelectSm90` on the launch arguments ``select_sm90`` passes: ``dtype``
+    """Compile :class:`SelectSm90` on the launch arguments ``selection`` passes: ``dtype``
     "bf16" / "fp16" / "e4m3" (with ``key_scale``, the FP8 mode, its pipeline
     ``FP8_STAGES``; the wgmma instructions reported as ``mma``), ``qmap`` the query-map
     kernel. Returns :func:`compile_kernel`'s report (``dump``: a folder for ``<name>.ptx`` /
     ``.cubin``)."""
     stages = SelectSm90.stages if key_scale is None else FP8_STAGES
     kernel = SelectSm90(DTYPES[dtype], Dp, Hp, Hpk, K, block, stages, qmap=qmap, key_scale=key_scale)
-    kernel, args = select_sm90.launch_arguments(kernel, select_specimens(kernel), 1, make_fake_stream())
+    kernel, args = selection.select_arguments(
+        kernel, select_specimens(kernel), 1, make_fake_stream()
+    )
     return compile_kernel(kernel, *args, mma=key_scale is not None, dump=dump, name=name)
 
 
@@ -315,11 +318,11 @@ def compile_combine(dtype, H, Hs, K, D, has_o, proxy=False, *, dump=None, name="
     return compile_memory_bound(kernel, forward.combine_arguments, 7, dump=dump, name=name)
 
 
-def compile_quantize(dtype, Dp, Hp, Hpk, block, key_scale, rotate, *, dump=None, name=""):
-    """Compile :class:`QuantizeSm90` on the launch arguments ``quantize_sm90.quantize``
-    passes (dummy addresses)."""
-    kernel = QuantizeSm90(DTYPES[dtype], Dp, Hp, Hpk, block, key_scale, rotate)
-    launch = quantize_sm90.launch_arguments
+def compile_quantize(dtype, Dp, Hp, Hpk, block, key_scale, *, dump=None, name=""):
+    """Compile :class:`QuantizeSm90` on the launch arguments ``selection.quantize`` passes
+    (dummy addresses)."""
+    kernel = QuantizeSm90(DTYPES[dtype], Dp, Hp, Hpk, block, key_scale)
+    launch = selection.quantize_arguments
     return compile_memory_bound(kernel, launch, 7, (1, 1), dump=dump, name=name)
 
 
@@ -341,11 +344,11 @@ WORKLIST_KERNELS = {
 
 def compile_worklist(kind: str, *, dump=None, name=""):
     """Compile work-list kernel ``kind`` (:data:`WORKLIST_KERNELS`) on
-    ``worklist_sm90.launch_arguments`` (dummy addresses)."""
+    ``worklist_host.worklist_arguments`` (dummy addresses)."""
     kernel = WORKLIST_KERNELS[kind]()
     counts = (1,) * kernel.COUNTS
     return compile_memory_bound(
-        kernel, worklist_sm90.launch_arguments, len(kernel.POINTERS), counts, dump=dump, name=name
+        kernel, worklist_host.worklist_arguments, len(kernel.POINTERS), counts, dump=dump, name=name
     )
 
 
@@ -498,18 +501,17 @@ def combine_configurations():
             yield name, dtype, H, 4, 16, 128, True, True
 
 def quantize_configurations():
-    """(name, dtype, Dp, Hp, Hpk, block, key_scale, rotate) of the quantize kernels: the anchor
-    / paper proxy heads (Hp 4, Hpk 1) at both head dims and key scales, block 64, fp16, several
-    key heads, without the rotation."""
+    """(name, dtype, Dp, Hp, Hpk, block, key_scale) of the quantize kernels: the anchor /
+    paper proxy heads (Hp 4, Hpk 1) at both head dims and key scales, block 64, fp16, several
+    key heads."""
     for Dp in quantize_sm90.HEAD_DIMS:
         for scale in quant.KEY_SCALES:
             name = f"quantize bf16 Dp={Dp} b=128 {scale} Hp=4 Hpk=1"
-            yield name, "bf16", Dp, 4, 1, 128, scale, True
-    yield "quantize bf16 Dp=128 b=64 block Hp=4 Hpk=1", "bf16", 128, 4, 1, 64, "block", True
-    yield "quantize fp16 Dp=128 b=128 block Hp=4 Hpk=1", "fp16", 128, 4, 1, 128, "block", True
-    yield "quantize bf16 Dp=64 b=64 block Hp=8 Hpk=2", "bf16", 64, 8, 2, 64, "block", True
-    yield "quantize bf16 Dp=128 b=128 token Hp=2 Hpk=2", "bf16", 128, 2, 2, 128, "token", True
-    yield "quantize bf16 Dp=128 b=128 block no-rotate", "bf16", 128, 4, 1, 128, "block", False
+            yield name, "bf16", Dp, 4, 1, 128, scale
+    yield "quantize bf16 Dp=128 b=64 block Hp=4 Hpk=1", "bf16", 128, 4, 1, 64, "block"
+    yield "quantize fp16 Dp=128 b=128 block Hp=4 Hpk=1", "fp16", 128, 4, 1, 128, "block"
+    yield "quantize bf16 Dp=64 b=64 block Hp=8 Hpk=2", "bf16", 64, 8, 2, 64, "block"
+    yield "quantize bf16 Dp=128 b=128 token Hp=2 Hpk=2", "bf16", 128, 2, 2, 128, "token"
 
 def row_delta_configurations():
     """(name, dtype, D) of the row-delta kernels: bf16 and fp16 at D 64 and 128."""

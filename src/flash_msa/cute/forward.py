@@ -39,7 +39,7 @@ from cutlass.cute.runtime import make_ptr
 from .. import sparse_forward
 from ..problem import Problem
 from ..sparse_forward import Stages, borrowed_reason
-from . import worklist_sm90
+from . import worklist_host
 from .combine_sm90 import CombineSm90
 from .common import cutlass_dtype
 from .fwd_kl_sm90 import LOG2E, FwdKlSm90
@@ -54,7 +54,7 @@ def forward_stages(kl_fits: bool = True, combine_fits: bool = True, proxy_fits: 
     ``kl_fits``; the combine (with the proxy merge) where ``combine_fits``. The driver borrows
     the Triton backend's stage for each one left out (``proxy_partials`` where the partials do
     not make the proxy LSE)."""
-    stages = dict(partials=partials, q_map=True, work=worklist_sm90)
+    stages = dict(partials=partials, q_map=True, work=worklist_host)
     if proxy_fits:
         stages["partials_make_proxy"] = True
     if kl_fits:

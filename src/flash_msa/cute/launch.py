@@ -236,7 +236,7 @@ def stream(device: torch.device) -> RawStream:
 def builder_signature(builder) -> str:
     """The text that stands for a launch's argument layout in the disk cache's key
     (:func:`run_typed`'s ``signature``): the qualified name of ``builder`` (a host module's
-    ``launch_arguments``) and a hash of the source of its module and of this one. The kernel's
+    ``<op>_arguments``) and a hash of the source of its module and of this one. The kernel's
     own module is in the key already (``disk_cache.source_hash``); the builder lives in a host
     module, so a change to how it types the arguments changes the key too."""
     h = hashlib.sha256()
@@ -250,7 +250,7 @@ _compiled: dict = {}
 
 def run_typed(kernel, device: torch.device, args: tuple, signature: str, ffi=None) -> None:
     """Call ``kernel(*args)`` where the kernel object fixes every argument's type (raw
-    pointers, scalars and the stream, built by its module's ``launch_arguments``): the kernel
+    pointers, scalars and the stream, built by its host module's ``<op>_arguments``): the kernel
     object is then the whole in-process key, and ``signature``, a fixed text naming that
     builder, stands for the argument layout in the disk cache's key. No DLPack views.
 
@@ -262,7 +262,7 @@ def run_typed(kernel, device: torch.device, args: tuple, signature: str, ffi=Non
     step the five launches' ``run_typed`` took 410 us in all.
 
     ``ffi``: the call's values when the caller has them already (``ffi_args(args)``, e.g. the
-    ints it would build ``args`` from: cute/worklist_sm90.py); ``args`` may then be a function
+    ints it would build ``args`` from: cute/worklist_host.py); ``args`` may then be a function
     returning the typed tuple, called only when the kernel is compiled (its types are all the
     compile reads), so a launch builds no typed argument at all."""
     if ffi is None and callable(args):
@@ -324,5 +324,5 @@ _FFI_CONVERT = {
 
 
 def ffi_args(args: tuple) -> tuple:
-    """``args`` (a ``launch_arguments``' typed tuple) as the TVM-FFI function takes them."""
+    """``args`` (an ``<op>_arguments``' typed tuple) as the TVM-FFI function takes them."""
     return tuple(_ffi_value(a) for a in args)

@@ -1,8 +1,9 @@
 """The FP8 selection's quantize pass on Hopper (sm_90a) in CuTe DSL: one kernel, bitwise equal
 to :func:`flash_msa.quant.quantize`.
 
-The CuTe selection's fp8 branch (``cute.selection.select``) asks :func:`can_implement` and falls
-back to the torch pass ``quant.quantize`` where the kernel cannot run the call.
+The CuTe selection's fp8 branch (``cute.selection.select``) launches it by
+``cute.selection.quantize`` where ``cute.selection.quantize_reason`` takes the call, and falls
+back to the torch pass ``quant.quantize`` where it does not.
 
 What it computes (``quant.quantize``, term for term): per row of ``Dp`` elements (a ``(token,
 head)`` of ``q_proxy (T, Hp, Dp)`` or ``k_proxy (T, Hpk, Dp)``, bf16 or fp16), the rotation
@@ -81,11 +82,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
-from cutlass.cute.runtime import make_ptr
 
 from .. import quant
-from .common import cutlass_dtype
-from .launch import aligned, run_typed, stream
 
 # Measured on the H200 at paper 128K (tests/ops/test_select_fp8.py: bytes and scales bitwise
 # equal to quant.quantize): 0.199 ms (8 warps x 1 pass, shipped) / 0.228 (4 x 2) / 0.217 (8 x 4)
@@ -114,7 +112,6 @@ class QuantizeSm90:
     k_heads: int  # Hpk
     block_size: int  # the selection's key block (the block scale's tokens; the CTA's tokens)
     key_scale: str  # "block" or "token" (quant.KEY_SCALES)
-    rotate: bool  # the Hadamard rotation first (quant.ROTATE)
     # tuning: warps per CTA, passes of rows per warp in flight (timings: above). At 8 warps x 2 passes ptxas settled at 64 registers and spilled
     # 8-16 bytes in 3 of the 12 checked configurations (around the IEEE division's slow-path
     # calls); 4 x 2 (62-72 registers), 8 x 1 (40-63) and 8 x 4 (78-102) spill in none.
@@ -123,9 +120,8 @@ class QuantizeSm90:
 
     @classmethod
     def can_implement(
-        cls, dtype, head_dim, q_heads, k_heads, block_size, key_scale, rotate=True, warps=8,
-        unroll=1,
-    ) -> str | None:  # fmt: skip
+        cls, dtype, head_dim, q_heads, k_heads, block_size, key_scale, warps=8, unroll=1
+    ) -> str | None:
         """Why this configuration cannot be compiled or run (``None``: it can)."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"the CuTe quantize pass needs bf16 or fp16 proxies, not {dtype}"
@@ -137,8 +133,6 @@ class QuantizeSm90:
             return f"key_scale must be one of {quant.KEY_SCALES}, not {key_scale!r}"
         if q_heads < 1 or not 1 <= k_heads <= 32:  # (a block's key heads: one smem word each)
             return f"the head counts must be Hp >= 1, 1 <= Hpk <= 32, got {q_heads}, {k_heads}"
-        if not isinstance(rotate, bool):
-            return f"rotate must be a bool, not {type(rotate).__name__}"
         if warps not in (1, 2, 4, 8, 16, 32) or unroll not in (1, 2, 4):
             return f"warps must be a power of two <= 32 and unroll 1, 2 or 4, got {warps}, {unroll}"
         return None
@@ -146,7 +140,7 @@ class QuantizeSm90:
     def __post_init__(self):
         why = self.can_implement(
             self.dtype, self.head_dim, self.q_heads, self.k_heads, self.block_size,
-            self.key_scale, self.rotate, self.warps, self.unroll,
+            self.key_scale, self.warps, self.unroll,
         )  # fmt: skip
         if why is not None:
             raise ValueError(f"CuTe quantize: {why}")
@@ -283,7 +277,7 @@ class QuantizeSm90:
     @cute.jit
     def rotated(self, raws, lane: Int32):
         """The lane's 16 elements of the row in fp32 (element ``e`` at column ``col0 + e % 8 +
-        (e // 8) * Dp / 2``), rotated when ``rotate``: the butterflies at strides 1, 2, 4 (in
+        (e // 8) * Dp / 2``), rotated: the butterflies at strides 1, 2, 4 (in
         registers), 8 .. Dp/4 (lane ``l`` with ``l ^ (stride / 8)``), Dp/2 (in registers), in
         that order, then the multiply by ``fp32(Dp ** -0.5)`` (quant.hadamard_transform)."""
         x = []
@@ -292,16 +286,15 @@ class QuantizeSm90:
             f.store(raws[h].load().to(Float32))
             for i in cutlass.range_constexpr(PIECE):
                 x.append(f[i])
-        if cutlass.const_expr(self.rotate):
-            for st in (1, 2, 4):
-                _butterflies(x, st)
-            for m in _lane_bits(self.head_dim):  # lane bit m: stride 8 m
-                # own + partner (bit clear), partner - own (bit set: the upper element)
-                sign = Float32(-1.0) if (lane & m) != 0 else Float32(1.0)
-                _lane_butterflies(x, m, sign)
-            _butterflies(x, 8)
-            c = Float32(rotation_scale(self.head_dim))
-            x = [cute.math.mul(v, c, rounding=RN) for v in x]
+        for st in (1, 2, 4):
+            _butterflies(x, st)
+        for m in _lane_bits(self.head_dim):  # lane bit m: stride 8 m
+            # own + partner (bit clear), partner - own (bit set: the upper element)
+            sign = Float32(-1.0) if (lane & m) != 0 else Float32(1.0)
+            _lane_butterflies(x, m, sign)
+        _butterflies(x, 8)
+        c = Float32(rotation_scale(self.head_dim))
+        x = [cute.math.mul(v, c, rounding=RN) for v in x]
         return x
 
     @cute.jit
@@ -379,161 +372,3 @@ def _from_bits(i):
     t = cute.make_rmem_tensor(1, Int32)
     t[0] = i
     return cute.recast_tensor(t, Float32)[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# host: torch tensors in, quant.Quantized out
-# ---------------------------------------------------------------------------------------------
-def can_implement(q_proxy, k_proxy, block_size, key_scale=quant.KEY_SCALE, rotate=quant.ROTATE):
-    """Why :func:`quantize` cannot run this call on the kernel (``None``: it can): CUDA tensors
-    ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` of one device and dtype (bf16 or fp16),
-    the same tokens, Dp and ``block_size`` the kernel's (:meth:`QuantizeSm90.can_implement`).
-    The switch in ``select_sm90.select`` asks this, else the torch pass runs."""
-    for name, x in (("q_proxy", q_proxy), ("k_proxy", k_proxy)):
-        if not isinstance(x, torch.Tensor):
-            return f"{name} must be a torch.Tensor, not {type(x).__name__}"
-        if x.dim() != 3:
-            return f"{name} must be 3-D (T, heads, Dp), got shape {tuple(x.shape)}"
-    if k_proxy.dtype != q_proxy.dtype:
-        return f"q_proxy and k_proxy must share a dtype, got {q_proxy.dtype} and {k_proxy.dtype}"
-    if k_proxy.shape[0] != q_proxy.shape[0] or k_proxy.shape[2] != q_proxy.shape[2]:
-        return (
-            f"q_proxy (T, Hp, Dp) and k_proxy (T, Hpk, Dp) must have the same T and Dp, got "
-            f"{tuple(q_proxy.shape)} and {tuple(k_proxy.shape)}"
-        )
-    _, Hp, Dp = q_proxy.shape
-    why = QuantizeSm90.can_implement(
-        cutlass_dtype(q_proxy.dtype), Dp, Hp, k_proxy.shape[1], block_size, key_scale, rotate
-    )
-    if why is None and (q_proxy.device.type != "cuda" or k_proxy.device != q_proxy.device):
-        devices = f"{q_proxy.device} and {k_proxy.device}"
-        why = f"q_proxy and k_proxy must be on one CUDA device, got {devices}"
-    return why
-
-
-def quantize(
-    q_proxy: torch.Tensor,
-    k_proxy: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    block_size: int,
-    key_scale: str = quant.KEY_SCALE,
-    rotate: bool = quant.ROTATE,
-    *,
-    max_seqlen: int | None = None,
-    out: tuple | None = None,
-) -> quant.Quantized:
-    """:func:`flash_msa.quant.quantize` by the kernel: the same :class:`~flash_msa.quant.Quantized`,
-    bit for bit (module docstring).
-
-    Args:
-        q_proxy: ``(T, Hp, Dp)``, k_proxy: ``(T, Hpk, Dp)``: bf16 or fp16 CUDA tensors (packed
-            tokens; copied if not contiguous or not 16-byte aligned).
-        cu_seqlens: ``(N+1,)`` int32 on their device, ``cu_seqlens[N] == T``.
-        block_size: the selection's key block (64 or 128).
-        key_scale: ``"block"`` or ``"token"``; rotate: the Hadamard rotation first.
-        max_seqlen: at least the longest sequence's length (bounds the grid: ``N *
-            ceil(max_seqlen / block_size)`` CTAs; rows past it would be left unwritten, so it
-            must not be smaller, as for the selection's ``cfg.max_seqlen``); ``None`` reads it
-            from ``cu_seqlens`` (a host synchronization).
-        out: ``(q8, q_scale, k8, k_scale)`` to write into (e4m3 ``(T, Hp, Dp)``, fp32 ``(T,
-            Hp)``, e4m3 ``(T, Hpk, Dp)``, fp32 ``(T, Hpk)``, contiguous), else new tensors.
-    Raises:
-        TypeError / ValueError naming the argument (:func:`can_implement`'s reasons too).
-    """
-    for name, x in (("q_proxy", q_proxy), ("k_proxy", k_proxy), ("cu_seqlens", cu_seqlens)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"CuTe quantize: {name} must be a torch.Tensor, not {type(x).__name__}")
-    for name, v in (("block_size", block_size), ("max_seqlen", max_seqlen)):
-        if (v is not None or name == "block_size") and (
-            not isinstance(v, int) or isinstance(v, bool)
-        ):
-            raise TypeError(f"CuTe quantize: {name} must be an int, not {type(v).__name__}")
-    if not isinstance(key_scale, str):
-        raise TypeError(f"CuTe quantize: key_scale must be a str, not {type(key_scale).__name__}")
-    if not isinstance(rotate, bool):
-        raise TypeError(f"CuTe quantize: rotate must be a bool, not {type(rotate).__name__}")
-    why = can_implement(q_proxy, k_proxy, block_size, key_scale, rotate)
-    if why is not None:
-        raise ValueError(f"CuTe quantize: {why}")
-    T, Hp, Dp = q_proxy.shape
-    Hpk = k_proxy.shape[1]
-    dev = q_proxy.device
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError(
-            f"CuTe quantize: cu_seqlens must be a 1-D int32 (N+1,) tensor, got "
-            f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
-        )
-    if cu_seqlens.device != dev:
-        raise ValueError(f"CuTe quantize: cu_seqlens must be on {dev}, got {cu_seqlens.device}")
-    if max_seqlen is None:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
-    if max_seqlen < (1 if T else 0):
-        raise ValueError(f"CuTe quantize: max_seqlen must be >= 1 for T = {T}, got {max_seqlen}")
-    kernel = QuantizeSm90(
-        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, block_size, key_scale, rotate
-    )
-    e4m3, f32 = quant.E4M3, torch.float32
-    want = (((T, Hp, Dp), e4m3), ((T, Hp), f32), ((T, Hpk, Dp), e4m3), ((T, Hpk), f32))
-    names = ("q8", "q_scale", "k8", "k_scale")
-    if out is None:
-        out = tuple(torch.empty(shape, dtype=dt, device=dev) for shape, dt in want)
-    elif not isinstance(out, (tuple, list)) or len(out) != 4:
-        raise TypeError("CuTe quantize: out must be a tuple (q8, q_scale, k8, k_scale)")
-    for name, x, (shape, dt) in zip(names, out, want):
-        align = OUT_ALIGN if dt == e4m3 else SCALAR_ALIGN
-        if (
-            not isinstance(x, torch.Tensor) or x.dtype != dt or tuple(x.shape) != shape
-            or x.device != dev or not x.is_contiguous() or x.data_ptr() % align
-        ):  # fmt: skip
-            got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else x
-            raise ValueError(
-                f"CuTe quantize: out's {name} must be a contiguous, {align}-byte aligned {dt} "
-                f"{shape} tensor on {dev}, got {got}"
-            )
-    q8, q_scale, k8, k_scale = out
-    result = quant.Quantized(q8, q_scale, k8, k_scale, key_scale, rotate)
-    n_seq = cu_seqlens.shape[0] - 1
-    blocks = -(-max_seqlen // block_size)
-    if T == 0 or n_seq == 0 or blocks == 0:
-        return result
-    if n_seq * blocks >= 2**31:
-        raise ValueError(
-            f"CuTe quantize: N * ceil(max_seqlen / block_size) = {n_seq * blocks} CTAs exceed "
-            "the grid's 2^31 - 1"
-        )
-    q = aligned(q_proxy.contiguous())
-    k = aligned(k_proxy.contiguous())
-    cu = aligned(cu_seqlens.contiguous())
-    args = launch_arguments(
-        kernel, q.data_ptr(), k.data_ptr(), cu.data_ptr(), q8.data_ptr(), q_scale.data_ptr(),
-        k8.data_ptr(), k_scale.data_ptr(), n_seq, blocks, stream(dev),
-    )  # fmt: skip
-    run_typed(kernel, dev, args, LAUNCH_SIGNATURE)
-    return result
-
-
-def launch_arguments(kernel: QuantizeSm90, q, k, cu, q8, q_scale, k8, k_scale, n_seq, blocks, strm):
-    """The arguments of a launch of ``kernel`` (its ``__call__``): the seven buffers' device
-    addresses (ints) as typed pointers of the alignments the kernel assumes, the sequence count,
-    the key blocks per sequence and the stream. The types depend on ``kernel`` alone, so the
-    compile cache keys on the kernel object and the compile check compiles what runs
-    (``compile_check.compile_quantize``)."""
-    gmem = cute.AddressSpace.gmem
-    e4m3 = cutlass.Float8E4M3FN
-    return (
-        make_ptr(kernel.dtype, q, gmem, assumed_align=ROW_ALIGN),
-        make_ptr(kernel.dtype, k, gmem, assumed_align=ROW_ALIGN),
-        make_ptr(Int32, cu, gmem, assumed_align=SCALAR_ALIGN),
-        make_ptr(e4m3, q8, gmem, assumed_align=OUT_ALIGN),
-        make_ptr(Float32, q_scale, gmem, assumed_align=SCALAR_ALIGN),
-        make_ptr(e4m3, k8, gmem, assumed_align=OUT_ALIGN),
-        make_ptr(Float32, k_scale, gmem, assumed_align=SCALAR_ALIGN),
-        Int32(n_seq),
-        Int32(blocks),
-        strm,
-    )
-
-
-# the disk cache's text for the argument types: fixed by the kernel object and this module's
-# source (both in the disk key); launches go through launch.run_typed
-LAUNCH_SIGNATURE = "quantize_sm90.launch_arguments"

@@ -35,7 +35,7 @@ rows need not be contiguous, so no TMA box fits them); each row's position (caus
 block) is ``q_map[row] - start``; the CTA walks the key tiles up to its last (largest) row's
 and masks every tile from its first row's on (a tile's rows may span several key tiles); the
 lists are written to the rows themselves. Padding rows (``-1``) belong to no sequence: no CTA
-visits them and :func:`select` fills them with -1. The map's parts are compile-time branches:
+visits them and ``selection.select`` fills them with -1. The map's parts are compile-time branches:
 without the map none of them is traced.
 
 FP8 mode (``SelectSm90(dtype=Float8E4M3FN, key_scale="block" | "token")``,
@@ -141,23 +141,14 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass import Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from .. import quant, worklist
+from .. import quant
 from ..cubin import SHARED_LIMIT
-from .common import (
-    PointerTensors,
-    acc_rows_cols,
-    cutlass_dtype,
-    pointer_tensors,
-    row_gather_copy,
-    tma_tiles,
-)
-from .launch import aligned, bound, pointer_arguments, run_typed, stream
+from .common import PointerTensors, acc_rows_cols, pointer_tensors, row_gather_copy, tma_tiles
 
 TILE_M = 128  # query tokens per CTA (two consumer warpgroups x 64 rows); the grid's y
 MAX_TOPK = 64  # a selector thread keeps its row's list in registers (152 of them at 64)
@@ -235,10 +226,10 @@ class SelectSm90:
     # (quant.KEY_SCALES), with e4m3 operands; None: the exact bf16/fp16 selection
     key_scale: str | None = None
     # the launch's tensors as their CuTe views had them (``launch.view_layout``: element type,
-    # static sizes and strides, in the order of :func:`launch_tensor_names`), set by
-    # :func:`launch_arguments` from the tensors of the call: the compiled code bakes them in
-    # (TMA descriptors' boxes, the index rows' strides), so two layouts are two kernel
-    # objects. ``()`` for a configuration not yet bound to a launch's tensors
+    # static sizes and strides, in the order of ``selection.launch_tensor_names``), set by
+    # ``selection.select_arguments`` from the tensors of the call: the compiled code
+    # bakes them in (TMA descriptors' boxes, the index rows' strides), so two layouts are two
+    # kernel objects. ``()`` for a configuration not yet bound to a launch's tensors
     views: tuple = ()
 
     TILE_M: ClassVar[int] = TILE_M
@@ -354,20 +345,27 @@ class SelectSm90:
         if why is not None:
             raise ValueError(f"CuTe selection: {why}")
 
+    @property
+    def tensor_count(self) -> int:
+        """How many tensors a launch passes (``selection.launch_tensor_names``): q_proxy,
+        k_proxy, cu_seqlens, indices, then the key scales (FP8 mode) or the query map's three
+        (:attr:`qmap`)."""
+        return 5 if self.key_scale is not None else 7 if self.qmap else 4
+
     # -----------------------------------------------------------------------------------------
     # host: MMAs, layouts, TMA atoms, shared storage, launch
     # -----------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, tensors: PointerTensors, n_mblk: Int32, stream: cuda.CUstream):
-        """Launch. ``tensors``: per tensor of :func:`launch_tensor_names` its typed global pointer
-        and mode-0 size (run-time), the rest of its layout in :attr:`views`
-        (:func:`launch_arguments`); rebuilt here as ``mQ (T, Dp, Hp)``, ``mK (T, Dp, Hpk)`` views of
-        the proxy tensors, ``mCu (N+1,)``, ``mIdx (T, Hp, K)``; grid (Hp * N, n_mblk =
-        ceil(max_seqlen / 128)). ``mode_args``: a :class:`QueryMap` exactly when :attr:`qmap`
-        (``mQ`` and ``mIdx`` then have ``Tq`` query rows, ``mK`` the keys' ``T``, and ``n_mblk``
-        bounds the query rows of one sequence, ceil(min(Tq, max_seqlen) / 128)); :class:`KeyScales`
-        exactly in the FP8 mode (:attr:`key_scale`); else none."""
-        assert len(self.views) == len(launch_tensor_names(self)), "views of every tensor"
+        """Launch. ``tensors``: per tensor of ``selection.launch_tensor_names`` its typed global
+        pointer and mode-0 size (run-time), the rest of its layout in :attr:`views`
+        (``selection.select_arguments``); rebuilt here as ``mQ (T, Dp, Hp)``, ``mK (T,
+        Dp, Hpk)`` views of the proxy tensors, ``mCu (N+1,)``, ``mIdx (T, Hp, K)``; grid (Hp *
+        N, n_mblk = ceil(max_seqlen / 128)). ``mode_args``: a :class:`QueryMap` exactly when
+        :attr:`qmap` (``mQ`` and ``mIdx`` then have ``Tq`` query rows, ``mK`` the keys' ``T``,
+        and ``n_mblk`` bounds the query rows of one sequence, ceil(min(Tq, max_seqlen) / 128));
+        :class:`KeyScales` exactly in the FP8 mode (:attr:`key_scale`); else none."""
+        assert len(self.views) == self.tensor_count, "views of every tensor"
         t = pointer_tensors(tensors, self.views)
         mQ, mK, mCu, mIdx = t[:4]
         mode_args = None
@@ -923,158 +921,3 @@ class SelectSm90:
             for t in cutlass.range_constexpr(TOPK):
                 k = keys[t]
                 mIdx[Int64(start + row), p, t] = -1 if k == big else k  # 64-bit offset
-
-
-# ---------------------------------------------------------------------------------------------
-# host: torch tensors in, indices out
-# ---------------------------------------------------------------------------------------------
-def select_into(
-    indices, q_proxy, k_proxy, cu_seqlens, cfg, *, stages: int = SelectSm90.stages, q_map=None
-):
-    """Write the selection into ``indices`` ``(T, Hp, top_k)`` int32 (every entry is written):
-    ascending sequence-local block numbers, -1 in unused slots. Returns ``indices``.
-
-    ``q_proxy (T, Hp, Dp)``, ``k_proxy (T, Hpk, Dp)`` contiguous bf16/fp16 CUDA tensors,
-    ``cu_seqlens (N+1,)`` int32; ``cfg.max_seqlen`` bounds the grid (no host synchronization).
-    ``stages``: the kernel's pipeline depth (default ``SelectSm90.stages``, the shipped one;
-    another depth gives the same indices: tests/ops/test_fwd.py).
-    ``q_map``: ``None`` or ``(Tq,)`` int32 (the contract's query map): ``q_proxy`` and
-    ``indices`` have ``Tq`` rows, ``k_proxy`` the keys' ``T``; every entry of a mapped row is
-    written, those of padding rows (``-1``) are left as they are (:func:`select` fills them
-    with -1). The exact selection only:
-    ``cfg.selection_precision == "fp8"`` raises (:func:`select_fp8_into` is that one).
-    """
-    if cfg.selection_precision != "bf16":
-        raise ValueError(
-            f"CuTe selection: select_into is the exact selection, cfg.selection_precision is "
-            f"{cfg.selection_precision!r} (select or select_fp8_into run the fp8 one)"
-        )
-    T, Hp, Dp = q_proxy.shape
-    Hpk = k_proxy.shape[1]
-    K = cfg.top_k
-    kernel = SelectSm90(
-        cutlass_dtype(q_proxy.dtype), Dp, Hp, Hpk, K, cfg.block_size, stages, q_map is not None
-    )
-    _check_indices(indices, T, Hp, K)
-    if T == 0:
-        return indices
-    rows = cfg.max_seqlen  # query rows per sequence: at most its tokens
-    extra = ()
-    if q_map is not None:
-        if q_map.shape != (T,) or q_map.dtype != torch.int32 or q_map.device != q_proxy.device:
-            raise ValueError(
-                f"CuTe selection: q_map must be an int32 ({T},) tensor on {q_proxy.device}, got "
-                f"{q_map.dtype} {tuple(q_map.shape)} on {q_map.device}"
-            )
-        order = worklist.query_order(q_map, cu_seqlens, k_proxy.shape[0])
-        maps = (aligned(q_map.contiguous()), order.rows, order.seq_start)
-        extra = tuple(aligned(x) for x in maps)
-        rows = min(T, cfg.max_seqlen)  # and at most the query rows (a host bound: no sync)
-    _launch(kernel, q_proxy, k_proxy, cu_seqlens, indices, rows, *extra)
-    return indices
-
-
-def select_fp8_into(indices, quantized, cu_seqlens, cfg, *, stages: int = FP8_STAGES):
-    """The fp8 selection (``selection_precision="fp8"``) of quantized operands into
-    ``indices`` ``(T, Hp, top_k)`` int32 (every entry written, as :func:`select_into`).
-    Returns ``indices``.
-
-    ``quantized``: :class:`flash_msa.quant.Quantized` of :func:`flash_msa.quant.quantize`
-    with ``cfg.block_size`` (its block scales are per selection block): e4m3 ``q (T, Hp, Dp)``
-    and ``k (T, Hpk, Dp)``, fp32 ``k_scale (T, Hpk)`` on one CUDA device, per block or per token
-    (``key_scale``, compiled in); ``q_scale`` is not read (a positive row constant). No query
-    map. ``stages``: the key-pipeline depth (default :data:`FP8_STAGES`, the shipped one).
-    """
-    qz = quantized
-    for name, x in (("q", qz.q), ("k", qz.k)):  # before their shapes are read
-        if x.dim() != 3:
-            raise ValueError(
-                f"CuTe fp8 selection: quantized.{name} must be 3-D (T, heads, Dp), got "
-                f"{tuple(x.shape)}"
-            )
-    T, Hp, Dp = qz.q.shape
-    Hpk = qz.k.shape[1]
-    K = cfg.top_k
-    for name, x in (("q", qz.q), ("k", qz.k)):
-        if x.dtype != quant.E4M3 or x.dim() != 3 or x.shape[0] != T or x.shape[2] != Dp:
-            raise ValueError(
-                f"CuTe fp8 selection: quantized.{name} must be e4m3 ({T}, heads, {Dp}), got "
-                f"{x.dtype} {tuple(x.shape)}"
-            )
-    if qz.k_scale.dtype != torch.float32 or tuple(qz.k_scale.shape) != (T, Hpk):
-        raise ValueError(
-            f"CuTe fp8 selection: quantized.k_scale must be fp32 ({T}, {Hpk}), got "
-            f"{qz.k_scale.dtype} {tuple(qz.k_scale.shape)}"
-        )
-    kernel = SelectSm90(
-        cutlass.Float8E4M3FN, Dp, Hp, Hpk, K, cfg.block_size, stages, key_scale=qz.key_scale
-    )
-    _check_indices(indices, T, Hp, K)
-    if T == 0:
-        return indices
-    scales = aligned(qz.k_scale.contiguous())
-    q, k = qz.q.contiguous(), qz.k.contiguous()
-    _launch(kernel, q, k, cu_seqlens, indices, cfg.max_seqlen, scales)
-    return indices
-
-
-def _check_indices(indices, T, Hp, K):
-    """Raise ValueError unless ``indices`` is a contiguous, 16-byte aligned int32 ``(T, Hp,
-    K)`` tensor (the kernel writes it through a 16-byte aligned view)."""
-    if tuple(indices.shape) != (T, Hp, K) or indices.dtype != torch.int32:
-        raise ValueError(
-            f"CuTe selection: indices must be an int32 ({T}, {Hp}, {K}) tensor, got "
-            f"{indices.dtype} {tuple(indices.shape)}"
-        )
-    if not indices.is_contiguous() or indices.data_ptr() % 16:
-        raise ValueError("CuTe selection: indices must be contiguous and 16-byte aligned")
-
-
-def _launch(kernel, q, k, cu_seqlens, indices, rows, *mode_tensors):
-    """Run ``kernel`` on ``q (Tq, Hp, Dp)``, ``k (T, Hpk, Dp)`` (contiguous), its grid's y
-    bounding ``rows`` query rows per sequence; ``mode_tensors`` the query map's three or the
-    key scales (:func:`launch_tensor_names`)."""
-    tensors = (
-        aligned(q.contiguous()).permute(0, 2, 1),  # (T, Dp, Hp): a TMA box = one head
-        aligned(k.contiguous()).permute(0, 2, 1),
-        aligned(cu_seqlens),  # (copied only where a slice is not 16-byte aligned)
-        indices,
-        *mode_tensors,
-    )
-    kernel, args = launch_arguments(kernel, tensors, max(1, -(-rows // TILE_M)), stream(q.device))
-    run_typed(kernel, q.device, args, LAUNCH_SIGNATURE)
-
-
-def launch_tensor_names(kernel: SelectSm90) -> tuple[str, ...]:
-    """The launch's tensors, in the order of ``kernel.views`` and its ``__call__``'s pointers:
-    q_proxy, k_proxy, cu_seqlens, indices (+ q_map, rows, seq_start with
-    :attr:`~SelectSm90.qmap`; + k_scale in the FP8 mode)."""
-    if kernel.key_scale is not None:
-        return (*_TENSORS, "k_scale")
-    return (*_TENSORS, "q_map", "rows", "seq_start") if kernel.qmap else _TENSORS
-
-
-_TENSORS = ("q_proxy", "k_proxy", "cu_seqlens", "indices")
-
-
-def launch_arguments(kernel: SelectSm90, tensors, n_mblk: int, strm):
-    """``(kernel', args)`` of a launch of ``kernel``: ``tensors`` the torch tensors of
-    :func:`launch_tensor_names` laid out as its ``__call__`` takes them (the proxy tensors as
-    ``(T, Dp, heads)`` views), ``n_mblk`` the grid's y, ``strm`` the stream. ``kernel'`` is
-    ``kernel`` with ``views`` set to the tensors' layouts (``launch.view_layout``: what their
-    CuTe views baked in, element types too), ``args`` its ``__call__``'s arguments: typed
-    pointers and mode-0 sizes (``launch.pointer_arguments``: ~1 us a tensor instead of a
-    DLPack view's 10-40 us), ``Int32(n_mblk)``, the stream; :func:`~.launch.run_typed` keys
-    the compile cache on ``kernel'`` alone. ValueError (naming the tensor) for a wrong tensor
-    count, a base that is not 16-byte aligned, a tensor on another device than q_proxy, or a
-    layout whose view would have a run-time stride."""
-    names = launch_tensor_names(kernel)
-    if len(tensors) != len(names):
-        raise ValueError(f"CuTe selection: {len(tensors)} launch tensors, {len(names)} expected")
-    views, pointers = pointer_arguments("CuTe selection", names, tensors, tensors[0].device)
-    return bound(kernel, views), (pointers, Int32(n_mblk), strm)
-
-
-# the disk cache's text for the argument types: fixed by the kernel object (its views) and
-# this module's source (both in the disk key); launches go through launch.run_typed
-LAUNCH_SIGNATURE = "select_sm90.launch_arguments"
