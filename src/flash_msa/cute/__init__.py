@@ -1,9 +1,9 @@
 """CuTe DSL backend (nvidia-cutlass-dsl) for Hopper SM90: the dispatch (limits, reasons, ops).
 
-What runs, for sm_90, checked on an H200 (tests/test_gpu_cute*.py):
+What runs, for sm_90, checked on an H200 (the GPU cases of tests/ops/):
 
 * ``select``: proxy block selection (:mod:`.selection`: :class:`~.select_sm90.SelectSm90`, bf16 /
-  fp16, or e4m3 after the quantize pass :mod:`.quantize_sm90` for
+  fp16, or e4m3 after the quantize pass :class:`~.quantize_sm90.QuantizeSm90` for
   ``selection_precision="fp8"``);
 * ``fwd`` (sparse): the backend-neutral driver :mod:`flash_msa.sparse_forward` with every stage
   on CuTe where its fit check takes the call (:mod:`.forward`: work list, per-block partials with
@@ -20,15 +20,16 @@ contract, docs/design.md), and ``FLASH_MSA_BACKEND=cute`` raises
 :class:`~flash_msa.BackendError`; so does a backward outside its limits (``auto`` runs it on
 Triton within the same autograd step). Blackwell (sm_100) kernels are not written.
 
-Modules, imports pointing one way (tests/integration/test_import_graph.py): kernel modules (``*_sm90.py``:
-a frozen dataclass per kernel, its static configuration as fields, ``can_implement`` saying why
-a configuration cannot run, and the kernel's own launch wrappers) import only :mod:`.common`
-(shared device and launch helpers, :mod:`.disk_cache`) and the package's leaf modules
-(``problem``, ``worklist``, ``quant``, ``cubin``; ``bwd_ws_sm90`` its base class's module); the
-host modules per op (:mod:`.selection`, :mod:`.forward`, :mod:`.backward`, :mod:`.warmup`;
-:mod:`.memo` their remembered reasons) import kernels and pick between them; this dispatch
-imports the host modules; :mod:`.compile_check` imports kernels and host code, and nothing
-imports it.
+Modules, imports pointing one way (tests/integration/test_import_graph.py): kernel modules
+(``*_sm90.py``: device code only, one kernel class per file, the work list's five passes
+excepted; a frozen dataclass per kernel, its static configuration as fields, ``can_implement``
+saying why a configuration cannot run) import only :mod:`.common` (shared device helpers), a
+base class's kernel module and the package's leaf modules (``problem``, ``worklist``,
+``quant``, ``cubin``); the host modules per op (:mod:`.selection`, :mod:`.forward`,
+:mod:`.backward`, :mod:`.worklist_host`, :mod:`.warmup`; :mod:`.memo` their remembered reasons)
+import kernels and :mod:`.launch` (views, pointers, the stream, the compile cache), check
+tensors, build launch arguments and pick between kernels; this dispatch imports the host
+modules; :mod:`.compile_check` imports kernels and host code, and nothing imports it.
 
 Kernels are compiled on first use and cached in-process (``launch.run_typed``) and on disk
 (:mod:`.disk_cache`: a second process loads instead of compiling; ``FLASH_MSA_CACHE=0`` off)

@@ -3,9 +3,8 @@ mode of the forward partials' kernel (:class:`~.fwd_partials_sm90.FwdPartialsSm9
 
 The CuTe forward's ``kl`` stage (``forward.kl``, ``cute.forward.forward_stages``;
 tests/ops/test_kl.py on the H200). The KL stage alone, H200: 1.11 / 2.03 / 4.98 / 17.5 ms at
-anchor 16K / 32K, paper 32K / 128K, against 2.17 / 3.66 / 12.11 / 43.75 for the fused
-backward's kernel in a KL mode and 3.56 / 7.29 / 18.48 / 73.96 for Triton's stage; sums equal
-to 6e-7 relative. The calls this kernel cannot run (a query map, D != Dp) take Triton's stage
+anchor 16K / 32K, paper 32K / 128K, against 3.56 / 7.29 / 18.48 / 73.96 for Triton's stage;
+sums equal to 6e-7 relative. The calls this kernel cannot run (a query map, D != Dp) take Triton's stage
 (``forward.kl_fits``).
 """
 
