@@ -705,10 +705,12 @@ class BwdSm90:
             tok = sRowI[row, 0, b]
             lse2 = sRowF[row, 0, b]
             delta = sRowF[row, 1, b]
+            # the row sees the keys before min(ke, its token + 1) (a pad row's token -1: none):
+            # one bound per row, one compare per key
+            lim = cutlass.min(ke, tok + 1)
             for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
-                kpos = ks + cS[i, j][0]
                 pv = cute.math.exp2(S_rc[i, j] * scale_log2 - lse2, fastmath=True)
-                if kpos >= ke or kpos > tok:
+                if ks + cS[i, j][0] >= lim:
                     pv = Float32(0.0)
                 S_rc[i, j] = pv
                 if cutlass.const_expr(self.main):
@@ -949,11 +951,11 @@ class BwdSm90:
             tl = cS[0, j][1]
             tok = sRowI[tl, 0, b]
             plse2 = sRowF[tl, 0, b]
+            lim = cutlass.min(ke, tok + 1)  # (one bound per row: probs_and_ds)
             for i in cutlass.range_constexpr(cute.size(S_rc, mode=[0])):
                 key = cS[i, j][0]
-                kpos = ks + key
                 d = Float32(0.0)
-                if kpos < ke and kpos <= tok:
+                if ks + key < lim:
                     lp2 = S_rc[i, j] * pscale_log2 - plse2
                     if cutlass.const_expr(self.proxy):
                         pr = cute.math.exp2(lp2, fastmath=True)

@@ -423,10 +423,10 @@ class FwdKlSm90(FwdPartialsSm90):
             lse2 = Float32(Float32.inf)  # a pad row: P = 0
             if e < e1:
                 lse2 = mLSE[t * H + p * G + row % G] * Float32(LOG2E)
+            lim = cutlass.min(ke, Int32(t) + 1)  # (one 32-bit bound per row, as the partials')
             for j in cutlass.range_constexpr(cute.size(S_rc, mode=[1])):
-                kpos = ks + cS[i, j][1]
                 pv = cute.math.exp2(S_rc[i, j] * scale_log2 - lse2, fastmath=True)
-                if kpos >= ke or kpos > t:
+                if ks + cS[i, j][1] >= lim:
                     pv = Float32(0.0)
                 S_rc[i, j] = pv
         # 2. each token's sum over its G heads: vals[row][slot][v0], slot = 8-column group
