@@ -171,10 +171,11 @@ def spawn_script(script: str, args, **env) -> subprocess.Popen:
     )
 
 
-def script_result(p: subprocess.Popen, timeout: float) -> dict:
+def script_result(p: subprocess.Popen) -> dict:
     """The JSON object on the last line of a :func:`spawn_script` process's output (it must
-    exit 0)."""
-    out, err = p.communicate(timeout=timeout)
+    exit 0). No time limit of its own: a slow machine's child is not a failure (CI's limit
+    applies to a hung one)."""
+    out, err = p.communicate()
     assert p.returncode == 0, err[-4000:]
     return json.loads(out.strip().splitlines()[-1])
 

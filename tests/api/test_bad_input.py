@@ -401,7 +401,7 @@ def test_bad_metadata_under_memcheck(backend):
         # (API errors off: the DSL's driver probes return CUDA_ERROR_INVALID_VALUE by design)
         [_tool(), "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "3",
          sys.executable, "-c", _CHILD],
-        capture_output=True, text=True, env=env, timeout=900, cwd=ROOT,
+        capture_output=True, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     log = run.stdout + run.stderr
     print(log)

@@ -96,7 +96,7 @@ def _spawn(cache_dir) -> subprocess.Popen:
 
 
 def _result(p: subprocess.Popen) -> dict:
-    return script_result(p, timeout=300)
+    return script_result(p)
 
 
 def test_second_process_loads_instead_of_compiling(tmp_path):

@@ -91,7 +91,6 @@ def test_long_retrieval_tiny_run(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())

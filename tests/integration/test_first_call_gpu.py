@@ -107,7 +107,7 @@ def _spawn(tmp_path, S=SEQLEN, **env) -> subprocess.Popen:
 
 
 def _result(p: subprocess.Popen) -> dict:
-    return script_result(p, timeout=900)
+    return script_result(p)
 
 
 def _triton_entries(tmp_path) -> set:

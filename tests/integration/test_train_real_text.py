@@ -37,7 +37,6 @@ def _run(script, *args):
         [sys.executable, str(script), *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=300,
         env=env,
     )
     assert res.returncode == 0, res.stderr[-4000:]
