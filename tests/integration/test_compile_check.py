@@ -22,6 +22,10 @@ triton = pytest.importorskip("triton")
 RECORD = os.path.join(
     os.path.dirname(__file__), "..", "..", "src", "flash_msa", "triton_ref", "compile_record.json"
 )
+# The CuTe check's record of the same kind (flash_msa.cute.compile_check: its content keys)
+CUTE_RECORD = os.path.join(
+    os.path.dirname(__file__), "..", "..", "src", "flash_msa", "cute", "compile_record.json"
+)
 
 
 def _compile_check(*args):
@@ -103,14 +107,17 @@ def test_cute_kernels_compile_for_sm90_without_spills():
     forward partials with the proxy LSE and the query map, the KL kernel, backward, combine,
     the fp8 quantize pass, the row delta, the work list) compiles without spills; all but the
     memory-bound ones (no MMA) use wgmma and TMA. Results of unchanged kernels come from the
-    check's content cache (in the pytest run's cache directory, tests/conftest.py); no time limit
-    of its own (CI's limit applies)."""
+    check's content cache (in the pytest run's cache directory, tests/conftest.py), seeded with
+    the committed record (``--cached``; ``--verify`` compiles the first configuration of each
+    family and fails where the record disagrees); no time limit of its own (CI's limit applies)."""
     pytest.importorskip("cutlass")
     from flash_msa.cute import compile_check
 
     expected = {name for name, *_ in compile_check.checks()}
+    jobs = str(os.cpu_count() or 1)
     res = subprocess.run(
-        [sys.executable, "-m", "flash_msa.cute.compile_check", "--jobs", str(os.cpu_count() or 1)],
+        [sys.executable, "-m", "flash_msa.cute.compile_check", "--jobs", jobs, "--cached",
+         CUTE_RECORD, "--verify"],
         capture_output=True, text=True,
     )  # fmt: skip
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
@@ -627,3 +634,33 @@ def test_cute_compile_check_keeps_results_by_content(tmp_path, monkeypatch):
     assert len(compiled) == 3 and (tmp_path / "c.cubin").is_file()
     monkeypatch.setenv("FLASH_MSA_CACHE", "0")
     assert compile_check.compile_combine(*cfg) == first and len(compiled) == 4
+
+
+def test_cute_compile_record_is_checked_against_fresh_compiles(tmp_path):
+    """The CuTe check's record (``--record`` writes this run's results by content key,
+    ``--cached`` seeds the content cache with them): a configuration whose recorded result
+    differs from a fresh compile fails ``--verify`` with exit status 4, naming it."""
+    pytest.importorskip("cutlass")
+    record = tmp_path / "record.json"
+    only = "worklist list_bounds"
+
+    def check(cache, *args):
+        env = dict(os.environ, FLASH_MSA_CACHE_DIR=str(tmp_path / cache))
+        cmd = [sys.executable, "-m", "flash_msa.cute.compile_check", only, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+    res = check("a", "--record", str(record))
+    assert res.returncode == 0, res.stderr
+    entries = json.loads(record.read_text())["entries"]
+    assert len(entries) == 1, entries
+    assert check("b", "--cached", str(record), "--verify").returncode == 0
+    for res_ in entries.values():
+        res_["reg"] += 1  # a record that lies
+    record.write_text(json.dumps(dict(entries=entries)))
+    res = check("c", "--cached", str(record), "--verify")
+    assert res.returncode == 4 and only in res.stderr, res.stderr
+    # without --verify the seeded (wrong) entry is what the report shows: the record is trusted
+    # as the cache is, and CI runs with --verify
+    res = check("d", "--cached", str(record))
+    assert json.loads(res.stdout.splitlines()[-1])["reg"] == list(entries.values())[0]["reg"]
+
