@@ -221,7 +221,7 @@ def test_cute_pointer_launch_layouts_make_different_kernels():
     for module, kernel, tensors, launcher in _specimens():
         base, _ = launcher(kernel, tensors)
         names = module.launch_tensor_names(kernel)
-        assert len(names) == len(tensors)
+        assert len(names) == len(tensors) == kernel.tensor_count, module.__name__
         k = names.index("k_proxy")
         T, dim, heads = tensors[k].shape
         assert heads == 1  # (the specimens' proxy key heads, Hpk = 1)

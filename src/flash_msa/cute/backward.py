@@ -332,7 +332,7 @@ def launch_items(kernel, inputs, scalars, wl, outs, tok0=0, w0=0, w1=None):
 
 
 # the launch's tensors, in the order of BwdSm90.views and __call__'s pointers (+ "q_map" last
-# for a qmap kernel); BwdSm90.TENSORS counts them
+# for a qmap kernel); BwdSm90.tensor_count counts them
 LAUNCH_TENSORS = (
     "q", "dout", "k", "v", "lse", "delta", "q_proxy", "k_proxy", "proxy_lse",
     "perm", "item_list", "item_start", "item_end", "block_start", "block_end",

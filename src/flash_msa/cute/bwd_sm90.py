@@ -122,7 +122,6 @@ class BwdSm90:
     # ``()`` for a configuration not yet bound to a launch's tensors (it cannot be compiled)
     views: tuple = ()
 
-    TENSORS: ClassVar[int] = 20  # tensors of a launch (``backward.LAUNCH_TENSORS``), + q_map
     ROWS: ClassVar[int] = 64  # rows per chunk: the MMAs' N (phase A) / tokens per chunk (B)
     THREADS: ClassVar[int] = 128  # threads per warpgroup
     KEYS: ClassVar[int] = 64  # keys per warpgroup (its M)
@@ -136,6 +135,12 @@ class BwdSm90:
     # -----------------------------------------------------------------------------------------
     # static limits
     # -----------------------------------------------------------------------------------------
+    @property
+    def tensor_count(self) -> int:
+        """How many tensors a launch passes (``backward.launch_tensor_names``): the 20 of
+        ``backward.LAUNCH_TENSORS``, then the query map (:attr:`qmap`)."""
+        return 20 + self.qmap
+
     @classmethod
     def shared_bytes(
         cls,
@@ -299,7 +304,7 @@ class BwdSm90:
         query rows, the key-indexed ones the keys' ``T``). The scales: softmax scale, its * log2 e,
         proxy scale * log2 e, coef * proxy scale (coef = 1 / (Hs T)); ``NB`` the block count;
         ``tok0`` the first token of the work list's chunk (deterministic)."""
-        assert len(self.views) == self.TENSORS + self.qmap, "views of every tensor"
+        assert len(self.views) == self.tensor_count, "views of every tensor"
         t = pointer_tensors(tensors, self.views)
         mQ, mDO, mK, mV, mLSE, mDelta, mQp, mKp, mPLSE = t[:9]
         work = WorkItems(*t[9:15])

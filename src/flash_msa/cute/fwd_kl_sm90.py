@@ -88,6 +88,12 @@ class FwdKlSm90(FwdPartialsSm90):
     warpgroups: int = 2  # 3 exceeds the shared memory at D = Dp = 128, block 128
     proxy: bool = True  # the KL needs the proxy part's inputs (always True here)
 
+    @property
+    def tensor_count(self) -> int:
+        """How many tensors a launch passes (``forward.launch_tensor_names``): q, k, the work
+        list's six, lse, q_proxy, k_proxy, proxy_lse, sums."""
+        return 13
+
     # -----------------------------------------------------------------------------------------
     # static limits
     # -----------------------------------------------------------------------------------------
@@ -181,7 +187,7 @@ class FwdKlSm90(FwdPartialsSm90):
         ``mQp (T*Hs, Dp)``, ``mKp`` the ``(T, Dp, Hpk)`` view of k_proxy, ``mPLSE (T*Hs,)``
         the final proxy LSEs (natural log), ``mSum (W,)`` fp32: each item's KL sum (every CTA
         writes its own, 0 for an empty item)."""
-        assert len(self.views) == 13, "views of every tensor"  # (the 13 unpacked below)
+        assert len(self.views) == self.tensor_count, "views of every tensor"
         t = pointer_tensors(tensors, self.views)
         mQ, mK = t[:2]
         work = WorkItems(*t[2:8])

@@ -197,6 +197,13 @@ class FwdPartialsSm90:
     THREADS: ClassVar[int] = 128  # threads per warpgroup
     Q_BUFFERS: ClassVar[int] = 2  # per warpgroup: the next chunk's gather lands in the other
 
+    @property
+    def tensor_count(self) -> int:
+        """How many tensors a launch passes (``forward.launch_tensor_names``): q, k, v, the
+        work list's six, o_part, l_part, then q_map (:attr:`qmap`) and q_proxy, k_proxy,
+        pl_part (:attr:`proxy`)."""
+        return 11 + self.qmap + 3 * self.proxy
+
     # -----------------------------------------------------------------------------------------
     # static limits
     # -----------------------------------------------------------------------------------------
@@ -305,7 +312,7 @@ class FwdPartialsSm90:
         With :attr:`qmap` ``work`` is a :class:`MappedWorkItems` (the list and its query map
         ``(Tq,)`` int32; ``T`` of ``mQ`` and ``tok0`` then count query rows, ``mK``, ``mV``
         keep the keys' ``T``), else a ``WorkItems``."""
-        assert len(self.views) == 11 + self.qmap + 3 * self.proxy, "views of every tensor"
+        assert len(self.views) == self.tensor_count, "views of every tensor"
         t = pointer_tensors(tensors, self.views)
         mQ, mK, mV = t[:3]
         mO, mL = t[9:11]
